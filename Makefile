@@ -1,0 +1,35 @@
+# Every target sets up .venv itself (pinned versions from constraints.txt), so a fresh clone needs nothing else.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DATA   ?= data/stdlib
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first, pinned: an unpinned torch would pull several GB of CUDA packages on a CPU machine.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+$(DATA)/manifest.json: | $(STAMP)
+	$(VENV)/bin/raytrain data prepare --output $(DATA) --max-bytes 8000000
+
+demo: $(STAMP) $(DATA)/manifest.json
+	$(VENV)/bin/raytrain train examples/tiny-dense.yaml --set data.path=$(DATA)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP) $(DATA)/manifest.json
+	$(PY) bench/run.py --data $(DATA)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs bench/_work .pytest_cache

@@ -1,0 +1,98 @@
+"""The `raytrain` command line. Every subcommand also works as a `ray job submit -- raytrain ...` entry.
+
+Usage errors (bad config, missing files) print one line naming the field and the fix, and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainers._base import ConfigError, NonFiniteLossError
+from trainers.config import load_config
+
+__all__ = ["main"]
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from trainers.config import check_inputs
+    from trainers.launch import run_local
+
+    cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg)  # fail before anything starts
+    result = run_local(cfg, progress=not args.no_progress)
+    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+    print(f"done: step {result.step}, val_loss {val}; results in {result.run_dir}")
+    return 0
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from trainers.data.prepare import default_corpus, prepare_corpus
+
+    inputs = [Path(p) for p in args.input] if args.input else default_corpus()
+    manifest = prepare_corpus(
+        inputs,
+        Path(args.output),
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        include=args.include,
+        max_bytes=args.max_bytes,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    splits = manifest["splits"]
+    print(
+        f"wrote {args.output}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, "
+        f"vocab {manifest['tokenizer']['vocab_size']}, unigram entropy {manifest['unigram_entropy_nats']:.3f} nats"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain", description="Sharded, elastic LM training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train one run from a run YAML", description=_cmd_train.__doc__)
+    train.add_argument("config", help="run YAML (see examples/)")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)",
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_cmd_train)
+
+    data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
+    prep = data.add_parser("prepare", help="text files or folders to token shards (Parquet + manifest)")
+    prep.add_argument("--input", nargs="+", help="files or folders (default: the Python standard library)")
+    prep.add_argument("--output", required=True, help="folder to write (manifest.json + shards)")
+    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="bpe vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--include", default="*.py,*.txt,*.md,*.rst", help="comma-separated file globs")
+    prep.add_argument("--max-bytes", type=int, default=None, help="stop after this much text")
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--no-progress", action="store_true")
+    prep.set_defaults(func=_cmd_data_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"raytrain: error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"raytrain: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""A run is one YAML file validated into these typed models.
+
+Each component owns its section (model, data, ...); cross-field checks live in `RunConfig._check`;
+checks that touch the file system live in `check_inputs`. Every failure is a `ConfigError` with one
+line that names the key path and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from trainers._base import ConfigError, StrictModel
+from trainers.data.config import DataConfig
+from trainers.models.config import ModelConfig, MoEConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "check_inputs",
+    "load_config",
+    "parse_config",
+]
+
+
+class OptimizerConfig(StrictModel):
+    name: Literal["sgd", "adagrad", "rmsprop", "adam", "adamw"] = "adamw"
+    lr: PositiveFloat = 3e-4
+    weight_decay: float = Field(0.0, ge=0)  # never applied to norms, biases or embeddings
+    betas: tuple[float, float] = (0.9, 0.95)  # adam, adamw
+    eps: PositiveFloat = 1e-8
+    momentum: float = Field(0.0, ge=0)  # sgd, rmsprop
+    nesterov: bool = False  # sgd (needs momentum > 0)
+    alpha: float = Field(0.99, gt=0, lt=1)  # rmsprop smoothing
+    grad_clip: PositiveFloat | None = 1.0  # max global grad norm; None = no clipping
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
+            raise ValueError("nesterov needs name=sgd and momentum > 0; fix: set momentum or nesterov=false")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must lie in [0, 1); fix: e.g. [0.9, 0.95]")
+        return self
+
+
+class ScheduleConfig(StrictModel):
+    name: Literal["constant", "warmup_cosine", "warmup_linear", "inverse_sqrt", "exponential", "step"] = (
+        "warmup_cosine"
+    )
+    warmup_steps: NonNegativeInt = 0  # linear warmup from 0 (all schedules but constant/exponential/step)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # floor of cosine/linear decay, as a fraction of lr
+    decay_steps: PositiveInt | None = None  # cosine/linear: None = train.steps - warmup_steps
+    gamma: float = Field(0.5, gt=0, le=1)  # exponential (per step_size steps) and step
+    step_size: PositiveInt = 100  # exponential and step
+
+
+class PrecisionConfig(StrictModel):
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, fp32 master weights
+    init_scale: PositiveFloat = 2.0**16  # fp16 dynamic loss scaling
+    growth_interval: PositiveInt = 2000
+
+
+class MemoryConfig(StrictModel):
+    # off | every (each block) | k (every k-th block) - recompute block activations in backward
+    activation_checkpointing: Literal["off", "every"] | PositiveInt = "off"
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _yaml_words(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False and `on` as True.
+        if v is False or v is None or v == 0:
+            return "off"
+        if v is True or v == 1:
+            return "every"
+        return v
+
+    @property
+    def ac_every(self) -> int:
+        """0 = off, else checkpoint blocks whose index is a multiple of this (block 0, k, 2k, ...)."""
+        ac = self.activation_checkpointing
+        return 0 if ac == "off" else 1 if ac == "every" else int(ac)
+
+
+class ParallelConfig(StrictModel):
+    engine: Literal["none"] = "none"  # single process; sharded engines arrive with the layout object
+
+
+class TrainConfig(StrictModel):
+    steps: PositiveInt = 100  # optimizer steps
+    global_batch_size: PositiveInt = 8  # samples per optimizer step, the same at any world size
+    micro_batch_size: PositiveInt = 8  # samples per forward/backward on one rank
+    eval_every: NonNegativeInt = 50  # 0 = only at the end
+    eval_batches: PositiveInt = 8
+    log_every: PositiveInt = 10  # progress line / bar refresh
+    max_bad_steps: PositiveInt = 3  # consecutive NaN/inf losses tolerated (skipped) before stopping
+    peak_tflops: PositiveFloat = 1.0  # per device, for MFU (e.g. 989 for H100 bf16 dense)
+    tensorboard: bool = True
+
+    def accumulation(self, dp: int) -> int:
+        """Micro-batches per rank per step so that micro x accumulation x dp == global batch."""
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size} x data-parallel size {dp}; fix: use a "
+                f"global batch that is a multiple of {per_step} or a micro_batch_size dividing "
+                f"{self.global_batch_size // dp if self.global_batch_size % dp == 0 else 'it'}"
+            )
+        return self.global_batch_size // per_step
+
+
+class CheckpointConfig(StrictModel):
+    every: NonNegativeInt = 0  # save every N steps (0 = only at the end)
+    keep: PositiveInt = 3  # newest complete checkpoints kept on disk
+    resume: str = "auto"  # auto (latest in run_dir, if any) | none | a checkpoint directory
+
+
+class RunConfig(StrictModel):
+    name: str = "run"
+    seed: int = 0
+    run_dir: Path | None = None  # None = runs/<name>
+    model: ModelConfig = ModelConfig()
+    data: DataConfig
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    memory: MemoryConfig = MemoryConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        """Cross-section checks, all in one place."""
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                f"fix: raise model.max_seq_len or lower data.seq_len"
+            )
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            self.train.accumulation(1)  # raises with the numbers
+        if self.schedule.warmup_steps >= self.train.steps and self.schedule.name != "constant":
+            raise ValueError(
+                f"schedule.warmup_steps={self.schedule.warmup_steps} >= train.steps={self.train.steps}; "
+                f"fix: shorten the warmup"
+            )
+        return self
+
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir if self.run_dir is not None else Path("runs") / self.name
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a run YAML, apply `a.b=c` overrides, validate. Raises ConfigError (one line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; fix: pass the path of a run YAML")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...)")
+    raw = apply_overrides(raw, overrides)
+    return parse_config(raw)
+
+
+def parse_config(raw: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, RunConfig)) from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`--set optimizer.lr=1e-3` -> raw['optimizer']['lr'] = 0.001 (values parsed as YAML)."""
+    out = json.loads(json.dumps(raw, default=str))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE; fix: e.g. --set optimizer.lr=1e-3")
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {key}: {p} is not a section; fix: check the key path")
+            node = nxt
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def _one_line(err: ValidationError, root: type[BaseModel]) -> str:
+    e = err.errors()[0]
+    loc = [str(p) for p in e["loc"] if not isinstance(p, int)]
+    path = ".".join(loc) or "<root>"
+    if e["type"] == "extra_forbidden":
+        valid = _fields_at(root, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        hint = f"did you mean '{'.'.join(loc[:-1] + close)}'?" if close else f"valid keys: {', '.join(valid)}"
+        return f"unknown key '{path}'; fix: {hint}"
+    if e["type"] == "missing":
+        return f"missing key '{path}'; fix: add it to the YAML or pass --set {path}=..."
+    msg = e["msg"].removeprefix("Value error, ")
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if e["type"] == "value_error":  # our validators: "key=value ...; fix: ..."
+        m = re.match(r"([A-Za-z_][\w.]*)=", msg)
+        if m and "." not in m.group(1) and loc:
+            msg = f"{path}.{msg}"
+        return msg + more
+    got = f"={e['input']!r}" if "input" in e and not isinstance(e["input"], dict) else ""
+    return f"{path}{got}: {msg}; fix: change {path} in the YAML or pass --set {path}=...{more}"
+
+
+def _fields_at(root: type[BaseModel], loc: list[str]) -> list[str]:
+    """Valid keys of the (possibly optional) sub-model found at `loc` under `root`."""
+    model: Any = root
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        model = _model_type(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _model_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_type(arg)
+        if found is not None:
+            return found
+    return None
+
+
+# ------------------------------------------------------------------------------------ file-system checks
+
+
+def check_inputs(cfg: RunConfig) -> dict[str, Any]:
+    """Checks that need the disk, done before any worker starts. Returns the data manifest."""
+    manifest_path = Path(cfg.data.path) / "manifest.json"
+    if not manifest_path.is_file():
+        raise ConfigError(
+            f"data.path={cfg.data.path}: no manifest.json there; fix: run `raytrain data prepare "
+            f"--input TEXT_DIR --output {cfg.data.path}` or correct data.path"
+        )
+    manifest = json.loads(manifest_path.read_text())
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
+            f"fix: --set model.vocab_size={vocab}"
+        )
+    for split in ("train", "val"):
+        n = int(manifest["splits"][split]["tokens"])
+        if n < cfg.data.seq_len + 1:
+            raise ConfigError(
+                f"data.path={cfg.data.path}: the {split} split holds {n} tokens, fewer than one window of "
+                f"data.seq_len+1={cfg.data.seq_len + 1}; fix: add text or lower data.seq_len"
+            )
+    return manifest

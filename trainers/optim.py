@@ -1,0 +1,101 @@
+"""Optimizers and learning-rate schedules, built from torch and the run config.
+
+The schedule is a closed-form factor of the step (torch's LambdaLR), and the base learning rate and
+other hyperparameters are re-applied from the config after a restore: population-based training
+changes them between segments of a run, and the change must take effect on the restored optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainers.config import OptimizerConfig, ScheduleConfig
+
+__all__ = ["apply_hparams", "build_optimizer", "build_scheduler", "lr_factor", "param_groups"]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: never on norms, biases or embeddings (GPT-2/Llama practice)."""
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:  # tied weights appear once
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 or id(p) in embedding_params else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "decay": True},
+        {"params": no_decay, "weight_decay": 0.0, "decay": False},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
+    if cfg.name == "sgd":
+        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    elif cfg.name == "adagrad":
+        opt = torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.eps)
+    elif cfg.name == "rmsprop":
+        opt = torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.alpha, eps=cfg.eps, momentum=cfg.momentum)
+    elif cfg.name == "adam":
+        # torch's Adam folds weight decay into the gradient (L2), unlike AdamW's decoupled decay.
+        opt = torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    apply_hparams(opt, cfg)
+    return opt
+
+
+_HPARAM_KEYS = {
+    "sgd": ("momentum", "nesterov"),
+    "adagrad": ("eps",),
+    "rmsprop": ("alpha", "eps", "momentum"),
+    "adam": ("betas", "eps"),
+    "adamw": ("betas", "eps"),
+}
+
+
+def apply_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
+    """Write the config's hyperparameters into every param group (after a restore, too)."""
+    for group in opt.param_groups:
+        group["initial_lr"] = cfg.lr  # the schedule multiplies this
+        group["lr"] = cfg.lr
+        group["weight_decay"] = cfg.weight_decay if group.get("decay", True) else 0.0
+        for key in _HPARAM_KEYS[cfg.name]:
+            group[key] = getattr(cfg, key)
+
+
+def lr_factor(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
+    w = cfg.warmup_steps
+    if cfg.name == "constant":
+        return 1.0
+    if cfg.name == "exponential":
+        return cfg.gamma ** (step / cfg.step_size)
+    if cfg.name == "step":
+        return cfg.gamma ** (step // cfg.step_size)
+    if step < w:
+        return (step + 1) / w
+    if cfg.name == "inverse_sqrt":
+        return math.sqrt(max(w, 1) / (step + 1)) if step + 1 > max(w, 1) else 1.0
+    decay = cfg.decay_steps or max(total_steps - w, 1)
+    progress = min((step - w) / decay, 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.name == "warmup_cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int, start_step: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR positioned at `start_step`: its state is the step, so nothing else is saved."""
+    fn: Callable[[int], float] = lambda s: lr_factor(s, cfg, total_steps)  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, fn, last_epoch=start_step - 1 if start_step else -1)
+    if start_step:  # LambdaLR with last_epoch >= 0 does not set lr itself
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * fn(start_step)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    return sched

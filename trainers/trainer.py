@@ -1,0 +1,277 @@
+"""The training loop: global batch = micro-batch x accumulation x data-parallel size.
+
+The Trainer builds its parts from a RunConfig, restores the newest complete checkpoint (or a given one),
+then runs steps until `train.steps`. Everything a step depends on is a function of the step number and
+the restored state (data position, learning rate, RNG), so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainers._base import NonFiniteLossError
+from trainers.checkpoint import Checkpointer, ModelOptimizerState, is_complete
+from trainers.config import ConfigError, RunConfig, check_inputs
+from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
+from trainers.metrics import MetricsLog, peak_memory_bytes
+from trainers.models import build_model, flops_per_token, moe_stats, set_aux_grad_scale
+from trainers.optim import apply_hparams, build_optimizer, build_scheduler
+from trainers.parallel.ac import apply_activation_checkpointing
+from trainers.parallel.engine import Engine, LocalEngine
+from trainers.precision import Precision
+
+__all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback"]
+
+
+class TrainerCallback:
+    """User hooks; every method is a no-op by default."""
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
+    def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
+    def after_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine: Engine | None = None,
+        callbacks: list[TrainerCallback] | tuple = (),
+        progress: bool = True,
+    ):
+        self.cfg, self.callbacks, self.progress = cfg, list(callbacks), progress
+        self.engine = engine or LocalEngine()
+        self.device = self.engine.device
+        self.run_dir = cfg.out_dir
+        self.manifest = check_inputs(cfg)
+        self.accum = cfg.train.accumulation(self.engine.dp_size)
+        self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len)
+        self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len)
+        self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.precision = Precision(cfg.precision, self.device)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep)
+        self.log = MetricsLog(self.run_dir, enabled=self.engine.is_main, tensorboard=cfg.train.tensorboard)
+        self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
+        self._restore()
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, self.step)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+
+    # ------------------------------------------------------------------------------------------ build
+
+    def _build_model(self) -> torch.nn.Module:
+        # Same seed, same init, whatever the world size; parallelism is applied from outside, in order:
+        # activation checkpointing, then the engine's sharding.
+        torch.manual_seed(self.cfg.seed)
+        model = build_model(self.cfg.model)
+        apply_activation_checkpointing(model, self.cfg.memory.ac_every)
+        return self.engine.wrap(model)
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return self.checkpointer.latest()
+        path = Path(resume)
+        if not is_complete(path):
+            raise ConfigError(
+                f"checkpoint.resume={resume} is not a complete checkpoint; fix: point it at a step_XXXXXXXX "
+                f"folder with a COMMITTED file, or use auto/none"
+            )
+        return path
+
+    def _restore(self) -> None:
+        path = self._resume_path()
+        if path is None:
+            self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
+            return
+        state = {"app": ModelOptimizerState(self.model, self.optimizer)}
+        trainer_state, rng = self.checkpointer.load(path, state)
+        apply_hparams(self.optimizer, self.cfg.optimizer)  # hyperparameters may differ from the saved run
+        self.step = int(trainer_state["step"])
+        self.bad_steps = int(trainer_state.get("bad_steps", 0))
+        self.precision.load_state_dict(trainer_state.get("scaler", {}))
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+        self.last_checkpoint = path
+        self.log.resume_from(self.step)
+        self._emit(
+            "event",
+            event="resume",
+            checkpoint=str(path),
+            world_size=self.engine.world_size,
+            saved_world_size=trainer_state.get("world_size"),
+        )
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    def fit(self) -> FitResult:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.engine.is_main:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        bar = self._progress_bar()
+        train_loss = val_loss = None
+        try:
+            while self.step < cfg.train.steps:
+                record = self.train_step()
+                train_loss = record["loss"] if math.isfinite(record["loss"]) else train_loss
+                done = self.step == cfg.train.steps
+                if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
+                    val_loss = self.evaluate()
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
+                    self.save()
+                if bar is not None:
+                    bar.update(1)
+                    if self.step % cfg.train.log_every == 0 or done:
+                        bar.set_postfix(
+                            loss=f"{record['loss']:.3f}",
+                            val=val_loss and f"{val_loss:.3f}",
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                            lr=f"{record['lr']:.2e}",
+                        )
+        finally:
+            if bar is not None:
+                bar.close()
+            self.log.close()
+        return FitResult(self.run_dir, self.step, train_loss, val_loss, self.last_checkpoint)
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, step = self.cfg, self.step
+        t0 = time.perf_counter()
+        batch = cfg.train.global_batch_size
+        sample_ids = self.sampler.window_ids(step * batch, batch)  # global batch t = samples [tB, (t+1)B)
+        micro_batches = np.split(
+            shard_for_rank(sample_ids, self.engine.dp_rank, self.engine.dp_size), self.accum
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        set_aux_grad_scale(self.model, self.precision.loss_scale / self.accum)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, ids in enumerate(micro_batches):
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.train_data.get(ids))
+            with self.engine.no_sync(self.model, i == self.accum - 1), self.precision.autocast():
+                logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            self.precision.backward(loss / self.accum)
+            loss_sum += loss.detach()
+        loss_value = float(self.engine.reduce_mean(loss_sum / self.accum))
+        grad_norm = math.nan
+        if math.isfinite(loss_value):
+            grad_norm = self.precision.clip(self.optimizer, self.model.parameters(), cfg.optimizer.grad_clip)
+        # fp16: an overflowing gradient is the loss scaler's business (it skips the step itself).
+        ok = math.isfinite(loss_value) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.precision.step(self.optimizer)
+            self.bad_steps = 0
+        else:
+            self._bad_step(loss_value)
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        tokens_per_s = batch * cfg.data.seq_len / dt
+        record = dict(
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=dt,
+            tokens_per_s=tokens_per_s,
+            mfu=self.flops_per_token * tokens_per_s / (cfg.train.peak_tflops * 1e12 * self.engine.world_size),
+            peak_mem_bytes=peak_memory_bytes(self.device),
+            samples=self.step * batch,
+            world_size=self.engine.world_size,
+            skipped=not ok,
+        )
+        if self.precision.scaler is not None:
+            record["loss_scale"] = self.precision.loss_scale
+        record.update(moe_stats(self.model))
+        self._emit("train", **record)
+        for cb in self.callbacks:
+            cb.after_step(self, record)
+        return record
+
+    def _bad_step(self, loss_value: float) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bad_steps += 1
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            keep = self.last_checkpoint or "none saved yet"
+            raise NonFiniteLossError(
+                f"loss is {loss_value} for {self.bad_steps} steps in a row (train.max_bad_steps="
+                f"{self.cfg.train.max_bad_steps}) at step {self.step + 1}; fix: lower optimizer.lr, set "
+                f"optimizer.grad_clip, or use precision.dtype=bf16; last good checkpoint: {keep}"
+            )
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        cfg = self.cfg
+        count = min(
+            cfg.train.eval_batches * cfg.train.micro_batch_size * self.engine.dp_size,
+            self.val_data.num_windows // self.engine.dp_size * self.engine.dp_size,
+        )
+        ids = shard_for_rank(
+            eval_window_ids(self.val_data.num_windows, count), self.engine.dp_rank, self.engine.dp_size
+        )
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        chunks = np.array_split(ids, max(len(ids) // cfg.train.micro_batch_size, 1))
+        for chunk in chunks:
+            inputs, targets = (t.to(self.device) for t in self.val_data.get(chunk))
+            with self.precision.autocast():
+                logits = self.model(inputs)
+            total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * len(chunk)
+        self.model.train()
+        val_loss = float(self.engine.reduce_mean(total / len(ids)))
+        record = {"val_loss": val_loss}
+        self._emit("eval", **record)
+        for cb in self.callbacks:
+            cb.after_eval(self, record)
+        return val_loss
+
+    def save(self) -> Path:
+        trainer_state = {
+            "step": self.step,
+            "samples": self.step * self.cfg.train.global_batch_size,
+            "bad_steps": self.bad_steps,
+            "scaler": self.precision.state_dict(),
+            "world_size": self.engine.world_size,
+        }
+        state = {"app": ModelOptimizerState(self.model, self.optimizer)}
+        path = self.checkpointer.save(self.step, state, trainer_state, rng={"torch": torch.get_rng_state()})
+        self.last_checkpoint = path
+        self._emit("event", event="checkpoint", path=str(path))
+        for cb in self.callbacks:
+            cb.after_checkpoint(self, path)
+        return path
+
+    # ---------------------------------------------------------------------------------------- helpers
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        self.log.write({"kind": kind, "step": self.step, "time": time.time(), **fields})
+
+    def _progress_bar(self):
+        if not (self.progress and self.engine.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=self.cfg.train.steps, initial=self.step, desc=self.cfg.name, unit="step", dynamic_ncols=True
+        )
