@@ -38,7 +38,10 @@ def test_every_optimizer_reduces_a_quadratic(name):
     torch.manual_seed(0)
     net = nn.Linear(4, 1)
     cfg = OptimizerConfig(
-        name=name, lr=0.05, momentum=0.9 if name in ("sgd", "rmsprop") else 0.0, nesterov=name == "sgd"
+        name=name,
+        lr=0.3 if name == "adagrad" else 0.05,
+        momentum=0.9 if name in ("sgd", "rmsprop") else 0.0,
+        nesterov=name == "sgd",
     )
     opt = build_optimizer(net, cfg)
     x = torch.randn(64, 4)
