@@ -1,0 +1,74 @@
+"""Shared fixtures: a small prepared corpus, run-config factories, and leak guards."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch._dynamo  # noqa: F401  (sets TORCHINDUCTOR_CACHE_DIR on first import: do it before the leak guard)
+
+from trainers.config import RunConfig, parse_config
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """~300 kB of the standard library's own source, byte-tokenized (prepared once per session)."""
+    from trainers.data.prepare import prepare_corpus
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in ("argparse.py", "textwrap.py", "difflib.py", "heapq.py", "bisect.py")]
+    out = tmp_path_factory.mktemp("corpus") / "stdlib"
+    prepare_corpus(files, out, tokenizer="byte", val_fraction=0.2, progress=False)
+    return out
+
+
+def tiny_raw(corpus: Path, run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A 2-block model small enough that a step takes milliseconds on CPU."""
+    raw: dict[str, Any] = {
+        "name": "t",
+        "seed": 0,
+        "run_dir": str(run_dir),
+        "model": {"vocab_size": 257, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32},
+        "data": {"path": str(corpus), "seq_len": 32},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
+        "schedule": {"name": "warmup_cosine", "warmup_steps": 5},
+        "train": {
+            "steps": 40,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "eval_every": 10,
+            "eval_batches": 2,
+            "tensorboard": False,
+        },
+        "checkpoint": {"every": 10, "keep": 3},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+@pytest.fixture
+def tiny_config(corpus_dir, tmp_path):
+    def make(run: str = "run", **sections: dict[str, Any]) -> RunConfig:
+        return parse_config(tiny_raw(corpus_dir, tmp_path / run, **sections))
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """A test must not leave env vars or a default process group behind."""
+    before = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    leaked_pg = dist.is_available() and dist.is_initialized()
+    if leaked_pg:
+        dist.destroy_process_group()
+    changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+    changed -= {"PYTEST_CURRENT_TEST"}
+    assert not leaked_pg, "test left a torch.distributed process group initialised"
+    assert not changed, f"test leaked environment variables: {sorted(changed)}"

@@ -1,0 +1,185 @@
+"""The Mixtral-form mixture-of-experts feed-forward: a softmax router picks top-k SwiGLU experts per token.
+
+Token movement is two small functions, `dispatch` (group token-assignments by expert) and `combine`
+(weighted sum back per token), so an expert-parallel all-to-all version can replace them later.
+The load-balancing and z-losses reach the gradient through `_AuxLossScaler` (Megatron-LM's
+MoEAuxLossAutoScaler), so forward stays tensor-in/tensor-out for pipeline stages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trainers.models.config import ModelConfig
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "Routing",
+    "combine",
+    "dispatch",
+    "moe_layers",
+    "moe_stats",
+    "set_aux_grad_scale",
+]
+
+
+class Routing(NamedTuple):
+    """Where the kept token-assignments went, in the grouped-by-expert order of `dispatch`'s output."""
+
+    token_ids: Tensor  # (N_kept,) source token of each kept assignment
+    weights: Tensor  # (N_kept,) router weight of each kept assignment
+    tokens_per_expert: Tensor  # (E,) long, kept assignments per expert
+
+
+def dispatch(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, num_experts: int, capacity: int | None
+) -> tuple[Tensor, Routing]:
+    """Group the (T, k) assignments of tokens `x` (T, dim) by expert; keep at most `capacity` per expert.
+
+    Assignments are ranked choice-major (all first choices, then all second choices), then by token,
+    so overflow drops second choices before first choices and later tokens before earlier (GShard/Switch).
+    """
+    num_tokens, top_k = expert_ids.shape
+    flat_experts = expert_ids.t().reshape(-1)  # choice-major
+    flat_tokens = torch.arange(num_tokens, device=x.device).repeat(top_k)
+    flat_weights = weights.t().reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)  # stable: keeps the priority order inside each expert
+    counts = torch.bincount(flat_experts, minlength=num_experts)
+    if capacity is not None:
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel(), device=x.device) - starts[flat_experts[order]]
+        order = order[rank < capacity]
+        counts = counts.clamp(max=capacity)
+    routing = Routing(flat_tokens[order], flat_weights[order], counts)
+    return x[routing.token_ids], routing
+
+
+def combine(expert_out: Tensor, routing: Routing, num_tokens: int) -> Tensor:
+    """Sum each token's kept expert outputs, weighted by the router; a fully dropped token gets zeros."""
+    weighted = expert_out * routing.weights.to(expert_out.dtype)[:, None]
+    out = expert_out.new_zeros(num_tokens, expert_out.shape[-1])
+    return out.index_add(0, routing.token_ids, weighted)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights (dim 0 = expert, the dim expert parallelism shards).
+    HF Mixtral names: w1 = gate, w3 = up, w2 = down; export unstacks them."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """x: (N, dim) grouped by expert as `dispatch` returns it; runs each expert on its own rows."""
+        outs = []
+        for e, x_e in enumerate(torch.split(x, tokens_per_expert.tolist())):
+            h = F.silu(F.linear(x_e, self.w1[e])) * F.linear(x_e, self.w3[e])
+            outs.append(F.linear(h, self.w2[e]))
+        return torch.cat(outs)
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Identity on `output`; in backward gives `aux_loss` the gradient `scale` (Megatron-LM's
+    MoEAuxLossAutoScaler), as if `scale * aux_loss` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor, None]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Router (`gate`) + `experts`, the `block_sparse_moe` of an HF Mixtral layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.moe is not None, "MoE needs cfg.moe"
+        self.cfg = cfg.moe
+        self.gate = nn.Linear(cfg.dim, cfg.moe.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg.moe.num_experts, cfg.dim, cfg.hidden_dim)
+        # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale).
+        self.aux_grad_scale = 1.0
+        self.last_stats: dict[str, Tensor] = {}
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.cfg.capacity_factor is None:
+            return None  # dropless
+        return math.ceil(num_tokens * self.cfg.top_k / self.cfg.num_experts * self.cfg.capacity_factor)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Returns router logits and probs (fp32), and the top-k expert ids and their weights."""
+        logits = self.gate(x).float()  # softmax in fp32: bf16 router probabilities are too coarse
+        probs = logits.softmax(dim=-1)
+        weights, expert_ids = probs.topk(self.cfg.top_k, dim=-1)
+        if self.cfg.top_k > 1:
+            # Mixtral renormalises the top-k weights; for top-1 this would make the weight 1 and cut the
+            # router off from the task loss, so top-1 keeps the raw probability (Switch Transformer).
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, probs, expert_ids, weights
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, probs, expert_ids, weights = self.route(x)
+        routed, routing = dispatch(x, expert_ids, weights, self.cfg.num_experts, self.capacity(len(x)))
+        out = combine(self.experts(routed, routing.tokens_per_expert), routing, len(x))
+        aux_loss = self._aux_losses(logits, probs, expert_ids, routing)
+        return _AuxLossScaler.apply(out, aux_loss, self.aux_grad_scale).view(shape)
+
+    def _aux_losses(self, logits: Tensor, probs: Tensor, expert_ids: Tensor, routing: Routing) -> Tensor:
+        """Coefficient-weighted Switch load-balancing loss + ST-MoE z-loss; records `last_stats`."""
+        num_assignments = expert_ids.numel()
+        # f_i counts assignments before dropping (Switch): the router is pushed by what it asked for.
+        f = torch.bincount(expert_ids.flatten(), minlength=self.cfg.num_experts).float() / num_assignments
+        balance = self.cfg.aux_loss_coef * self.cfg.num_experts * (f * probs.mean(dim=0)).sum()
+        z_loss = self.cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        kept = routing.tokens_per_expert.sum()
+        self.last_stats = {
+            "aux_loss": balance.detach(),
+            "z_loss": z_loss.detach(),
+            "tokens_per_expert": routing.tokens_per_expert.detach(),
+            "dropped_fraction": (1.0 - kept.float() / num_assignments).detach(),
+        }
+        return balance + z_loss
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE modules of `model`, in layer order (found through any wrapper)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
+    """Set the gradient the aux losses get in backward: call before each micro-step's forward with the
+    factor the task loss is multiplied by before backward (1/accumulation * loss scale)."""
+    for m in moe_layers(model):
+        m.aux_grad_scale = float(scale)
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """Router statistics of the last forward, over all MoE layers; {} for a dense model."""
+    stats = [m.last_stats for m in moe_layers(model) if m.last_stats]
+    if not stats:
+        return {}
+    load = torch.stack([s["tokens_per_expert"] for s in stats]).float()  # (layers, E)
+    imbalance = load.max(dim=-1).values / load.mean(dim=-1).clamp_min(1e-9)
+    return {
+        "moe_aux_loss": sum(float(s["aux_loss"]) for s in stats),
+        "moe_z_loss": sum(float(s["z_loss"]) for s in stats),
+        "moe_dropped_fraction": sum(float(s["dropped_fraction"]) for s in stats) / len(stats),
+        "moe_load_imbalance": float(imbalance.mean()),  # max/mean tokens per expert, averaged over layers
+        "moe_load_imbalance_max": float(imbalance.max()),  # the worst layer
+    }
