@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = ["Checkpointer", "CheckpointBackend", "DCPBackend", "ModelOptimizerState", "is_complete"]
@@ -49,14 +49,18 @@ def is_complete(path: Path) -> bool:
 class ModelOptimizerState(Stateful):
     """Model + optimizer as FQN-keyed state dicts (DCP's recipe): loads at any world size."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool = True):
+        # with_optimizer=False restores weights only (e.g. the run switched to another optimizer kind).
+        self.model, self.optimizer, self.with_optimizer = model, optimizer, with_optimizer
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optim_sd} if self.with_optimizer else {"model": model_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "optim" not in state:
+            set_model_state_dict(self.model, state["model"])
+            return
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
@@ -123,15 +127,20 @@ class Checkpointer:
         _barrier()
         return final
 
+    @staticmethod
+    def trainer_state(path: Path) -> dict[str, Any]:
+        path = Path(path)
+        if not is_complete(path):
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMMITTED} marker)")
+        return json.loads((path / "trainer_state.json").read_text())
+
     def load(
         self, path: Path, state: dict[str, Stateful]
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
         """Loads tensors into `state`; returns (trainer_state, this rank's RNG state or None)."""
         path = Path(path)
-        if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMMITTED} marker)")
+        trainer_state = self.trainer_state(path)
         self.backend.load(path, state)
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
         rng_file = path / "rng" / f"rank{_rank():05d}.pt"
         rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         return trainer_state, rng

@@ -104,7 +104,9 @@ class Trainer:
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
             return
-        state = {"app": ModelOptimizerState(self.model, self.optimizer)}
+        saved_optimizer = self.checkpointer.trainer_state(path).get("optimizer")
+        same_optimizer = saved_optimizer == self.cfg.optimizer.name
+        state = {"app": ModelOptimizerState(self.model, self.optimizer, with_optimizer=same_optimizer)}
         trainer_state, rng = self.checkpointer.load(path, state)
         apply_hparams(self.optimizer, self.cfg.optimizer)  # hyperparameters may differ from the saved run
         self.step = int(trainer_state["step"])
@@ -253,6 +255,7 @@ class Trainer:
             "bad_steps": self.bad_steps,
             "scaler": self.precision.state_dict(),
             "world_size": self.engine.world_size,
+            "optimizer": self.cfg.optimizer.name,
         }
         state = {"app": ModelOptimizerState(self.model, self.optimizer)}
         path = self.checkpointer.save(self.step, state, trainer_state, rng={"torch": torch.get_rng_state()})

@@ -1,0 +1,75 @@
+"""Exact resume: 40 steps straight == 20 steps, a crash, a resume and 20 more (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainers.metrics import read_metrics
+from trainers.trainer import Trainer, TrainerCallback
+
+
+class _CrashAfter(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_checkpoint(self, trainer, path):
+        if trainer.step == self.step:
+            raise KeyboardInterrupt  # what a killed process looks like from here: no clean shutdown
+
+
+def _train_rows(run_dir):
+    return read_metrics(run_dir / "metrics.jsonl", "train")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_resume_equals_uninterrupted(tiny_config, moe):
+    model = {"moe": {"num_experts": 4, "top_k": 2}} if moe else {}
+    straight_cfg = tiny_config("straight", model=model)
+    straight = Trainer(straight_cfg, progress=False)
+    straight.fit()
+
+    cfg = tiny_config("resumed", model=model, checkpoint={"every": 20})
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, callbacks=[_CrashAfter(20)], progress=False).fit()
+    assert [r["step"] for r in _train_rows(cfg.out_dir)] == list(range(1, 21))
+    resumed = Trainer(cfg, progress=False)
+    assert resumed.step == 20
+    resumed.fit()
+
+    a, b = _train_rows(straight_cfg.out_dir), _train_rows(cfg.out_dir)
+    assert [r["step"] for r in b] == list(range(1, 41)), "each step exactly once in metrics.jsonl"
+    for key in ("loss", "lr", "grad_norm", "samples"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    evals = [r["val_loss"] for r in read_metrics(cfg.out_dir / "metrics.jsonl", "eval")]
+    assert evals == [r["val_loss"] for r in read_metrics(straight_cfg.out_dir / "metrics.jsonl", "eval")]
+    events = [r for r in read_metrics(cfg.out_dir / "metrics.jsonl", "event") if r["event"] == "resume"]
+    assert len(events) == 1 and events[0]["step"] == 20
+
+
+def test_changed_learning_rate_takes_effect_on_resume(tiny_config):
+    cfg = tiny_config(
+        "a", schedule={"name": "constant", "warmup_steps": 0}, train={"steps": 10}, checkpoint={"every": 10}
+    )
+    Trainer(cfg, progress=False).fit()
+    longer = cfg.model_copy(deep=True)
+    longer.train.steps = 12
+    longer.optimizer.lr = 1e-4
+    resumed = Trainer(longer, progress=False)
+    assert resumed.step == 10
+    resumed.fit()
+    rows = _train_rows(cfg.out_dir)
+    assert [r["lr"] for r in rows[-2:]] == [1e-4, 1e-4]
+    assert all(r["lr"] == 3e-3 for r in rows[:10])
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_config):
+    one = Trainer(tiny_config("one", train={"steps": 8, "micro_batch_size": 8}), progress=False)
+    one.fit()
+    four = Trainer(tiny_config("four", train={"steps": 8, "micro_batch_size": 2}), progress=False)
+    four.fit()
+    la, lb = (r["loss"] for r in _train_rows(one.run_dir)), (r["loss"] for r in _train_rows(four.run_dir))
+    for x, y in zip(la, lb):
+        assert x == pytest.approx(y, rel=1e-5)

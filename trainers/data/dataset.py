@@ -1,0 +1,183 @@
+"""Reading prepared token shards as fixed windows, and the global, resumable sample order.
+
+The data position of a run is a count of GLOBAL samples consumed. The global batch of step t is
+always samples [t*B, (t+1)*B) of `GlobalSampler`; data-parallel rank r takes the r-th contiguous
+slice of it (`shard_for_rank`) and splits that into micro-batches in order. So any number of ranks
+sees the same samples per step, and a run resumed at another world size continues the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from trainers._base import ConfigError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "GlobalSampler",
+    "TokenWindows",
+    "eval_window_ids",
+    "file_sha256",
+    "read_manifest",
+    "shard_for_rank",
+]
+
+FORMAT = "raytrain-tokens"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+SPLITS = ("train", "val")
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a prepared-data folder; ConfigError if there is none or it is not ours."""
+    path = Path(data_dir) / MANIFEST_FILE
+    fix = f"fix: run `raytrain data prepare --output {data_dir}` or correct data.path"
+    if not path.is_file():
+        raise ConfigError(f"data.path={data_dir}: no {MANIFEST_FILE} there; {fix}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path={data_dir}: {MANIFEST_FILE} is unreadable ({e}); {fix}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ConfigError(f"data.path={data_dir}: {MANIFEST_FILE} is not a {FORMAT} manifest; {fix}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"data.path={data_dir}: format_version {manifest.get('format_version')} is not "
+            f"{FORMAT_VERSION}; fix: prepare the data again with this version"
+        )
+    return manifest
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class TokenWindows:
+    """One split as a contiguous token stream cut into windows of `seq_len` (+1 for the shifted targets).
+
+    Window i covers stream[i*seq_len : i*seq_len + seq_len + 1]; consecutive windows share one token so
+    that every token in the stream is a target exactly once.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+        if seq_len < 1:
+            raise ConfigError(f"data.seq_len={seq_len} must be >= 1; fix: e.g. data.seq_len=128")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.seq_len = seq_len
+        self.manifest = read_manifest(self.data_dir)
+        self.tokens = self._load_stream(self.manifest["splits"][split]["shards"])
+        self.num_windows = (len(self.tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ConfigError(
+                f"data.path={self.data_dir}: the {split} split holds {len(self.tokens)} tokens, fewer than "
+                f"data.seq_len+1={seq_len + 1}; fix: add text or lower data.seq_len"
+            )
+
+    def _load_stream(self, shards: list[dict[str, Any]]) -> np.ndarray:
+        parts = [self._load_shard(s) for s in shards]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+    def _load_shard(self, shard: dict[str, Any]) -> np.ndarray:
+        path = self.data_dir / shard["file"]
+        fix = "fix: prepare the data folder again (raytrain data prepare)"
+        if not path.is_file():
+            raise ConfigError(f"data.path={self.data_dir}: shard {shard['file']} is missing; {fix}")
+        if file_sha256(path) != shard["sha256"]:
+            raise ConfigError(
+                f"data.path={self.data_dir}: shard {shard['file']} does not match its sha256 in "
+                f"{MANIFEST_FILE} (corrupted or changed); {fix}"
+            )
+        column = pq.read_table(path, columns=["tokens"], memory_map=True).column("tokens")
+        # flatten() honours list offsets; rows are documents that already end in eos.
+        values = np.concatenate([chunk.flatten().to_numpy() for chunk in column.chunks])
+        if len(values) != shard["tokens"]:
+            raise ConfigError(
+                f"data.path={self.data_dir}: shard {shard['file']} holds {len(values)} tokens, the "
+                f"manifest says {shard['tokens']}; {fix}"
+            )
+        return values
+
+    def get(self, window_ids: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both LongTensor[B, seq_len]; targets are inputs shifted left by one token."""
+        ids = np.asarray(window_ids, dtype=np.int64)
+        if ids.ndim != 1 or (len(ids) and (ids.min() < 0 or ids.max() >= self.num_windows)):
+            raise IndexError(f"window ids must be a 1-d array in [0, {self.num_windows}), got {window_ids!r}")
+        index = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        block = torch.from_numpy(self.tokens[index].astype(np.int64))
+        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+
+class GlobalSampler:
+    """Window ids of global samples: sample g is position g % N of epoch g // N's permutation.
+
+    Pure in (num_windows, seed, shuffle): `window_ids(a, n)` is the same whether asked in one call or
+    many, so resuming at any sample count continues the same order; epochs wrap across batches.
+    """
+
+    def __init__(self, num_windows: int, seed: int, shuffle: bool) -> None:
+        if num_windows < 1:
+            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+        self.num_windows = num_windows
+        # numpy seeds must be non-negative; a negative config seed maps to its 64-bit two's complement.
+        self.seed = seed % (1 << 64)
+        self.shuffle = shuffle
+        self._perms: dict[int, np.ndarray] = {}  # cache: the epoch(s) a batch touches
+
+    def window_ids(self, start: int, count: int) -> np.ndarray:
+        if start < 0 or count < 0:
+            raise ValueError(f"start and count must be >= 0, got start={start}, count={count}")
+        epochs, positions = np.divmod(np.arange(start, start + count, dtype=np.int64), self.num_windows)
+        if not self.shuffle:
+            return positions
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._permutation(int(epoch))[positions[mask]]
+        return out
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if len(self._perms) >= 2:  # a batch spans at most the current and the next epoch
+                self._perms.pop(min(self._perms))
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._perms[epoch] = perm
+        return perm
+
+
+def shard_for_rank(ids: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Rank `rank` of `world` data-parallel ranks takes the rank-th contiguous slice of a global batch.
+
+    The rank then splits its slice into micro-batches in order, so the global batch of step t
+    (samples [t*B, (t+1)*B)) is the same at any data-parallel size.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, {world})")
+    if len(ids) % world:
+        raise ConfigError(
+            f"a global batch of {len(ids)} samples does not split over {world} data-parallel ranks; "
+            f"fix: make train.global_batch_size a multiple of {world}"
+        )
+    per_rank = len(ids) // world
+    return ids[rank * per_rank : (rank + 1) * per_rank]
+
+
+def eval_window_ids(num_windows: int, count: int) -> np.ndarray:
+    """The first `count` windows in order (at most all of them): the same set at every evaluation."""
+    return np.arange(min(count, num_windows), dtype=np.int64)
