@@ -90,3 +90,13 @@ def test_accumulation_keeps_the_global_batch():
     assert [cfg.train.accumulation(dp) for dp in (1, 2, 4, 8)] == [8, 4, 2, 1]
     with pytest.raises(ConfigError, match="data-parallel size 3"):
         cfg.train.accumulation(3)
+
+
+def test_examples_validate():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        cfg = load_config(path)
+        assert cfg.model.vocab_size >= 257 and cfg.train.steps > 0

@@ -1,0 +1,45 @@
+"""The command line is public: its subcommands and flags are tested so they do not drift."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_ext.cli import build_parser, main
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["train", "--help"], ["data", "--help"], ["data", "prepare", "--help"]]
+)
+def test_help_everywhere(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert "usage: raytrain" in capsys.readouterr().out
+
+
+def test_train_flags():
+    args = build_parser().parse_args(["train", "run.yaml", "--set", "a.b=1", "--set", "c=2", "--no-progress"])
+    assert args.config == "run.yaml" and args.overrides == ["a.b=1", "c=2"] and args.no_progress
+
+
+def test_data_prepare_end_to_end(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello world\n" * 200)
+    (tmp_path / "b.txt").write_text("another document\n" * 200)
+    (tmp_path / "c.txt").write_text("third one here\n" * 200)
+    out = tmp_path / "data"
+    code = main(
+        [
+            "data",
+            "prepare",
+            "--input",
+            str(tmp_path),
+            "--output",
+            str(out),
+            "--val-fraction",
+            "0.5",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    assert (out / "manifest.json").is_file()
+    assert f"wrote {out}" in capsys.readouterr().out
