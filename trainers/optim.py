@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules, built from torch and the run config.
 
-The schedule is a closed-form factor of the step (torch's LambdaLR), and the base learning rate and
+The schedule is a closed-form factor of the step, and the base learning rate and
 other hyperparameters are re-applied from the config after a restore: population-based training
 changes them between segments of a run, and the change must take effect on the restored optimizer.
 """
@@ -8,14 +8,13 @@ changes them between segments of a run, and the change must take effect on the r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from trainers.config import OptimizerConfig, ScheduleConfig
 
-__all__ = ["apply_hparams", "build_optimizer", "build_scheduler", "lr_factor", "param_groups"]
+__all__ = ["LRSchedule", "apply_hparams", "build_optimizer", "lr_factor", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -88,14 +87,15 @@ def lr_factor(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(
-    opt: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int, start_step: int = 0
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR positioned at `start_step`: its state is the step, so nothing else is saved."""
-    fn: Callable[[int], float] = lambda s: lr_factor(s, cfg, total_steps)  # noqa: E731
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, fn, last_epoch=start_step - 1 if start_step else -1)
-    if start_step:  # LambdaLR with last_epoch >= 0 does not set lr itself
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * fn(start_step)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-    return sched
+class LRSchedule:
+    """Sets `lr = initial_lr * lr_factor(step)` on the param groups before each step. Closed form (no
+    state besides the step), and it drives any optimizer with torch-style param groups, DeepSpeed's too."""
+
+    def __init__(self, param_groups: list[dict], cfg: ScheduleConfig, total_steps: int):
+        self.param_groups, self.cfg, self.total_steps = param_groups, cfg, total_steps
+
+    def apply(self, step: int) -> float:
+        factor = lr_factor(step, self.cfg, self.total_steps)
+        for group in self.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+        return self.param_groups[0]["lr"]

@@ -18,15 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from trainers._base import NonFiniteLossError
-from trainers.checkpoint import Checkpointer, ModelOptimizerState, is_complete
+from trainers.checkpoint import Checkpointer, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.metrics import MetricsLog, peak_memory_bytes
 from trainers.models import build_model, flops_per_token, moe_stats, set_aux_grad_scale
-from trainers.optim import apply_hparams, build_optimizer, build_scheduler
+from trainers.optim import LRSchedule
 from trainers.parallel.ac import apply_activation_checkpointing
 from trainers.parallel.engine import Engine, LocalEngine
-from trainers.precision import Precision
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback"]
 
@@ -65,25 +64,26 @@ class Trainer:
         self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len)
         self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len)
         self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
-        self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.precision = Precision(cfg.precision, self.device)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep)
+        self.engine.setup(self._build_model(), cfg)
+        self.model = self.engine.model
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", cfg.checkpoint.keep, self.engine.checkpoint_backend
+        )
         self.log = MetricsLog(self.run_dir, enabled=self.engine.is_main, tensorboard=cfg.train.tensorboard)
         self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
         self._restore()
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, self.step)
+        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     # ------------------------------------------------------------------------------------------ build
 
     def _build_model(self) -> torch.nn.Module:
         # Same seed, same init, whatever the world size; parallelism is applied from outside, in order:
-        # activation checkpointing, then the engine's sharding.
+        # activation checkpointing here, then the engine's sharding in engine.setup.
         torch.manual_seed(self.cfg.seed)
         model = build_model(self.cfg.model)
         apply_activation_checkpointing(model, self.cfg.memory.ac_every)
-        return self.engine.wrap(model)
+        return model
 
     def _resume_path(self) -> Path | None:
         resume = self.cfg.checkpoint.resume
@@ -106,12 +106,12 @@ class Trainer:
             return
         saved_optimizer = self.checkpointer.trainer_state(path).get("optimizer")
         same_optimizer = saved_optimizer == self.cfg.optimizer.name
-        state = {"app": ModelOptimizerState(self.model, self.optimizer, with_optimizer=same_optimizer)}
+        state = self.engine.checkpoint_state(with_optimizer=same_optimizer)
         trainer_state, rng = self.checkpointer.load(path, state)
-        apply_hparams(self.optimizer, self.cfg.optimizer)  # hyperparameters may differ from the saved run
+        self.engine.apply_hparams(self.cfg.optimizer)  # hyperparameters may differ from the saved run
         self.step = int(trainer_state["step"])
         self.bad_steps = int(trainer_state.get("bad_steps", 0))
-        self.precision.load_state_dict(trainer_state.get("scaler", {}))
+        self.engine.load_extra_state(trainer_state.get("engine", {}))
         if rng is not None:
             torch.set_rng_state(rng["torch"])
         self.last_checkpoint = path
@@ -165,29 +165,26 @@ class Trainer:
         micro_batches = np.split(
             shard_for_rank(sample_ids, self.engine.dp_rank, self.engine.dp_size), self.accum
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        set_aux_grad_scale(self.model, self.precision.loss_scale / self.accum)
+        lr = self.schedule.apply(step)
+        self.engine.zero_grad()
+        set_aux_grad_scale(self.model, self.engine.loss_scale / self.accum)
         loss_sum = torch.zeros((), device=self.device)
         for i, ids in enumerate(micro_batches):
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.train_data.get(ids))
-            with self.engine.no_sync(self.model, i == self.accum - 1), self.precision.autocast():
+            with self.engine.autocast():
                 logits = self.model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            self.precision.backward(loss / self.accum)
+            self.engine.backward(loss / self.accum, final_micro_batch=i == self.accum - 1)
             loss_sum += loss.detach()
         loss_value = float(self.engine.reduce_mean(loss_sum / self.accum))
-        grad_norm = math.nan
+        grad_norm, bad = math.nan, True
         if math.isfinite(loss_value):
-            grad_norm = self.precision.clip(self.optimizer, self.model.parameters(), cfg.optimizer.grad_clip)
-        # fp16: an overflowing gradient is the loss scaler's business (it skips the step itself).
-        ok = math.isfinite(loss_value) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
-        lr = self.optimizer.param_groups[0]["lr"]
+            grad_norm, bad = self.engine.step(cfg.optimizer.grad_clip)
+        ok = not bad
         if ok:
-            self.precision.step(self.optimizer)
             self.bad_steps = 0
         else:
             self._bad_step(loss_value)
-        self.scheduler.step()
         self.step += 1
         dt = time.perf_counter() - t0
         tokens_per_s = batch * cfg.data.seq_len / dt
@@ -203,8 +200,8 @@ class Trainer:
             world_size=self.engine.world_size,
             skipped=not ok,
         )
-        if self.precision.scaler is not None:
-            record["loss_scale"] = self.precision.loss_scale
+        if self.engine.loss_scale != 1.0:
+            record["loss_scale"] = self.engine.loss_scale
         record.update(moe_stats(self.model))
         self._emit("train", **record)
         for cb in self.callbacks:
@@ -212,7 +209,7 @@ class Trainer:
         return record
 
     def _bad_step(self, loss_value: float) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
         self.bad_steps += 1
         if self.bad_steps >= self.cfg.train.max_bad_steps:
             keep = self.last_checkpoint or "none saved yet"
@@ -237,7 +234,7 @@ class Trainer:
         chunks = np.array_split(ids, max(len(ids) // cfg.train.micro_batch_size, 1))
         for chunk in chunks:
             inputs, targets = (t.to(self.device) for t in self.val_data.get(chunk))
-            with self.precision.autocast():
+            with self.engine.autocast():
                 logits = self.model(inputs)
             total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * len(chunk)
         self.model.train()
@@ -253,12 +250,13 @@ class Trainer:
             "step": self.step,
             "samples": self.step * self.cfg.train.global_batch_size,
             "bad_steps": self.bad_steps,
-            "scaler": self.precision.state_dict(),
             "world_size": self.engine.world_size,
+            "engine": self.engine.extra_state(),
             "optimizer": self.cfg.optimizer.name,
         }
-        state = {"app": ModelOptimizerState(self.model, self.optimizer)}
-        path = self.checkpointer.save(self.step, state, trainer_state, rng={"torch": torch.get_rng_state()})
+        path = self.checkpointer.save(
+            self.step, self.engine.checkpoint_state(), trainer_state, rng={"torch": torch.get_rng_state()}
+        )
         self.last_checkpoint = path
         self._emit("event", event="checkpoint", path=str(path))
         for cb in self.callbacks:

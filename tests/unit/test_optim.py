@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainers.config import OptimizerConfig, ScheduleConfig
-from trainers.optim import apply_hparams, build_optimizer, build_scheduler, lr_factor, param_groups
+from trainers.optim import LRSchedule, apply_hparams, build_optimizer, lr_factor, param_groups
 
 
 class _Net(nn.Module):
@@ -75,21 +75,12 @@ def test_schedules_shape():
     assert lr_factor(37, ScheduleConfig(name="constant"), total) == 1.0
 
 
-def test_scheduler_started_mid_run_equals_one_run_through():
+def test_schedule_is_a_function_of_the_step_and_the_current_base_lr():
     sched_cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=5)
-    cfg = OptimizerConfig(lr=1e-2)
-
-    def lrs(start: int, n: int) -> list[float]:
-        opt = build_optimizer(nn.Linear(2, 2), cfg)
-        sched = build_scheduler(opt, sched_cfg, 40, start_step=start)
-        out = []
-        for _ in range(n):
-            out.append(opt.param_groups[0]["lr"])
-            opt.step()
-            sched.step()
-        return out
-
-    assert lrs(0, 40)[17:] == lrs(17, 23)
+    opt = build_optimizer(nn.Linear(2, 2), OptimizerConfig(lr=1e-2))
+    schedule = LRSchedule(opt.param_groups, sched_cfg, 40)
+    assert [schedule.apply(s) for s in range(40)] == [1e-2 * lr_factor(s, sched_cfg, 40) for s in range(40)]
+    assert all(g["lr"] == opt.param_groups[0]["lr"] for g in opt.param_groups)
 
 
 def test_hyperparameters_applied_after_loading_old_optimizer_state():
@@ -105,5 +96,4 @@ def test_hyperparameters_applied_after_loading_old_optimizer_state():
     assert decay["lr"] == decay["initial_lr"] == 5e-3
     assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
     assert decay["betas"] == (0.8, 0.99)
-    sched = build_scheduler(new, ScheduleConfig(name="constant"), 10, start_step=3)
-    assert sched.get_last_lr()[0] == 5e-3
+    assert LRSchedule(new.param_groups, ScheduleConfig(name="constant"), 10).apply(3) == 5e-3

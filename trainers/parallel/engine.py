@@ -1,43 +1,108 @@
 """The small interface the Trainer drives, whatever shards the model.
 
-An engine owns where the model lives and how data-parallel ranks agree: it wraps the model, says which
-slice of a global batch this rank takes, skips gradient sync on non-final micro-batches and averages
-metrics. `LocalEngine` is the single-process one; sharded engines implement the same methods.
+An engine owns where the model lives, the optimizer, precision (autocast and loss scaling), gradient
+sync across data-parallel ranks, and the checkpoint format. The base class is the single-process
+engine; sharded engines override what differs (`wrap`, `no_sync`, `reduce_mean`, checkpoint format).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainers.checkpoint import CheckpointBackend, DCPBackend, ModelOptimizerState
+from trainers.config import OptimizerConfig, RunConfig
+from trainers.optim import apply_hparams, build_optimizer
+from trainers.precision import Precision
 
 __all__ = ["Engine", "LocalEngine"]
 
 
 class Engine:
-    """No-op defaults: a single process that owns the whole model."""
+    """Single process, whole model: the defaults every engine starts from."""
 
+    name = "none"
     dp_rank: int = 0
     dp_size: int = 1
     world_size: int = 1
 
     def __init__(self, device: torch.device | None = None):
         self.device = device or torch.device("cpu")
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
 
     @property
     def is_main(self) -> bool:
         return self.dp_rank == 0
 
+    # ---------------------------------------------------------------------------------------- setup
+
+    def setup(self, model: nn.Module, cfg: RunConfig) -> None:
+        """Place/shard the model, then build the optimizer over the (possibly sharded) parameters."""
+        self.precision = Precision(cfg.precision, self.device)
+        self.model = self.wrap(model)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
 
-    def no_sync(self, model: nn.Module, final_micro_batch: bool) -> contextlib.AbstractContextManager:
-        """Context for one micro-batch's backward: gradient sync only on the last one."""
+    # ----------------------------------------------------------------------------------------- step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    def backward(self, loss: torch.Tensor, final_micro_batch: bool) -> None:
+        """`loss` is already divided by the number of micro-batches; grads sync on the final one."""
+        with self.no_sync(final_micro_batch):
+            self.precision.backward(loss)
+
+    def no_sync(self, final_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def step(self, max_norm: float | None) -> tuple[float, bool]:
+        """Clip and step. Returns (grad norm, bad): bad = non-finite gradients that no loss scaler
+        handles (the step is skipped); fp16 overflows are the scaler's to skip and are not bad."""
+        norm = self.precision.clip(self.optimizer, self.model.parameters(), max_norm)
+        if not math.isfinite(norm) and self.precision.scaler is None:
+            return norm, True
+        self.precision.step(self.optimizer)
+        return norm, False
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def apply_hparams(self, cfg: OptimizerConfig) -> None:
+        apply_hparams(self.optimizer, cfg)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return value
+
+    # ----------------------------------------------------------------------------------- checkpoint
+
+    checkpoint_backend: CheckpointBackend = DCPBackend()
+
+    def checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Stateful]:
+        return {"app": ModelOptimizerState(self.model, self.optimizer, with_optimizer)}
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-able engine state saved next to the tensors (the fp16 loss scaler)."""
+        return {"scaler": self.precision.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state.get("scaler", {}))
 
 
 class LocalEngine(Engine):
