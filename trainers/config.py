@@ -108,7 +108,52 @@ class MemoryConfig(StrictModel):
 
 
 class ParallelConfig(StrictModel):
-    engine: Literal["none"] = "none"  # single process; sharded engines arrive with the layout object
+    """How the model is sharded over the data-parallel ranks (the world size comes from the launcher)."""
+
+    engine: Literal["none", "ddp", "fsdp", "deepspeed"] = "none"
+    # ZeRO stage. fsdp: 2 = parameters stay gathered from forward to backward (reshard_after_forward=False),
+    # 3 = resharded after forward; deepspeed: its stage 0-3. None = the engine's default (fsdp 3, deepspeed 2).
+    zero_stage: int | None = None
+    # none | optimizer (deepspeed: optimizer state and step on CPU) | all (fsdp: params, grads and optimizer
+    # on CPU; deepspeed stage 3: optimizer and parameters on CPU)
+    offload: Literal["none", "optimizer", "all"] = "none"
+    deepspeed_extra: dict[str, Any] = {}  # merged last into the generated DeepSpeed config (escape hatch)
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        stage, engine = self.zero_stage, self.engine
+        if stage is not None and stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={stage} is unknown; fix: use 0, 1, 2 or 3")
+        if engine in ("none", "ddp") and stage not in (None, 0):
+            raise ValueError(
+                f"zero_stage={stage} needs a sharding engine; fix: set engine to fsdp or deepspeed"
+            )
+        if engine in ("none", "ddp") and self.offload != "none":
+            raise ValueError(
+                f"offload={self.offload} is not available with engine={engine}; fix: use engine fsdp or deepspeed"
+            )
+        if engine == "fsdp" and stage not in (None, 2, 3):
+            raise ValueError(f"zero_stage={stage} with engine=fsdp; fix: use 2 or 3, or engine=ddp/deepspeed")
+        if engine == "fsdp" and self.offload == "optimizer":
+            raise ValueError(
+                "offload=optimizer with engine=fsdp; fix: offload=all (FSDP2 offloads params, grads and "
+                "optimizer state together) or engine=deepspeed"
+            )
+        if engine == "deepspeed" and self.offload == "all" and self.stage != 3:
+            raise ValueError(
+                f"offload=all needs zero_stage=3 with deepspeed (got {self.stage}); fix: set zero_stage=3"
+            )
+        if self.deepspeed_extra and engine != "deepspeed":
+            raise ValueError(
+                "deepspeed_extra is set but engine is not deepspeed; fix: remove it or set engine"
+            )
+        return self
+
+    @property
+    def stage(self) -> int:
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return {"fsdp": 3, "deepspeed": 2}.get(self.engine, 0)
 
 
 class TrainConfig(StrictModel):

@@ -1,8 +1,9 @@
-"""Run one training job in this process (single process, or one rank under torchrun)."""
+"""Run one training job in this process: a single process, or one rank under torchrun."""
 
 from __future__ import annotations
 
 from trainers.config import RunConfig
+from trainers.parallel.distributed import init_from_env
 from trainers.trainer import FitResult, Trainer, TrainerCallback
 
 __all__ = ["run_local"]
@@ -11,4 +12,13 @@ __all__ = ["run_local"]
 def run_local(
     cfg: RunConfig, callbacks: list[TrainerCallback] | tuple = (), progress: bool = True
 ) -> FitResult:
-    return Trainer(cfg, callbacks=callbacks, progress=progress).fit()
+    """Under torchrun (WORLD_SIZE > 1 in the environment) this joins the process group first and leaves
+    it at the end; a group that already exists (Ray Train's) is used and left alone."""
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized() and init_from_env()
+    try:
+        return Trainer(cfg, callbacks=callbacks, progress=progress).fit()
+    finally:
+        if owns_group:
+            dist.destroy_process_group()

@@ -24,8 +24,9 @@ from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, 
 from trainers.metrics import MetricsLog, peak_memory_bytes
 from trainers.models import build_model, flops_per_token, moe_stats, set_aux_grad_scale
 from trainers.optim import LRSchedule
+from trainers.parallel import build_engine
 from trainers.parallel.ac import apply_activation_checkpointing
-from trainers.parallel.engine import Engine, LocalEngine
+from trainers.parallel.engine import Engine
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback"]
 
@@ -56,7 +57,7 @@ class Trainer:
         progress: bool = True,
     ):
         self.cfg, self.callbacks, self.progress = cfg, list(callbacks), progress
-        self.engine = engine or LocalEngine()
+        self.engine = engine or build_engine(cfg)
         self.device = self.engine.device
         self.run_dir = cfg.out_dir
         self.manifest = check_inputs(cfg)

@@ -1,0 +1,31 @@
+"""Parallelism applied to a model from outside: layout, engines, activation checkpointing."""
+
+from __future__ import annotations
+
+from trainers.config import ConfigError, RunConfig
+from trainers.parallel.distributed import device_for_rank
+from trainers.parallel.engine import Engine, LocalEngine
+from trainers.parallel.layout import ParallelLayout
+
+__all__ = ["Engine", "LocalEngine", "ParallelLayout", "build_engine"]
+
+
+def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine:
+    """The engine named by `parallel.engine`, over the running process group's layout."""
+    layout = layout or ParallelLayout.from_process_group()
+    device = device_for_rank()
+    engine = cfg.parallel.engine
+    if engine == "none":
+        if layout.world_size > 1:
+            raise ConfigError(
+                f"parallel.engine=none with {layout.world_size} processes; fix: set parallel.engine to "
+                f"ddp, fsdp or deepspeed"
+            )
+        return LocalEngine(device)
+    if engine in ("ddp", "fsdp"):
+        from trainers.parallel.native import DDPEngine, FSDPEngine
+
+        return (DDPEngine if engine == "ddp" else FSDPEngine)(layout, device)
+    from trainers.parallel.deepspeed_engine import DeepSpeedEngine
+
+    return DeepSpeedEngine(layout, device)
