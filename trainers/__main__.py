@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trainers._base import ConfigError, NonFiniteLossError
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"results in {result.run_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"results in {result.run_dir}")
     return 0
 
 

@@ -161,7 +161,7 @@ class TrainConfig(StrictModel):
     global_batch_size: PositiveInt = 8  # samples per optimizer step, the same at any world size
     micro_batch_size: PositiveInt = 8  # samples per forward/backward on one rank
     eval_every: NonNegativeInt = 50  # 0 = only at the end
-    eval_batches: PositiveInt = 8
+    eval_batches: PositiveInt = 8  # x micro_batch_size validation windows, in total over all ranks
     log_every: PositiveInt = 10  # progress line / bar refresh
     max_bad_steps: PositiveInt = 3  # consecutive NaN/inf losses tolerated (skipped) before stopping
     peak_tflops: PositiveFloat = 1.0  # per device, for MFU (e.g. 989 for H100 bf16 dense)

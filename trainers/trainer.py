@@ -223,10 +223,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         cfg = self.cfg
-        count = min(
-            cfg.train.eval_batches * cfg.train.micro_batch_size * self.engine.dp_size,
-            self.val_data.num_windows // self.engine.dp_size * self.engine.dp_size,
-        )
+        # The same validation windows at every world size (a global count, split across dp ranks), so
+        # val_loss does not jump when an elastic run resumes at another size.
+        dp = self.engine.dp_size
+        count = min(cfg.train.eval_batches * cfg.train.micro_batch_size, self.val_data.num_windows) // dp * dp
         ids = shard_for_rank(
             eval_window_ids(self.val_data.num_windows, count), self.engine.dp_rank, self.engine.dp_size
         )

@@ -1,0 +1,175 @@
+"""torch's own data-parallel engines over the layout's `dp` mesh: DDP (replicated) and FSDP2 (sharded).
+
+FSDP2 is applied in a fixed order, as in torchtitan's `parallelize.py`: the Trainer has already wrapped
+blocks for activation checkpointing; `apply_fsdp` shards each block, then the root; the optimizer is
+built last, over the sharded (DTensor) parameters, so its state is sharded too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from trainers._base import ConfigError
+from trainers.config import PrecisionConfig, RunConfig
+from trainers.optim import build_optimizer
+from trainers.parallel.engine import Engine
+from trainers.parallel.layout import ParallelLayout
+from trainers.precision import Precision
+
+__all__ = ["DDPEngine", "FSDPEngine", "ShardedPrecision", "apply_fsdp"]
+
+
+class _DataParallelEngine(Engine):
+    """Ranks, mesh and the mean over data-parallel ranks, shared by DDP and FSDP."""
+
+    def __init__(self, layout: ParallelLayout, device: torch.device):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"parallel.engine={self.name} needs a process group; fix: launch with `torchrun "
+                f"--nproc-per-node N -m trainers train RUN.yaml` (or Ray), or set parallel.engine=none"
+            )
+        super().__init__(device)
+        self.layout = layout
+        self.dp_rank, self.dp_size, self.world_size = layout.dp_rank, layout.dp, layout.world_size
+        self.mesh = layout.mesh()
+        self.dp_group = self.mesh.get_group("dp")
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        # SUM then divide: gloo has no AVG. A copy: the caller's tensor stays this rank's value.
+        total = value.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return total / self.dp_size
+
+
+class DDPEngine(_DataParallelEngine):
+    """Whole model on every rank; gradients averaged by all-reduce on the last micro-batch.
+
+    Checkpoints: `get_state_dict` strips DDP's `module.` prefix, and DCP's save planner de-duplicates
+    replicated tensors, so each tensor is written once across ranks, not once per rank."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None  # CPU: no device_ids
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=self.dp_group)
+
+    def no_sync(self, final_micro_batch: bool) -> contextlib.AbstractContextManager:
+        # Earlier micro-batches accumulate locally; the final backward all-reduces the sum once.
+        return contextlib.nullcontext() if final_micro_batch else self.model.no_sync()
+
+
+class FSDPEngine(_DataParallelEngine):
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over `dp`.
+
+    zero_stage 3 reshards parameters after forward (all-gathered again in backward); 2 keeps them
+    gathered from forward to backward. Precision: see `ShardedPrecision`."""
+
+    name = "fsdp"
+
+    def setup(self, model: nn.Module, cfg: RunConfig) -> None:
+        self.offload = cfg.parallel.offload == "all"
+        self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group)
+        self.fsdp_options = fsdp_options(cfg, self.mesh, self.precision.mp_policy())
+        self.model = self.wrap(model)
+        # After sharding: the optimizer must hold the DTensor shards, not the full tensors.
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # With CPU offload the shards live on the CPU: leave the model there (FSDP2 moves it).
+        return apply_fsdp(model if self.offload else model.to(self.device), **self.fsdp_options)
+
+    @contextlib.contextmanager
+    def no_sync(self, final_micro_batch: bool) -> Iterator[None]:
+        # Skip the reduce-scatter on earlier micro-batches: FSDP2 keeps the unsharded gradients and
+        # accumulates into them (memory of one full gradient set), reducing once on the final one.
+        self.model.set_requires_gradient_sync(final_micro_batch)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+
+def fsdp_options(cfg: RunConfig, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> dict:
+    """`fully_shard` keyword arguments for a run."""
+    # Pinned host memory speeds copies to a GPU; without one, pinning is an error.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    return dict(
+        mesh=mesh,
+        reshard_after_forward=cfg.parallel.stage == 3,
+        mp_policy=mp_policy,
+        offload_policy=offload if cfg.parallel.offload == "all" else OffloadPolicy(),
+    )
+
+
+def apply_fsdp(model: nn.Module, **options) -> nn.Module:
+    """Shard each transformer block (its own all-gather / reduce-scatter unit, so communication of one
+    block overlaps compute of the next and, at stage 3, one block's full weights exist at a time), then
+    the root, which takes what no block claimed: embeddings, final norm, output head.
+
+    Blocks may already be activation-checkpoint wrappers: FSDP sits outside AC, so recomputation in
+    backward runs inside the block's all-gathered window."""
+    for block in model.layers.values():
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+class ShardedPrecision(Precision):
+    """Precision under FSDP2, and the GLOBAL grad norm over DTensor shards.
+
+    bf16: FSDP all-gathers the weights in bf16 and the whole forward/backward runs in bf16; gradients are
+    reduced and kept in fp32, on fp32 master shards. No autocast then: the matmuls already see bf16
+    weights (it would only add per-op casts), as torchtitan runs FSDP. Unlike single-process autocast,
+    the residual stream and norms run in bf16 too; the equivalence tests bound the difference.
+    fp16: autocast over fp32 shards, as on one process: fp16's range (max 65504) can overflow
+    activations that autocast keeps in fp32 (the residual stream), and the loss scaler only rescues
+    gradients. The price is fp32 all-gathers. Its scaler all-reduces found-inf: each rank sees a shard."""
+
+    def __init__(self, cfg: PrecisionConfig, device: torch.device, group: dist.ProcessGroup):
+        super().__init__(cfg, device)
+        self.param_dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
+        if self.scaler is not None:
+            self.scaler = ShardedGradScaler(
+                device.type,
+                init_scale=cfg.init_scale,
+                growth_interval=cfg.growth_interval,
+                process_group=group,
+            )
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        reduce_dtype = torch.float32 if self.param_dtype is not None else None
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.param_dtype is not None else super().autocast()
+
+    def clip(
+        self, opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float | None
+    ) -> float:
+        if self.scaler is not None:
+            with warnings.catch_warnings():
+                # torch's own shape-(1,) scale and found-inf tensors meet DTensor grads inside unscale_;
+                # DTensor warns that it replicates them, which is what is meant.
+                warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+                self.scaler.unscale_(opt)
+        params = [p for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # The norm of local shards is a Partial DTensor: full_tensor() all-reduces it into the norm a
+        # single process computes over the whole gradients (torchtitan's dist_utils.clip_grad_norm_).
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
