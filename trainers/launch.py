@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainers.config import RunConfig
+from trainers.parallel import build_engine
 from trainers.parallel.distributed import init_from_env
 from trainers.trainer import FitResult, Trainer, TrainerCallback
 
@@ -17,8 +18,12 @@ def run_local(
     import torch.distributed as dist
 
     owns_group = not dist.is_initialized() and init_from_env()
+    engine = None
     try:
-        return Trainer(cfg, callbacks=callbacks, progress=progress).fit()
+        engine = build_engine(cfg)
+        return Trainer(cfg, engine=engine, callbacks=callbacks, progress=progress).fit()
     finally:
+        if engine is not None:
+            engine.close()
         if owns_group:
             dist.destroy_process_group()

@@ -90,6 +90,9 @@ class Engine:
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def close(self) -> None:
+        """Release what `setup` acquired beyond the model (e.g. a process group the engine started)."""
+
     # ----------------------------------------------------------------------------------- checkpoint
 
     checkpoint_backend: CheckpointBackend = DCPBackend()
