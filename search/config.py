@@ -1,0 +1,268 @@
+"""The experiment YAML of `raytrain tune`: a base run YAML plus a search space, a scheduler, a population
+and a budget, validated into typed models before anything starts.
+
+    name: pbt-demo
+    base: tiny-dense.yaml            # run YAML, relative to this file
+    overrides: {train.eval_batches: 4}
+    space: {optimizer.lr: {loguniform: [1.0e-4, 1.0e-2]}}
+    scheduler: {name: pbt, interval: 50}
+    population: 4
+    budget: {steps: 400}
+    resources: {workers: 2}
+
+Every member's starting run config is built and validated here (and the run config at each end of every
+range), so that a bad key or value fails with one line before a worker starts.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
+
+from search.space import Choice, IntRange, Range, SearchSpace, parse_space
+from trainers._base import ConfigError, StrictModel
+from trainers.config import RunConfig, _one_line, apply_overrides, check_inputs, parse_config
+
+__all__ = ["ExperimentConfig", "load_experiment", "parse_experiment"]
+
+# Keys the driver owns: set per trial from the budget, the scheduler and the experiment directory.
+_DRIVER_KEYS = ("name", "run_dir", "train.steps", "train.eval_every", "checkpoint.every", "checkpoint.resume")
+# What a restored donor checkpoint fixes: changing these mid-run would not fit the donor's weights,
+# or would move its data position (PBT and PB2 change hyperparameters during a run).
+_STATIC_PREFIXES = ("seed", "model.", "data.", "parallel.", "precision.", "train.global_batch_size")
+
+
+class SchedulerConfig(StrictModel):
+    name: Literal["pbt", "pb2", "asha", "random"] = "pbt"  # random: independent samples, no early stop
+    interval: PositiveInt = 50  # steps between reports; PBT/PB2 decide (exploit/explore) at each one
+    burn_in: NonNegativeInt = 0  # pbt, pb2: steps before the first decision
+    quantile_fraction: float = Field(0.25, gt=0, le=0.5)  # pbt, pb2: bottom fraction copies the top one
+    resample_probability: float = Field(0.25, ge=0, le=1)  # pbt: chance a value is drawn afresh
+    perturbation_factors: tuple[PositiveFloat, PositiveFloat] = (1.2, 0.8)  # pbt
+    synch: bool = False  # pbt: decide for the whole population at once (waits for the slowest)
+    grace_period: PositiveInt | None = None  # asha: steps before the first stop (None = interval)
+    reduction_factor: float = Field(3.0, gt=1)  # asha
+
+    _ONLY = {
+        "burn_in": ("pbt", "pb2"),
+        "quantile_fraction": ("pbt", "pb2"),
+        "resample_probability": ("pbt",),
+        "perturbation_factors": ("pbt",),
+        "synch": ("pbt",),
+        "grace_period": ("asha",),
+        "reduction_factor": ("asha",),
+    }
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        for key in sorted(self.model_fields_set):
+            allowed = self._ONLY.get(key)
+            if allowed and self.name not in allowed:
+                raise ValueError(
+                    f"{key} applies to {' and '.join(allowed)} only, not {self.name}; fix: remove "
+                    f"scheduler.{key} or set scheduler.name to {allowed[0]}"
+                )
+        return self
+
+
+class BudgetConfig(StrictModel):
+    steps: PositiveInt | None = None  # optimizer steps per trial (None = the base run's train.steps)
+    time_s: PositiveFloat | None = None  # wall-clock limit of the whole experiment
+
+
+class ResourcesConfig(StrictModel):
+    workers: PositiveInt = 1  # Ray Train workers per trial
+    cpus_per_worker: PositiveFloat = 1.0
+    gpus_per_worker: NonNegativeFloat = 0.0
+
+
+class ExperimentConfig(StrictModel):
+    name: str = "experiment"
+    base: Path  # the run YAML every trial starts from (relative to the experiment file)
+    overrides: dict[str, Any] = {}  # dotted run-config keys set on the base for every trial
+    space: dict[str, Any]  # dotted run-config key -> range, list of choices, or fixed value
+    initial: list[dict[str, Any]] = []  # starting values of the first members (the rest are sampled)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    population: PositiveInt = 4  # trials (pbt/pb2: the population; asha/random: the samples)
+    budget: BudgetConfig = BudgetConfig()
+    metric: Literal["val_loss", "train_loss"] = "val_loss"
+    mode: Literal["min", "max"] = "min"
+    resources: ResourcesConfig = ResourcesConfig()
+    max_concurrent_trials: PositiveInt | None = None  # None = as many as the cluster's CPUs/GPUs hold
+    keep_checkpoints: PositiveInt = 3  # newest Tune checkpoints per trial (plus any an exploit still needs)
+    storage: Path = Path("runs/tune")  # the experiment directory is storage/name
+    seed: int = 0  # initial samples and explore decisions
+    _base_raw: dict[str, Any] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentConfig:
+        if len(self.initial) > self.population:
+            raise ValueError(
+                f"initial lists {len(self.initial)} members but population={self.population}; "
+                f"fix: raise population or shorten initial"
+            )
+        return self
+
+    # ------------------------------------------------------------------------------------ derived
+
+    @property
+    def exp_dir(self) -> Path:
+        return (self.storage / self.name).resolve()
+
+    @cached_property
+    def search_space(self) -> SearchSpace:
+        return parse_space(self.space)
+
+    @property
+    def steps(self) -> int:
+        return self.budget.steps or int(self.base_raw["train"].get("steps", 100))
+
+    @property
+    def base_raw(self) -> dict[str, Any]:
+        """The base run YAML with the overrides applied and data.path made absolute."""
+        if self._base_raw is None:
+            self._base_raw = _load_base(self)
+        return self._base_raw
+
+    def members(self) -> list[dict[str, Any]]:
+        """Starting hyperparameters of each member: `initial` first, then seeded samples."""
+        rng = random.Random(self.seed)
+        out = []
+        for i in range(self.population):
+            sampled = self.search_space.sample(rng)  # drawn for every member: `initial` keeps the stream
+            out.append({**sampled, **(self.initial[i] if i < len(self.initial) else {})})
+        return out
+
+    def run_raw(self, hparams: dict[str, Any], **driver: Any) -> dict[str, Any]:
+        """The raw run config of a trial: base + overrides + hyperparameters + driver-owned keys."""
+        raw = apply_overrides(self.base_raw, [f"{k}={_yaml(v)}" for k, v in hparams.items()])
+        fixed = {
+            "train.steps": self.steps,
+            "train.eval_every": self.scheduler.interval,
+            "checkpoint.every": self.scheduler.interval,
+            "checkpoint.resume": "none",
+            **driver,
+        }
+        return apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in fixed.items()])
+
+    def run_config(self, hparams: dict[str, Any], **driver: Any) -> RunConfig:
+        return parse_config(self.run_raw(hparams, **driver))
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read and validate an experiment YAML (`--set` overrides apply to it). Raises ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"experiment file {path} not found; fix: pass the path of an experiment YAML")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping (name:, base:, space:, ...)")
+    raw = apply_overrides(raw, overrides)
+    if isinstance(raw.get("base"), str) and not Path(raw["base"]).is_absolute():
+        raw["base"] = str(path.parent / raw["base"])
+    return parse_experiment(raw)
+
+
+def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:
+    try:
+        exp = ExperimentConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, ExperimentConfig)) from None
+    _check_space(exp)
+    return exp
+
+
+def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
+    if not exp.base.is_file():
+        raise ConfigError(f"base={exp.base}: run YAML not found; fix: a path relative to the experiment file")
+    try:
+        raw = yaml.safe_load(exp.base.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"base={exp.base} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in exp.overrides.items()])
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    if "path" in data:  # trials run in other working directories
+        data["path"] = str(Path(data["path"]).resolve())
+    return raw
+
+
+def _check_space(exp: ExperimentConfig) -> None:
+    space = exp.search_space
+    for key in space:
+        if key in _DRIVER_KEYS:
+            raise ConfigError(
+                f"space.{key} is set by the tune driver; fix: remove it (the budget sets train.steps, "
+                f"scheduler.interval sets eval_every and checkpoint.every)"
+            )
+        mutable = isinstance(space[key], (Range, IntRange, Choice))
+        if exp.scheduler.name in ("pbt", "pb2") and mutable and key.startswith(_STATIC_PREFIXES):
+            raise ConfigError(
+                f"space.{key}: {exp.scheduler.name} changes hyperparameters during a run, and {key} cannot "
+                f"change once training started; fix: make it a fixed value or use scheduler.name=asha/random"
+            )
+        if exp.scheduler.name == "pb2" and isinstance(space[key], Choice):
+            raise ConfigError(
+                f"space.{key}: pb2 searches continuous ranges only; fix: use a uniform/loguniform/int range "
+                f"or scheduler.name=pbt"
+            )
+    if exp.scheduler.name in ("pbt", "pb2") and not space.mutable:
+        raise ConfigError(f"space has no range or list for {exp.scheduler.name} to mutate; fix: add one")
+    if exp.scheduler.name == "pb2":
+        try:
+            import sklearn  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "scheduler.name=pb2 needs scikit-learn; fix: pip install scikit-learn"
+            ) from None
+    for i, member in enumerate(exp.initial):
+        for key, value in member.items():
+            if key not in space:
+                raise ConfigError(f"initial[{i}].{key} is not in space; fix: add space.{key} or remove it")
+            if not space.contains(key, value):
+                raise ConfigError(
+                    f"initial[{i}].{key}={value!r} lies outside space.{key}; fix: a value inside it"
+                )
+    _check_runs(exp, space)
+
+
+def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
+    """Validate runs from the narrowest change outwards, so that an error names its cause: the base
+    alone, then one key at a time (at each end of its range, at each choice), then each member."""
+    members = exp.members()
+    probes: list[tuple[str, dict[str, Any]]] = [("base", {})]
+    for key, p in space.items():
+        ends = p.bounds if isinstance(p, (Range, IntRange)) else p.values if isinstance(p, Choice) else ()
+        values = [int(v) if isinstance(p, IntRange) else v for v in ends] or [members[0][key]]
+        probes += [(f"space.{key}: the run at {key}={v!r} is invalid", {key: v}) for v in values]
+    probes += [(f"member {i}", m) for i, m in enumerate(members)]
+    for label, hparams in probes:
+        try:
+            cfg = exp.run_config(hparams, run_dir=str(exp.exp_dir / "probe"))
+        except ConfigError as e:
+            raise ConfigError(f"{label}: {e}") from None
+    check_inputs(cfg)
+
+
+def _yaml(value: Any) -> str:
+    """A value as a `--set` right-hand side (parsed back as YAML)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()

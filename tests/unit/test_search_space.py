@@ -1,0 +1,203 @@
+"""Search spaces: parsing, bounds-respecting explore, categorical neighbours; experiment config errors."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from search.config import load_experiment
+from search.space import Choice, Fixed, IntRange, Range, parse_space
+from trainers._base import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+SPACE = {
+    "optimizer.lr": {"loguniform": ["1e-4", 1e-2]},  # a YAML `1e-4` arrives as a string
+    "optimizer.weight_decay": {"uniform": [0.0, 0.2]},
+    "train.micro_batch_size": {"int": [1, 4]},
+    "schedule.name": ["constant", "warmup_cosine", "warmup_linear"],
+    "optimizer.grad_clip": 1.0,
+}
+
+
+def test_parse_each_kind():
+    space = parse_space(SPACE)
+    assert space["optimizer.lr"] == Range(1e-4, 1e-2, log=True)
+    assert space["optimizer.weight_decay"] == Range(0.0, 0.2)
+    assert space["train.micro_batch_size"] == IntRange(1, 4)
+    assert space["schedule.name"] == Choice(("constant", "warmup_cosine", "warmup_linear"))
+    assert space["optimizer.grad_clip"] == Fixed(1.0)
+    assert set(space.mutable) == set(SPACE) - {"optimizer.grad_clip"}
+
+
+def test_samples_lie_inside_and_log_ranges_spread_over_decades():
+    space, rng = parse_space(SPACE), random.Random(0)
+    samples = [space.sample(rng) for _ in range(2000)]
+    for s in samples:
+        assert all(space.contains(k, v) for k, v in s.items()), s
+    lrs = [s["optimizer.lr"] for s in samples]
+    below_1e3 = sum(lr < 1e-3 for lr in lrs) / len(lrs)
+    assert 0.45 < below_1e3 < 0.55  # log-uniform: half the mass in each decade
+
+
+@pytest.mark.parametrize("resample", [0.0, 0.25, 1.0])
+def test_explore_never_leaves_the_bounds(resample):
+    """Ray's default multiplies by 1.2/0.8 without clipping (ray #5035); ours stays inside, even after
+    many explore steps in a row from values sitting on the bounds."""
+    space, rng = parse_space(SPACE), random.Random(1)
+    edges = [
+        {"optimizer.lr": 1e-2, "optimizer.weight_decay": 0.2, "train.micro_batch_size": 4},
+        {"optimizer.lr": 1e-4, "optimizer.weight_decay": 0.0, "train.micro_batch_size": 1},
+    ]
+    for start in edges:
+        config = {**start, "schedule.name": "constant", "optimizer.grad_clip": 1.0}
+        for _ in range(300):
+            config, ops = space.explore(config, rng, resample_probability=resample, factors=(1.2, 0.8))
+            assert all(space.contains(k, v) for k, v in config.items()), (config, ops)
+            assert isinstance(config["train.micro_batch_size"], int)
+            assert config["optimizer.grad_clip"] == 1.0 and "optimizer.grad_clip" not in ops
+
+
+def test_explore_perturbs_by_a_factor_and_clips():
+    space = parse_space({"optimizer.lr": {"uniform": [0.1, 1.0]}})
+    seen = set()
+    for seed in range(40):
+        new, ops = space.explore({"optimizer.lr": 0.5}, random.Random(seed), resample_probability=0.0)
+        seen.add(round(new["optimizer.lr"], 9))
+        assert ops["optimizer.lr"] in ("* 1.2", "* 0.8")
+    assert seen == {0.6, 0.4}
+    new, _ = space.explore({"optimizer.lr": 0.95}, random.Random(3), 0.0, factors=(1.2,))
+    assert new["optimizer.lr"] == 1.0  # 1.14 clipped to the upper bound
+
+
+def test_small_integers_still_move():
+    space = parse_space({"train.micro_batch_size": {"int": [1, 8]}})
+    up, _ = space.explore({"train.micro_batch_size": 2}, random.Random(0), 0.0, factors=(1.2,))
+    down, _ = space.explore({"train.micro_batch_size": 2}, random.Random(0), 0.0, factors=(0.8,))
+    assert (up["train.micro_batch_size"], down["train.micro_batch_size"]) == (3, 1)
+
+
+def test_categorical_moves_to_a_neighbour_only():
+    space = parse_space({"k": ["a", "b", "c", "d"]})
+    moves = set()
+    for seed in range(100):
+        for start in "abcd":
+            new, op = space.explore({"k": start}, random.Random(seed), resample_probability=0.0)
+            moves.add((start, new["k"]))
+            assert op["k"].startswith("shift")
+    assert moves == {("a", "b"), ("b", "a"), ("b", "c"), ("c", "b"), ("c", "d"), ("d", "c")}
+
+
+def test_explore_is_a_pure_function_of_the_rng():
+    space = parse_space(SPACE)
+    config = space.sample(random.Random(5))
+    assert space.explore(config, random.Random(9)) == space.explore(config, random.Random(9))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"x": {"normal": [0, 1]}}, "space.x: unknown distribution (normal)"),
+        ({"x": {"uniform": [1, 0]}}, "space.x: uniform bounds [1.0, 0.0] are not low < high"),
+        ({"x": {"uniform": [0, "a"]}}, "space.x: uniform bounds [0, 'a'] are not numbers"),
+        ({"x": {"uniform": [0]}}, "space.x: uniform takes [low, high]"),
+        ({"x": {"loguniform": [0, 1]}}, "space.x: loguniform needs low > 0"),
+        ({"x": {"int": [1.5, 3]}}, "space.x: int bounds must be integers"),
+        ({"x": []}, "space.x: a categorical parameter needs a non-empty list"),
+        ({"x": [1, 2, 1]}, "space.x: the list [1, 2, 1] repeats a value"),
+        ({}, "space must map run-config keys to ranges"),
+    ],
+)
+def test_space_errors_are_one_line(raw, message):
+    with pytest.raises(ConfigError) as e:
+        parse_space(raw)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    assert "fix:" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------ experiment YAML
+
+
+def _experiment(tmp_path: Path, corpus: Path, **changes) -> Path:
+    raw = {
+        "name": "exp",
+        "base": str(EXAMPLES / "tiny-dense.yaml"),
+        "overrides": {"data.path": str(corpus)},
+        "space": {
+            "optimizer.lr": {"loguniform": [1e-4, 1e-2]},
+            "schedule.name": ["constant", "warmup_linear"],
+        },
+        "scheduler": {"name": "pbt", "interval": 10},
+        "population": 2,
+        "budget": {"steps": 40},
+        "storage": str(tmp_path / "runs"),
+    }
+    for key, value in changes.items():
+        node, *path = key.split("__")
+        target = raw
+        for part in [node, *path][:-1]:
+            target = target.setdefault(part, {})
+        target[[node, *path][-1]] = value
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_experiment_builds_each_members_run(tmp_path, corpus_dir):
+    exp = load_experiment(_experiment(tmp_path, corpus_dir, initial=[{"optimizer.lr": 1e-3}]))
+    members = exp.members()
+    assert members[0]["optimizer.lr"] == 1e-3 and len(members) == 2
+    cfg = exp.run_config(members[1], run_dir=str(tmp_path / "r"))
+    assert cfg.optimizer.lr == members[1]["optimizer.lr"]
+    assert (cfg.train.steps, cfg.train.eval_every, cfg.checkpoint.every) == (40, 10, 10)
+    assert Path(cfg.data.path).is_absolute()
+    assert exp.members() == members  # seeded
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"scheduler__name": "bohb"}, "scheduler.name="),
+        ({"scheduler__grace_period": 5}, "grace_period applies to asha only, not pbt"),
+        ({"populaton": 3}, "unknown key 'populaton'; fix: did you mean 'population'?"),
+        (
+            {"space__model.dim": {"int": [32, 64]}},
+            "space.model.dim: pbt changes hyperparameters during a run",
+        ),
+        ({"space__train.steps": 10}, "space.train.steps is set by the tune driver"),
+        (
+            {"space__optimizer.lrr": 0.1},
+            "space.optimizer.lrr: the run at optimizer.lrr=0.1 is invalid: unknown key 'optimizer.lrr'",
+        ),
+        (
+            {"space__optimizer.lr": {"uniform": [-1, 1]}},
+            "space.optimizer.lr: the run at optimizer.lr=-1.0 is invalid: optimizer.lr=-1.0",
+        ),
+        ({"initial": [{"optimizer.lr": 1.0}]}, "initial[0].optimizer.lr=1.0 lies outside space.optimizer.lr"),
+        ({"initial": [{}, {}, {}]}, "initial lists 3 members but population=2"),
+        ({"base": "nowhere.yaml"}, "nowhere.yaml: run YAML not found"),
+        ({"overrides__data.path": "/nonexistent"}, "data.path=/nonexistent: no manifest.json there"),
+    ],
+)
+def test_experiment_errors_are_one_line(tmp_path, corpus_dir, changes, message):
+    with pytest.raises(ConfigError) as e:
+        load_experiment(_experiment(tmp_path, corpus_dir, **changes))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "fix:" in str(e.value), str(e.value)
+
+
+def test_pb2_takes_continuous_ranges_only(tmp_path, corpus_dir):
+    with pytest.raises(ConfigError, match="pb2 searches continuous ranges only"):
+        load_experiment(_experiment(tmp_path, corpus_dir, scheduler={"name": "pb2", "interval": 10}))
+
+
+def test_asha_may_search_the_model(tmp_path, corpus_dir):
+    exp = load_experiment(
+        _experiment(
+            tmp_path, corpus_dir, scheduler={"name": "asha"}, **{"space__model.n_layers": {"int": [1, 2]}}
+        )
+    )
+    assert exp.search_space["model.n_layers"] == IntRange(1, 2)
