@@ -16,14 +16,23 @@ __all__ = ["main"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from trainers.config import check_inputs
-    from trainers.launch import run_local
-
+    """Train one run from a run YAML: on Ray (a local Ray started in this process unless --address
+    names a cluster), or in this process alone with --no-ray."""
     cfg = load_config(args.config, args.overrides)
-    check_inputs(cfg)  # fail before anything starts
-    result = run_local(cfg, progress=not args.no_progress)
+    if args.no_ray:
+        from trainers.config import check_inputs
+        from trainers.launch import run_local
+
+        check_inputs(cfg)  # fail before anything starts
+        result = run_local(cfg, progress=not args.no_progress)
+        sizes = ""
+    else:
+        from raytrain_ext.launcher import train
+
+        result = train(cfg, address=args.address, progress=not args.no_progress, callbacks=args.callbacks)
+        sizes = f", workers per attempt {result.world_sizes}"
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-    print(f"done: step {result.step}, val_loss {val}; results in {result.run_dir}")
+    print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
     return 0
 
 
@@ -65,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join: auto, ray://host:10001 or host:6379 (default: start a local Ray)",
+    )
+    train.add_argument("--no-ray", action="store_true", help="run in this process only, without Ray")
+    train.add_argument(
+        "--callback",
+        dest="callbacks",
+        action="append",
+        default=[],
+        metavar="MODULE:NAME",
+        help="a TrainerCallback built in every worker, e.g. mypkg.hooks:Notify(every=10) (repeatable)",
+    )
     train.set_defaults(func=_cmd_train)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
@@ -90,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytrain: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:
+        print(f"raytrain: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from raytrain_ext.launcher import RunFailedError
+
+        if not isinstance(e, RunFailedError):
+            raise
         print(f"raytrain: error: {e}", file=sys.stderr)
         return 1
 

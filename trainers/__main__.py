@@ -17,9 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train one run from a run YAML")
     train.add_argument("config")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        result = run_local(load_config(args.config, args.overrides))
+        result = run_local(load_config(args.config, args.overrides), progress=not args.no_progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "RunConfig",
+    "ScalingConfig",
     "ScheduleConfig",
     "TrainConfig",
     "apply_overrides",
@@ -118,6 +119,37 @@ class ParallelConfig(StrictModel):
     # on CPU; deepspeed stage 3: optimizer and parameters on CPU)
     offload: Literal["none", "optimizer", "all"] = "none"
     deepspeed_extra: dict[str, Any] = {}  # merged last into the generated DeepSpeed config (escape hatch)
+    # Pipeline and expert parallelism (engine fsdp): world size = pp x data-parallel size; ep divides the
+    # data-parallel size and model.moe.num_experts. See trainers/parallel/pipeline.py and expert.py.
+    pp: PositiveInt = 1  # pipeline-parallel degree (ranks per pipeline)
+    ep: PositiveInt = 1  # expert-parallel degree: each MoE layer's experts sharded over ep data-parallel ranks
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    virtual_stages: PositiveInt = 1  # pipeline stages per rank (interleaved_*: >= 2; zbv: 2)
+    n_microbatches: PositiveInt | None = None  # pipeline microbatches per step; None = the accumulation count
+
+    @model_validator(mode="after")
+    def _check_pipeline(self) -> ParallelConfig:
+        if (self.pp > 1 or self.ep > 1) and self.engine != "fsdp":
+            knob = f"pp={self.pp}" if self.pp > 1 else f"ep={self.ep}"
+            raise ValueError(f"{knob} needs engine=fsdp (got {self.engine}); fix: set parallel.engine=fsdp")
+        multi = self.pipeline_schedule in ("interleaved_1f1b", "interleaved_zb", "zbv")
+        if self.virtual_stages > 1 and not multi:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs an interleaved schedule (pipeline_schedule="
+                f"{self.pipeline_schedule} runs one stage per rank); fix: set pipeline_schedule=interleaved_1f1b"
+            )
+        if self.pp > 1 and multi and self.virtual_stages < 2:
+            raise ValueError(
+                f"pipeline_schedule={self.pipeline_schedule} needs virtual_stages >= 2; fix: set virtual_stages=2"
+            )
+        if self.pipeline_schedule == "zbv" and self.virtual_stages not in (1, 2):
+            raise ValueError("pipeline_schedule=zbv runs exactly 2 stages per rank; fix: set virtual_stages=2")
+        if self.pp == 1 and (self.virtual_stages > 1 or self.n_microbatches is not None):
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages}, n_microbatches={self.n_microbatches} with pp=1 (no "
+                f"pipeline); fix: set parallel.pp > 1 or remove them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
@@ -186,6 +218,50 @@ class CheckpointConfig(StrictModel):
     resume: str = "auto"  # auto (latest in run_dir, if any) | none | a checkpoint directory
 
 
+class ScalingConfig(StrictModel):
+    """Workers of a run on Ray (`raytrain train`); torchrun and single-process runs ignore it.
+
+    A fixed size is `num_workers: N`; an elastic run gives `min_workers`/`max_workers` and Ray restarts
+    the worker group at the new size when workers are lost or resources appear."""
+
+    num_workers: PositiveInt | None = None  # fixed size (default 1 when no min/max is given)
+    min_workers: PositiveInt | None = None  # elastic: start as soon as this many fit
+    max_workers: PositiveInt | None = None  # elastic: grow up to this many
+    use_gpu: bool = False  # one GPU per worker
+    cpus_per_worker: PositiveFloat = 1.0
+    max_failures: int = Field(3, ge=-1)  # worker-group restarts after a failure (-1 = unlimited)
+    resize_check_s: PositiveFloat = 60.0  # how often an elastic run looks for room to grow
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ScalingConfig:
+        elastic = self.min_workers is not None or self.max_workers is not None
+        if elastic and self.num_workers is not None:
+            raise ValueError(
+                "scaling: num_workers and min_workers/max_workers both set; fix: give num_workers for a "
+                "fixed size, or min_workers and max_workers for an elastic run"
+            )
+        if elastic and (self.min_workers is None or self.max_workers is None):
+            raise ValueError("scaling: an elastic run needs both min_workers and max_workers; fix: set both")
+        if elastic and self.min_workers > self.max_workers:
+            raise ValueError(
+                f"scaling.min_workers={self.min_workers} > scaling.max_workers={self.max_workers}; "
+                f"fix: swap them"
+            )
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers != self.max_workers
+
+    @property
+    def sizes(self) -> range:
+        """Every world size the run may have."""
+        if self.min_workers is not None:
+            return range(self.min_workers, self.max_workers + 1)
+        n = self.num_workers or 1
+        return range(n, n + 1)
+
+
 class RunConfig(StrictModel):
     name: str = "run"
     seed: int = 0
@@ -199,6 +275,7 @@ class RunConfig(StrictModel):
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    scaling: ScalingConfig = ScalingConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -210,12 +287,40 @@ class RunConfig(StrictModel):
             )
         if self.train.global_batch_size % self.train.micro_batch_size:
             self.train.accumulation(1)  # raises with the numbers
+        self._check_layout()
         if self.schedule.warmup_steps >= self.train.steps and self.schedule.name != "constant":
             raise ValueError(
                 f"schedule.warmup_steps={self.schedule.warmup_steps} >= train.steps={self.train.steps}; "
                 f"fix: shorten the warmup"
             )
         return self
+
+    def _check_layout(self) -> None:
+        """Pipeline and expert degrees against the model (the world size is checked by ParallelLayout)."""
+        par, model = self.parallel, self.model
+        stages = par.pp * par.virtual_stages
+        if stages > model.n_layers:
+            raise ValueError(
+                f"parallel.pp={par.pp} x virtual_stages={par.virtual_stages} = {stages} pipeline stages for "
+                f"model.n_layers={model.n_layers} (stages get whole blocks); fix: lower pp/virtual_stages"
+            )
+        if par.pp > 1 and model.tie_embeddings:
+            raise ValueError(
+                "model.tie_embeddings=true with parallel.pp > 1 (the embedding and head live on different "
+                "stages); fix: set model.tie_embeddings=false"
+            )
+        if par.pp > 1 and self.precision.dtype == "fp16":
+            raise ValueError(
+                "precision.dtype=fp16 with parallel.pp > 1 (no loss scaling inside pipeline schedules); "
+                "fix: use precision.dtype=bf16 or fp32"
+            )
+        if par.ep > 1 and model.moe is None:
+            raise ValueError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
+        if par.ep > 1 and model.moe.num_experts % par.ep:
+            raise ValueError(
+                f"parallel.ep={par.ep} does not divide model.moe.num_experts={model.moe.num_experts}; "
+                f"fix: use an ep that divides it"
+            )
 
     @property
     def out_dir(self) -> Path:

@@ -22,18 +22,24 @@ from trainers.checkpoint import Checkpointer, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.metrics import MetricsLog, peak_memory_bytes
-from trainers.models import build_model, flops_per_token, moe_stats, set_aux_grad_scale
+from trainers.models import build_model, flops_per_token
 from trainers.optim import LRSchedule
 from trainers.parallel import build_engine
 from trainers.parallel.ac import apply_activation_checkpointing
 from trainers.parallel.engine import Engine
 
-__all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback"]
+__all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_loss"]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (in fp32) of logits (B, S, V) against targets (B, S)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class TrainerCallback:
     """User hooks; every method is a no-op by default."""
 
+    def on_fit_start(self, trainer: Trainer) -> None: ...
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
     def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
@@ -104,6 +110,7 @@ class Trainer:
         path = self._resume_path()
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
+            self._emit("event", event="start", world_size=self.engine.world_size, accumulation=self.accum)
             return
         saved_optimizer = self.checkpointer.trainer_state(path).get("optimizer")
         same_optimizer = saved_optimizer == self.cfg.optimizer.name
@@ -124,6 +131,16 @@ class Trainer:
             world_size=self.engine.world_size,
             saved_world_size=trainer_state.get("world_size"),
         )
+        saved_world = trainer_state.get("world_size")
+        if saved_world is not None and saved_world != self.engine.world_size:
+            # An elastic restart (or a manual resume at another size): same global batch, new accumulation.
+            self._emit(
+                "event",
+                event="resize",
+                old_world_size=saved_world,
+                new_world_size=self.engine.world_size,
+                accumulation=self.accum,
+            )
 
     # ------------------------------------------------------------------------------------------- loop
 
@@ -132,6 +149,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.engine.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        for cb in self.callbacks:
+            cb.on_fit_start(self)
         bar = self._progress_bar()
         train_loss = val_loss = None
         try:
@@ -168,16 +187,10 @@ class Trainer:
         )
         lr = self.schedule.apply(step)
         self.engine.zero_grad()
-        set_aux_grad_scale(self.model, self.engine.loss_scale / self.accum)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, ids in enumerate(micro_batches):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.train_data.get(ids))
-            with self.engine.autocast():
-                logits = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            self.engine.backward(loss / self.accum, final_micro_batch=i == self.accum - 1)
-            loss_sum += loss.detach()
-        loss_value = float(self.engine.reduce_mean(loss_sum / self.accum))
+        batches = (
+            tuple(t.to(self.device, non_blocking=True) for t in self.train_data.get(ids)) for ids in micro_batches
+        )
+        loss_value = float(self.engine.reduce_mean(self.engine.forward_backward(batches, self.accum, lm_loss)))
         grad_norm, bad = math.nan, True
         if math.isfinite(loss_value):
             grad_norm, bad = self.engine.step(cfg.optimizer.grad_clip)
@@ -203,7 +216,7 @@ class Trainer:
         )
         if self.engine.loss_scale != 1.0:
             record["loss_scale"] = self.engine.loss_scale
-        record.update(moe_stats(self.model))
+        record.update(self.engine.moe_stats())
         self._emit("train", **record)
         for cb in self.callbacks:
             cb.after_step(self, record)
@@ -230,15 +243,9 @@ class Trainer:
         ids = shard_for_rank(
             eval_window_ids(self.val_data.num_windows, count), self.engine.dp_rank, self.engine.dp_size
         )
-        self.model.eval()
-        total = torch.zeros((), device=self.device)
         chunks = np.array_split(ids, max(len(ids) // cfg.train.micro_batch_size, 1))
-        for chunk in chunks:
-            inputs, targets = (t.to(self.device) for t in self.val_data.get(chunk))
-            with self.engine.autocast():
-                logits = self.model(inputs)
-            total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * len(chunk)
-        self.model.train()
+        batches = (tuple(t.to(self.device) for t in self.val_data.get(chunk)) for chunk in chunks)
+        total = self.engine.eval_loss(batches, lm_loss)
         val_loss = float(self.engine.reduce_mean(total / len(ids)))
         record = {"val_loss": val_loss}
         self._emit("eval", **record)

@@ -1,0 +1,121 @@
+"""The function every Ray Train worker runs: build our Trainer from the run config, restore, train, report.
+
+Checkpoints are written by the Trainer (DCP, atomic) straight into the Ray run's storage folder and handed
+to Ray with `CheckpointUploadMode.NO_UPLOAD`, so nothing is copied; `ray.train.get_checkpoint()` after a
+restart (a failure or an elastic resize) is the newest committed one and the Trainer reshards it to the
+new world size. Per-step metrics are persisted by the Trainer (`metrics.jsonl`), because Ray keeps only
+the metrics reported with a checkpoint.
+
+Failures that retrying cannot fix end the run instead of burning `max_failures` restarts:
+- a `ConfigError` or `NonFiniteLossError` raised inside the workers (every rank reaches it at the same
+  point, so they all return together) is written to `FAILED.json` and the run ends;
+- any other error before the run's first checkpoint is written to `FAILED.json` and re-raised; the restart
+  that follows sees the file and ends the run at once, with the cause.
+The launcher reads `FAILED.json` and raises the error in the driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray.train
+from ray.train import Checkpoint, CheckpointUploadMode
+
+from trainers._base import ConfigError, NonFiniteLossError
+from trainers.config import RunConfig, parse_config
+from trainers.launch import run_local
+from trainers.trainer import Trainer, TrainerCallback
+
+__all__ = ["FAILED_FILE", "ReportToRay", "load_callback", "train_fn"]
+
+FAILED_FILE = "FAILED.json"
+
+
+class ReportToRay(TrainerCallback):
+    """Hands each committed checkpoint to Ray (no copy), with the latest metrics. Every rank calls
+    `ray.train.report` the same number of times: checkpoints are collective."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.latest.update({k: v for k, v in record.items() if isinstance(v, (int, float))})
+
+    def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.latest.update(record)
+
+    def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        metrics = {**self.latest, "step": trainer.step, "world_size": trainer.engine.world_size}
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint.from_directory(str(path)),
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+
+
+def load_callback(spec: str) -> TrainerCallback:
+    """`package.module:Name` or `package.module:Name(key=value, ...)` with JSON-like literal values."""
+    target, _, args = spec.partition("(")
+    module, sep, name = target.partition(":")
+    if not sep:
+        raise ConfigError(f"callback {spec!r} is not module:Name; fix: e.g. mypkg.hooks:MyCallback")
+    factory = getattr(importlib.import_module(module.strip()), name.strip())
+    kwargs: dict[str, Any] = {}
+    if args.strip(")").strip():
+        import ast
+
+        call = ast.parse(f"f({args.rstrip(')')})", mode="eval").body
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    return factory(**kwargs)
+
+
+def _write_failed(run_dir: Path, error: BaseException, kind: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "kind": kind,
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": traceback.format_exception(error)[-8:],
+        "rank": int(os.environ.get("RANK", "0")),
+    }
+    tmp = run_dir / f".{FAILED_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, run_dir / FAILED_FILE)
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...]}."""
+    cfg: RunConfig = parse_config(config["run"])
+    run_dir = cfg.out_dir
+    failed = run_dir / FAILED_FILE
+    if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause
+        return
+    ray_checkpoint = ray.train.get_checkpoint()
+    if ray_checkpoint is not None:  # a restart, or a Tune exploit handing over another run's checkpoint
+        cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": ray_checkpoint.path})})
+    had_checkpoint = ray_checkpoint is not None or _has_checkpoint(cfg)
+    report = ReportToRay()
+    callbacks = [report, *(load_callback(spec) for spec in config.get("callbacks", []))]
+    try:
+        run_local(cfg, callbacks=callbacks, progress=False)
+    except (ConfigError, NonFiniteLossError) as e:
+        # Deterministic, reached by every rank at the same point: retrying cannot help.
+        if ray.train.get_context().get_world_rank() == 0:
+            _write_failed(run_dir, e, "fatal")
+        return
+    except Exception as e:
+        if not had_checkpoint and not _has_checkpoint(cfg):
+            # Failed before the run's first checkpoint: a restart would repeat the same steps from scratch.
+            _write_failed(run_dir, e, "early")
+        raise
+
+
+def _has_checkpoint(cfg: RunConfig) -> bool:
+    from trainers.checkpoint import Checkpointer
+
+    return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest() is not None
