@@ -63,9 +63,15 @@ def check_run(cfg: RunConfig) -> None:
             f"parallel.engine=none with up to {max(cfg.scaling.sizes)} workers; fix: set parallel.engine to "
             f"ddp, fsdp or deepspeed, or scaling.num_workers=1"
         )
+    pp = getattr(cfg.parallel, "pp", 1)
     for world in cfg.scaling.sizes:
+        if world % pp:
+            raise ConfigError(
+                f"scaling allows {_sizes_text(cfg)} workers but {world} is not a multiple of parallel.pp={pp}; "
+                f"fix: choose worker counts that are multiples of {pp}"
+            )
         try:
-            cfg.train.accumulation(world)
+            cfg.train.accumulation(world // pp)
         except ConfigError as e:
             raise ConfigError(f"at {world} workers (scaling allows {_sizes_text(cfg)}): {e}") from None
 

@@ -95,10 +95,10 @@ def train_fn(config: dict[str, Any]) -> None:
     failed = run_dir / FAILED_FILE
     if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause
         return
-    ray_checkpoint = ray.train.get_checkpoint()
-    if ray_checkpoint is not None:  # a restart, or a Tune exploit handing over another run's checkpoint
-        cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": ray_checkpoint.path})})
-    had_checkpoint = ray_checkpoint is not None or _has_checkpoint(cfg)
+    resume = resume_point(cfg, ray.train.get_checkpoint())
+    if resume is not None:
+        cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": str(resume)})})
+    had_checkpoint = resume is not None
     report = ReportToRay()
     callbacks = [report, *(load_callback(spec) for spec in config.get("callbacks", []))]
     try:
@@ -115,7 +115,36 @@ def train_fn(config: dict[str, Any]) -> None:
         raise
 
 
-def _has_checkpoint(cfg: RunConfig) -> bool:
+def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> Path | None:
+    """Where this attempt starts from.
+
+    - A checkpoint Ray hands over from outside this run's folder (a Tune exploit cloning another trial)
+      wins: the run continues from the donor.
+    - Otherwise the newer of Ray's latest registered checkpoint and our own newest committed one: a
+      worker lost right after a commit may die before Ray's controller has registered that report, and
+      a committed checkpoint is never thrown away.
+    - No checkpoint anywhere: `checkpoint.resume` from the run YAML decides (auto: none yet; or a path)."""
+    own = _latest_checkpoint(cfg)
+    if ray_checkpoint is not None:
+        given = Path(ray_checkpoint.path).resolve()
+        if not given.is_relative_to(cfg.out_dir.resolve()):
+            return given
+        if own is None or _step_of(given) >= _step_of(own):
+            return given
+    if own is not None and cfg.checkpoint.resume != "none":
+        return own
+    return None
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.rsplit("_", 1)[-1])
+
+
+def _latest_checkpoint(cfg: RunConfig) -> Path | None:
     from trainers.checkpoint import Checkpointer
 
-    return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest() is not None
+    return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest()
+
+
+def _has_checkpoint(cfg: RunConfig) -> bool:
+    return _latest_checkpoint(cfg) is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -18,11 +19,22 @@ def ray_local():
     import ray
 
     assert not ray.is_initialized(), "a Ray from another test module is still running"
-    auth_mode = os.environ.get("RAY_AUTH_MODE")
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False)
+    with ray_env_restored():
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_env_restored():
+    """ray.init sets variables for its children in this process (RAY_AUTH_MODE, PYTHONBREAKPOINT, ...):
+    put the environment back as it was."""
+    before = dict(os.environ)
     try:
-        yield ray
+        yield
     finally:
-        ray.shutdown()
-        if auth_mode is None:  # ray.init may have enabled token auth for its children
-            os.environ.pop("RAY_AUTH_MODE", None)
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)

@@ -1,0 +1,85 @@
+"""`ray job submit --working-dir . -- raytrain train ...` against a head started with `ray start --head` on
+loopback, with token authentication on (the token in the environment of both sides, never in a file we
+ship); a wrong token is refused."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_ext.launcher import wait_for
+from tests.conftest import tiny_raw
+from tests.dist.harness import free_port
+from trainers.metrics import read_metrics
+
+pytestmark = pytest.mark.ray
+
+BIN = Path(sys.executable).parent
+
+
+def _env(token: str) -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def head():
+    """A Ray head on loopback, owned by this test: stopped by its pid (SIGTERM drains and stops the
+    processes it started)."""
+    token = secrets.token_hex(16)
+    temp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    dashboard = free_port()
+    log = (temp / "head.log").open("w")
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=2",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp / 'ray'}"],
+        env={**_env(token), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "2"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        ready = "will now block forever"
+        wait_for(lambda: ready in (temp / "head.log").read_text() or proc.poll() is not None, 120, "the Ray head")
+        assert proc.poll() is None, (temp / "head.log").read_text()[-3000:]
+        yield f"http://127.0.0.1:{dashboard}", token
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _submit(address: str, token: str, workdir: Path, *argv: str) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "ray"), "job", "submit", f"--address={address}", f"--working-dir={workdir}", "--", *argv]
+    return subprocess.run(cmd, env=_env(token), capture_output=True, text=True, timeout=400)
+
+
+def test_ray_job_submit_runs_raytrain_train(head, corpus_dir, tmp_path):
+    address, token = head
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    run_dir = tmp_path / "runs" / "job"
+    raw = tiny_raw(corpus_dir, run_dir, parallel={"engine": "ddp"}, scaling={"num_workers": 2},
+                   train={"steps": 6, "eval_every": 3}, checkpoint={"every": 3})
+    (workdir / "run.yaml").write_text(yaml.safe_dump(raw))
+
+    refused = _submit(address, "not-the-token", workdir, "raytrain", "train", "run.yaml")
+    assert refused.returncode != 0 and "invalid authentication token" in (refused.stdout + refused.stderr).lower()
+
+    out = _submit(address, token, workdir, "raytrain", "train", "run.yaml", "--no-progress")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "succeeded" in out.stdout and "done: step 6" in out.stdout
+    rows = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, 7)) and {r["world_size"] for r in rows} == {2}
+    assert (run_dir / "checkpoints" / "step_00000006" / "COMMITTED").is_file()
