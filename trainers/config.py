@@ -314,6 +314,12 @@ class RunConfig(StrictModel):
                 "precision.dtype=fp16 with parallel.pp > 1 (no loss scaling inside pipeline schedules); "
                 "fix: use precision.dtype=bf16 or fp32"
             )
+        if par.pp > 1 and par.pipeline_schedule in ("interleaved_zb", "zbv") and par.zero_stage == 3:
+            raise ValueError(
+                f"parallel.zero_stage=3 with pipeline_schedule={par.pipeline_schedule}: zero-bubble schedules "
+                f"compute weight gradients after resharding would have freed the gathered weights; fix: set "
+                f"parallel.zero_stage=2 (or leave it unset)"
+            )
         if par.ep > 1 and model.moe is None:
             raise ValueError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
         if par.ep > 1 and model.moe.num_experts % par.ep:

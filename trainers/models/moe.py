@@ -9,7 +9,7 @@ MoEAuxLossAutoScaler), so forward stays tensor-in/tensor-out for pipeline stages
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,10 @@ __all__ = [
     "dispatch",
     "moe_layers",
     "moe_stats",
+    "moe_totals",
+    "reset_moe_stats",
     "set_aux_grad_scale",
+    "stats_from_totals",
 ]
 
 
@@ -114,6 +117,8 @@ class MoE(nn.Module):
         # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale).
         self.aux_grad_scale = 1.0
         self.last_stats: dict[str, Tensor] = {}
+        # Sums over the forwards since `reset_moe_stats` (a training step): see `_record`.
+        self.totals: Tensor | None = None
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.cfg.capacity_factor is None:
@@ -144,7 +149,8 @@ class MoE(nn.Module):
         """Coefficient-weighted Switch load-balancing loss + ST-MoE z-loss; records `last_stats`."""
         num_assignments = expert_ids.numel()
         # f_i counts assignments before dropping (Switch): the router is pushed by what it asked for.
-        f = torch.bincount(expert_ids.flatten(), minlength=self.cfg.num_experts).float() / num_assignments
+        requested = torch.bincount(expert_ids.flatten(), minlength=self.cfg.num_experts)
+        f = requested.float() / num_assignments
         balance = self.cfg.aux_loss_coef * self.cfg.num_experts * (f * probs.mean(dim=0)).sum()
         z_loss = self.cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
         kept = routing.tokens_per_expert.sum()
@@ -154,7 +160,19 @@ class MoE(nn.Module):
             "tokens_per_expert": routing.tokens_per_expert.detach(),
             "dropped_fraction": (1.0 - kept.float() / num_assignments).detach(),
         }
+        self._record(requested, routing.tokens_per_expert, balance, z_loss)
         return balance + z_loss
+
+    @torch.no_grad()
+    def _record(self, requested: Tensor, kept: Tensor, balance: Tensor, z_loss: Tensor) -> None:
+        """Add this forward to `totals` = [requested (E), kept (E), aux loss, z-loss, forwards]: sums, so
+        that the totals of several micro-batches (and ranks) add up. A forward re-run by activation
+        checkpointing inside backward (a graph task is running) is the same forward again: not counted."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        one = balance.new_ones(1)
+        row = torch.cat([requested.float(), kept.float(), balance.detach()[None], z_loss.detach()[None], one])
+        self.totals = row if self.totals is None else self.totals + row
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -169,17 +187,42 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
         m.aux_grad_scale = float(scale)
 
 
-def moe_stats(model: nn.Module) -> dict[str, float]:
-    """Router statistics of the last forward, over all MoE layers; {} for a dense model."""
-    stats = [m.last_stats for m in moe_layers(model) if m.last_stats]
-    if not stats:
+def reset_moe_stats(model: nn.Module) -> None:
+    """Start a new count (the trainer calls it at the start of each step)."""
+    for m in moe_layers(model):
+        m.totals = None
+
+
+def moe_totals(model: nn.Module) -> dict[int, Tensor]:
+    """Each MoE layer's `totals` since the last reset, keyed by its block index N (FQN `layers.N...`)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m.totals is not None:
+            out[int(name.split("layers.", 1)[1].split(".", 1)[0])] = m.totals
+    return out
+
+
+def stats_from_totals(totals: Tensor) -> dict[str, Any]:
+    """Router statistics from stacked `totals` rows (layers, 2E + 3), summed over micro-batches and ranks:
+    losses are means over forwards summed over layers; loads count token-assignments."""
+    if totals.numel() == 0:
         return {}
-    load = torch.stack([s["tokens_per_expert"] for s in stats]).float()  # (layers, E)
-    imbalance = load.max(dim=-1).values / load.mean(dim=-1).clamp_min(1e-9)
+    num_experts = (totals.shape[-1] - 3) // 2
+    requested, kept = totals[:, :num_experts], totals[:, num_experts : 2 * num_experts]
+    forwards = totals[:, -1].clamp_min(1)
+    imbalance = kept.max(dim=-1).values / kept.mean(dim=-1).clamp_min(1e-9)
     return {
-        "moe_aux_loss": sum(float(s["aux_loss"]) for s in stats),
-        "moe_z_loss": sum(float(s["z_loss"]) for s in stats),
-        "moe_dropped_fraction": sum(float(s["dropped_fraction"]) for s in stats) / len(stats),
+        "moe_aux_loss": float((totals[:, -3] / forwards).sum()),
+        "moe_z_loss": float((totals[:, -2] / forwards).sum()),
+        "moe_dropped_fraction": float(1.0 - kept.sum() / requested.sum().clamp_min(1)),  # x100: tokens dropped %
         "moe_load_imbalance": float(imbalance.mean()),  # max/mean tokens per expert, averaged over layers
         "moe_load_imbalance_max": float(imbalance.max()),  # the worst layer
+        "moe_tokens_per_expert": kept.round().long().tolist(),  # per layer: token-assignments each expert ran
     }
+
+
+def moe_stats(model: nn.Module) -> dict[str, Any]:
+    """Router statistics of the forwards since the last reset, over this process's MoE layers; {} for a
+    dense model. Engines that split the model or the batch sum `moe_totals` over ranks first."""
+    totals = moe_totals(model)
+    return stats_from_totals(torch.stack([totals[i] for i in sorted(totals)])) if totals else {}

@@ -12,7 +12,7 @@ __all__ = ["Engine", "LocalEngine", "ParallelLayout", "build_engine"]
 
 def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine:
     """The engine named by `parallel.engine`, over the running process group's layout."""
-    layout = layout or ParallelLayout.from_process_group()
+    layout = layout or ParallelLayout.from_process_group(pp=cfg.parallel.pp, ep=cfg.parallel.ep)
     device = device_for_rank()
     engine = cfg.parallel.engine
     if engine == "none":
@@ -22,6 +22,10 @@ def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine
                 f"ddp, fsdp or deepspeed"
             )
         return LocalEngine(device)
+    if layout.pp > 1:
+        from trainers.parallel.pipeline import PipelineEngine
+
+        return PipelineEngine(layout, device)
     if engine in ("ddp", "fsdp"):
         from trainers.parallel.native import DDPEngine, FSDPEngine
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,10 +18,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainers.checkpoint import CheckpointBackend, DCPBackend, ModelOptimizerState
 from trainers.config import OptimizerConfig, RunConfig
+from trainers.models.moe import moe_stats, reset_moe_stats, set_aux_grad_scale
 from trainers.optim import apply_hparams, build_optimizer
 from trainers.precision import Precision
 
-__all__ = ["Engine", "LocalEngine"]
+__all__ = ["Batch", "Engine", "LocalEngine", "LossFn"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch, on the engine's device
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
 
 
 class Engine:
@@ -59,6 +64,37 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.precision.loss_scale
+
+    def forward_backward(self, batches: Iterable[Batch], count: int, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward over this step's `count` micro-batches on this rank, gradients accumulated
+        (and synced on the final one). Returns this rank's mean loss, detached. A pipeline engine runs
+        its schedule here instead."""
+        reset_moe_stats(self.model)
+        set_aux_grad_scale(self.model, self.loss_scale / count)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            with self.autocast():
+                output = self.model(inputs)
+            loss = loss_fn(output, targets)
+            self.backward(loss / count, final_micro_batch=i == count - 1)
+            loss_sum += loss.detach()
+        return loss_sum / count
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Iterable[Batch], loss_fn: LossFn) -> torch.Tensor:
+        """Sum over `batches` of mean loss x batch size, on this rank (model in eval mode meanwhile)."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            with self.autocast():
+                output = self.model(inputs)
+            total += loss_fn(output, targets) * len(inputs)
+        self.model.train()
+        return total
+
+    def moe_stats(self) -> dict[str, Any]:
+        """Router statistics of this step (see `trainers.models.moe_stats`); {} for a dense model."""
+        return moe_stats(self.model)
 
     def backward(self, loss: torch.Tensor, final_micro_batch: bool) -> None:
         """`loss` is already divided by the number of micro-batches; grads sync on the final one."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainers._base import ConfigError
-from trainers.config import PrecisionConfig, RunConfig
+from trainers.config import ModelConfig, PrecisionConfig, RunConfig
+from trainers.models.moe import moe_totals, stats_from_totals
 from trainers.optim import build_optimizer
 from trainers.parallel.engine import Engine
+from trainers.parallel.expert import apply_expert_parallel, expert_params, sync_expert_grads
 from trainers.parallel.layout import ParallelLayout
 from trainers.precision import Precision
 
@@ -42,14 +45,37 @@ class _DataParallelEngine(Engine):
         super().__init__(device)
         self.layout = layout
         self.dp_rank, self.dp_size, self.world_size = layout.dp_rank, layout.dp, layout.world_size
-        self.mesh = layout.mesh()
-        self.dp_group = self.mesh.get_group("dp")
+        self.mesh = layout.dp_mesh()
+        self.dp_group = self.mesh.get_group()
+        self.model_cfg: ModelConfig | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.layout.rank == 0  # with pipeline stages, every stage has a dp rank 0
+
+    def setup(self, model: nn.Module, cfg: RunConfig) -> None:
+        self.model_cfg = cfg.model
+        super().setup(model, cfg)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         # SUM then divide: gloo has no AVG. A copy: the caller's tensor stays this rank's value.
         total = value.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
         return total / self.dp_size
+
+    def moe_stats(self) -> dict[str, Any]:
+        """Router statistics summed over every rank: data-parallel ranks route their own tokens, and with
+        pipeline stages each layer lives on one stage. One all-reduce over all ranks of a zero-padded
+        (layers, 2E + 3) table does both."""
+        moe = self.model_cfg.moe if self.model_cfg is not None else None
+        if moe is None:
+            return {}
+        table = torch.zeros(self.model_cfg.n_layers, 2 * moe.num_experts + 3, device=self.device)
+        for layer, totals in moe_totals(self.model).items():
+            table[layer] = totals
+        dist.all_reduce(table, op=dist.ReduceOp.SUM)
+        rows = [i for i in range(self.model_cfg.n_layers) if self.model_cfg.is_moe_layer(i)]
+        return stats_from_totals(table[rows])
 
 
 class DDPEngine(_DataParallelEngine):
@@ -79,8 +105,9 @@ class FSDPEngine(_DataParallelEngine):
     name = "fsdp"
 
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
+        self.model_cfg = cfg.model
         self.offload = cfg.parallel.offload == "all"
-        self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group)
+        self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group, self.layout.pp_group())
         self.fsdp_options = fsdp_options(cfg, self.mesh, self.precision.mp_policy())
         self.model = self.wrap(model)
         # After sharding: the optimizer must hold the DTensor shards, not the full tensors.
@@ -88,7 +115,20 @@ class FSDPEngine(_DataParallelEngine):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # With CPU offload the shards live on the CPU: leave the model there (FSDP2 moves it).
-        return apply_fsdp(model if self.offload else model.to(self.device), **self.fsdp_options)
+        model = model if self.offload else model.to(self.device)
+        if self.layout.ep > 1:  # experts first: FSDP then leaves the expert shards alone
+            apply_expert_parallel(model, self.layout.ep_mesh())
+        return apply_fsdp(model, **self.fsdp_options)
+
+    def backward(self, loss: torch.Tensor, final_micro_batch: bool) -> None:
+        super().backward(loss, final_micro_batch)
+        if final_micro_batch:
+            self.finish_grads()
+
+    def finish_grads(self) -> None:
+        """After the step's last backward: FSDP has averaged dense gradients over dp; experts' next."""
+        if self.layout.ep > 1:
+            sync_expert_grads(self.model, self.layout.edp_group(), self.dp_size)
 
     @contextlib.contextmanager
     def no_sync(self, final_micro_batch: bool) -> Iterator[None]:
@@ -119,11 +159,16 @@ def apply_fsdp(model: nn.Module, **options) -> nn.Module:
     the root, which takes what no block claimed: embeddings, final norm, output head.
 
     Blocks may already be activation-checkpoint wrappers: FSDP sits outside AC, so recomputation in
-    backward runs inside the block's all-gathered window."""
+    backward runs inside the block's all-gathered window. Expert-parallel weights are left out (see
+    `trainers.parallel.expert`)."""
     for block in model.layers.values():
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+        fully_shard(block, **options, **_ignoring(expert_params(block)))
+    fully_shard(model, **options, **_ignoring(expert_params(model)))
     return model
+
+
+def _ignoring(params: list[nn.Parameter]) -> dict:
+    return {"ignored_params": set(params)} if params else {}
 
 
 class ShardedPrecision(Precision):
@@ -137,8 +182,15 @@ class ShardedPrecision(Precision):
     activations that autocast keeps in fp32 (the residual stream), and the loss scaler only rescues
     gradients. The price is fp32 all-gathers. Its scaler all-reduces found-inf: each rank sees a shard."""
 
-    def __init__(self, cfg: PrecisionConfig, device: torch.device, group: dist.ProcessGroup):
+    def __init__(
+        self,
+        cfg: PrecisionConfig,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(cfg, device)
+        self.pp_group = pp_group  # pipeline stages hold different parameters: norms add up over it
         self.param_dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
         if self.scaler is not None:
             self.scaler = ShardedGradScaler(
@@ -164,12 +216,29 @@ class ShardedPrecision(Precision):
                 # DTensor warns that it replicates them, which is what is meant.
                 warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
                 self.scaler.unscale_(opt)
-        params = [p for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        # The norm of local shards is a Partial DTensor: full_tensor() all-reduces it into the norm a
-        # single process computes over the whole gradients (torchtitan's dist_utils.clip_grad_norm_).
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        groups = _by_mesh([p for p in params if p.grad is not None])
+        norms = [_norm([p.grad for p in group]) for group in groups]
+        norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+        if self.pp_group is not None:
+            square = norm.square()
+            dist.all_reduce(square, op=dist.ReduceOp.SUM, group=self.pp_group)
+            norm = square.sqrt()
         if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            for group in groups:  # one mesh per call: foreach kernels do not mix DTensor meshes
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return float(norm)
+
+
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters grouped by DTensor mesh (dense shards on dp, expert shards on ep), in first-seen order."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(groups.values()) or [[]]
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads)
+    # The norm of local shards is a Partial DTensor: full_tensor() all-reduces it into the norm a
+    # single process computes over the whole gradients (torchtitan's dist_utils.clip_grad_norm_).
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

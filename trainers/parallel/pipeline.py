@@ -1,0 +1,314 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`, composed with FSDP2 and expert parallelism
+the way torchtitan composes them (`distributed/pipeline_parallel.py`):
+
+1. split: the blocks are cut into pp x virtual_stages contiguous stages balanced by a cost estimate
+   (forward FLOPs per token of each block, so MoE blocks weigh what their top-k experts cost); stage 0
+   also holds the embedding, the last stage the final norm and the head;
+2. this rank keeps the blocks of its stages (looped, or V-shaped for ZBV) and drops the others; each
+   stage is a `Transformer` shell over the kept modules (the model file's own stage form);
+3. the same parallelize steps as without a pipeline run on the kept part: experts sharded over ep, then
+   FSDP2 per block and per stage root over this stage's dp ranks; the optimizer over all of it;
+4. a schedule (GPipe, 1F1B, Interleaved 1F1B, Interleaved zero-bubble, ZBV zero-bubble) runs each
+   step's microbatches; the last stage's loss goes to every rank of the pipeline.
+
+The kept part keeps the whole model's parameter names (`layers.N...`), so checkpoints are the same
+DCP folders as without a pipeline and load at another dp, pp or ep (DCP reshards by name).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from trainers._base import ConfigError
+from trainers.checkpoint import ModelOptimizerState
+from trainers.config import ModelConfig, OptimizerConfig, RunConfig
+from trainers.models import Transformer, build_model
+from trainers.models.moe import reset_moe_stats, set_aux_grad_scale
+from trainers.optim import build_optimizer
+from trainers.parallel.engine import Batch, LossFn
+from trainers.parallel.expert import apply_expert_parallel, expert_params
+from trainers.parallel.layout import ParallelLayout
+from trainers.parallel.native import FSDPEngine, ShardedPrecision, _ignoring, fsdp_options
+
+__all__ = ["PipelineEngine", "PartitionedState", "block_costs", "split_stages"]
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+_SINGLE_STAGE = ("gpipe", "1f1b")
+_SPLIT_BACKWARD = ("interleaved_zb", "zbv")  # zero-bubble: input and weight gradients in separate passes
+
+
+# ------------------------------------------------------------------------------------------ the split
+
+
+def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each block: 2 x the matmul weights a token uses (attention, and the
+    SwiGLU or the router + top_k experts) + the attention scores and values (4 x seq x dim)."""
+    attention = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim + 4 * seq_len * cfg.dim
+    swiglu = 2 * 3 * cfg.dim * cfg.hidden_dim
+    costs = []
+    for i in range(cfg.n_layers):
+        moe = cfg.moe if cfg.is_moe_layer(i) else None
+        ffn = swiglu if moe is None else 2 * cfg.dim * moe.num_experts + moe.top_k * swiglu
+        costs.append(float(attention + ffn))
+    return costs
+
+
+def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
+    """Contiguous blocks per stage, each stage at least one, minimising the costliest stage (exact, by
+    dynamic programming over prefixes). Equal costs give equal block counts; when counts cannot be
+    equal, later stages get the extra blocks (the first stage also runs the embedding... and the last
+    the head: the split leaves both to the tie-break)."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ConfigError(f"{num_stages} pipeline stages for {n} blocks; fix: use at most {n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][j]: the smallest max-stage cost of the first j blocks in k stages; cut[k][j]: its last cut
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):  # the k-th stage holds blocks i..j-1
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost <= best[k][j] * (1 + 1e-12):  # <=: the latest cut wins ties (smaller last stages)
+                    best[k][j], cut[k][j] = cost, i
+    stages, j = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][j]
+        stages.append(list(range(i, j)))
+        j = i
+    return stages[::-1]
+
+
+def _stage_module(part: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """A `Transformer` over modules of `part` (shared, not copied): blocks `layer_ids`, the embedding
+    when `first`, the final norm and head when `last` (see Transformer's docstring on stages)."""
+    with torch.device("meta"):
+        stage = Transformer(part.cfg)
+    stage.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in layer_ids})
+    stage.embed_tokens = part.embed_tokens if first else None
+    stage.norm = part.norm if last else None
+    stage.lm_head = part.lm_head if last else None
+    stage.rope_cos, stage.rope_sin = part.rope_cos, part.rope_sin
+    return stage
+
+
+def _keep_only(model: Transformer, layer_ids: set[int], first: bool, last: bool) -> None:
+    """Drop what this rank's stages do not hold: it keeps the whole model's FQNs for what remains."""
+    for name in [n for n in model.layers if int(n) not in layer_ids]:
+        del model.layers[name]
+    if not first:
+        model.embed_tokens = None
+    if not last:
+        model.norm, model.lm_head = None, None
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+class PipelineEngine(FSDPEngine):
+    """FSDP2 over each pipeline stage's dp ranks, a `torch.distributed.pipelining` schedule across the
+    stages. `model` is this rank's part of the whole model (its stages' modules, whole-model FQNs)."""
+
+    name = "fsdp"
+
+    def __init__(self, layout: ParallelLayout, device: torch.device):
+        super().__init__(layout, device)
+        self.pp_group = layout.pp_group()
+
+    def setup(self, model: nn.Module, cfg: RunConfig) -> None:
+        par = cfg.parallel
+        self.model_cfg, self.optimizer_cfg = cfg.model, cfg.optimizer
+        self.offload = par.offload == "all"
+        self.v_shape = par.pipeline_schedule == "zbv"
+        self.num_stages = self.layout.pp * (2 if self.v_shape else par.virtual_stages)
+        self.split = split_stages(block_costs(cfg.model, cfg.data.seq_len), self.num_stages)
+        self.stage_ids = self.layout.stage_ids(par.virtual_stages, self.v_shape)
+        first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        _keep_only(model, {i for s in self.stage_ids for i in self.split[s]}, first, last)
+        self.has_first, self.has_last = first, last
+
+        self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group, self.pp_group)
+        options = fsdp_options(cfg, self.mesh, self.precision.mp_policy())
+        if par.pipeline_schedule in _SPLIT_BACKWARD:
+            # Their backward runs in two passes (input, then weight gradients) over the autograd graph of
+            # the gathered parameters: resharding after forward would take them out of it (ZeRO-2 here).
+            options["reshard_after_forward"] = False
+        model = model if self.offload else model.to(self.device)
+        if self.layout.ep > 1:
+            apply_expert_parallel(model, self.layout.ep_mesh())
+        parts = [
+            _stage_module(model, self.split[s], s == 0, s == self.num_stages - 1) for s in self.stage_ids
+        ]
+        for block in model.layers.values():  # FSDP as without a pipeline: each block, then each stage root
+            fully_shard_block(block, options)
+        for part in parts:
+            fully_shard_block(part, options)
+        self.model, self.parts = model, parts
+        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.n_microbatches = self._n_microbatches(cfg)
+        self.stages = [self._stage(part, s, cfg) for part, s in zip(parts, self.stage_ids)]
+        self.schedule = self._schedule(par.pipeline_schedule)
+
+    def _n_microbatches(self, cfg: RunConfig) -> int:
+        local_batch = cfg.train.global_batch_size // self.dp_size
+        n = cfg.parallel.n_microbatches or cfg.train.accumulation(self.dp_size)
+        if local_batch % n:
+            raise ConfigError(
+                f"parallel.n_microbatches={n} does not divide the {local_batch} samples each pipeline runs per "
+                f"step (train.global_batch_size / data-parallel size {self.dp_size}); fix: use a divisor"
+            )
+        self.microbatch_size = local_batch // n
+        return n
+
+    def _stage(self, part: nn.Module, index: int, cfg: RunConfig) -> PipelineStage:
+        """A stage with its input and output shapes given, so no shape-inference pass runs (static mode):
+        such a pass would route dummy tokens through the experts and count them in the MoE statistics."""
+        b, s, m = self.microbatch_size, cfg.data.seq_len, cfg.model
+        act = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32  # FSDP's param dtype
+
+        def meta(*shape: int, dtype: torch.dtype = act) -> torch.Tensor:  # activations carry gradients
+            return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+        inputs = meta(b, s, dtype=torch.long) if index == 0 else meta(b, s, m.dim)
+        outputs = meta(b, s, m.vocab_size) if index == self.num_stages - 1 else meta(b, s, m.dim)
+        return PipelineStage(
+            part, index, self.num_stages, self.device, input_args=inputs, output_args=outputs, group=self.pp_group
+        )
+
+    def _schedule(self, name: str) -> Any:
+        cls = SCHEDULES[name]
+        stages = self.stages[0] if name in _SINGLE_STAGE else self.stages
+        try:
+            return cls(stages, n_microbatches=self.n_microbatches, loss_fn=self._loss)
+        except ValueError as e:
+            raise ConfigError(
+                f"parallel.pipeline_schedule={name} with {self.n_microbatches} microbatches on pp="
+                f"{self.layout.pp}: {e}; fix: change parallel.n_microbatches (or train.micro_batch_size)"
+            ) from None
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def forward_backward(self, batches: Iterable[Batch], count: int, loss_fn: LossFn) -> torch.Tensor:
+        """The whole step's batch through the schedule, split into `n_microbatches`; returns the mean
+        loss, from the last stage, on every rank of the pipeline."""
+        self._loss_fn = loss_fn
+        reset_moe_stats(self.model)
+        # The schedule divides every gradient by n_microbatches after the last backward: the aux losses'
+        # gradient must not be divided before (each microbatch's task loss is not either).
+        set_aux_grad_scale(self.model, self.loss_scale)
+        inputs, targets = (torch.cat(t) for t in zip(*batches))
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        self.finish_grads()
+        loss = torch.stack(losses).mean() if self.has_last else torch.zeros((), device=self.device)
+        return self._from_last_stage(loss.detach().float())
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target)
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """Every rank of the pipeline gets the last stage's value (zero elsewhere, then summed)."""
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return value
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Iterable[Batch], loss_fn: LossFn) -> torch.Tensor:
+        """Forward only, stage by stage, without a schedule (validation batches may differ in size from
+        the training microbatches the schedule's buffers are sized for). Activations travel in fp32."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            h = inputs
+            for s in range(self.num_stages):
+                owner = self.layout.stage_owner(s, self.v_shape)
+                if owner != self.layout.pp_rank:
+                    continue
+                if s > 0 and self.layout.stage_owner(s - 1, self.v_shape) != owner:
+                    h = torch.empty(*inputs.shape, self.model_cfg.dim, device=self.device)
+                    dist.recv(h, group=self.pp_group, group_src=self.layout.stage_owner(s - 1, self.v_shape))
+                with self.autocast():
+                    h = self.parts[self.stage_ids.index(s)](h)
+                if s < self.num_stages - 1 and self.layout.stage_owner(s + 1, self.v_shape) != owner:
+                    dist.send(h.float(), group=self.pp_group, group_dst=self.layout.stage_owner(s + 1, self.v_shape))
+            if self.has_last:
+                total += loss_fn(h, targets) * len(inputs)
+        self.model.train()
+        return self._from_last_stage(total)
+
+    # ------------------------------------------------------------------------------------ checkpoint
+
+    def checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        return {"app": PartitionedState(self.model, self.optimizer, with_optimizer, self.optimizer_cfg)}
+
+
+def fully_shard_block(module: nn.Module, options: dict) -> None:
+    fully_shard(module, **options, **_ignoring(expert_params(module)))
+
+
+class PartitionedState(ModelOptimizerState):
+    """One rank's part of the model and optimizer under the whole model's FQNs. Tensors are saved by
+    name, each by the rank holding it; the optimizer's param_groups (a list, one object in the
+    checkpoint) are written as a single process writes them: the whole model's parameter names with this
+    run's hyperparameters, the same on every rank. So the folder is the one a single process or a
+    pipeline of any depth saves, and loads into either (only this rank's names are applied on load)."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool, cfg: OptimizerConfig
+    ):
+        super().__init__(model, optimizer, with_optimizer)
+        self.cfg = cfg
+        self.local_groups: list[dict] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if "optim" in state:
+            self.local_groups = state["optim"]["param_groups"]
+            whole = _whole_model_groups(self.model.cfg, self.cfg)
+            state["optim"]["param_groups"] = [
+                {**group, "params": whole[group["decay"]]} for group in self.local_groups
+            ]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "optim" in state:
+            local = {g["decay"]: g["params"] for g in self.local_groups}
+            state["optim"]["param_groups"] = [
+                {**g, "params": local[g["decay"]]} for g in state["optim"]["param_groups"] if g["decay"] in local
+            ]
+        super().load_state_dict(state)
+
+
+def _whole_model_groups(model_cfg: ModelConfig, cfg: OptimizerConfig) -> dict[bool, list[str]]:
+    """Parameter names of each optimizer group (by its `decay` flag) of the whole model, in the order a
+    single process's optimizer holds them (a meta-device build: no memory, no init)."""
+    model = build_model(model_cfg, device="meta")
+    names = {id(p): name for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, cfg)
+    return {g["decay"]: [names[id(p)] for p in g["params"]] for g in optimizer.param_groups}
