@@ -1,0 +1,82 @@
+"""The Ray launcher's checks that run before any worker starts, and where a restarted attempt resumes."""
+
+from __future__ import annotations
+
+import pytest
+from ray.train import Checkpoint
+
+from raytrain_ext.cli import main
+from raytrain_ext.launcher import build_trainer, check_run
+from raytrain_ext.worker import load_callback, resume_point
+from trainers.checkpoint import Checkpointer
+from trainers.config import ConfigError, parse_config
+from tests.conftest import tiny_raw
+
+
+def test_scaling_sizes_and_errors(corpus_dir, tmp_path):
+    cfg = parse_config(tiny_raw(corpus_dir, tmp_path, scaling={"min_workers": 1, "max_workers": 4}))
+    assert cfg.scaling.elastic and list(cfg.scaling.sizes) == [1, 2, 3, 4]
+    assert list(parse_config(tiny_raw(corpus_dir, tmp_path)).scaling.sizes) == [1]
+    for bad, key in [({"min_workers": 3, "max_workers": 2}, "scaling.min_workers=3"),
+                     ({"num_workers": 2, "max_workers": 2}, "num_workers and min_workers"),
+                     ({"min_workers": 2}, "needs both")]:
+        with pytest.raises(ConfigError, match=key) as e:
+            parse_config(tiny_raw(corpus_dir, tmp_path, scaling=bad))
+        assert "\n" not in str(e.value) and "fix:" in str(e.value)
+
+
+def test_every_elastic_size_must_keep_the_global_batch(corpus_dir, tmp_path):
+    # global 8 = micro 4 x accumulation x dp: fine at 1 and 2 workers, impossible at 3.
+    cfg = parse_config(tiny_raw(corpus_dir, tmp_path, parallel={"engine": "ddp"},
+                                scaling={"min_workers": 1, "max_workers": 3}))
+    with pytest.raises(ConfigError, match=r"at 3 workers \(scaling allows 1\.\.3\): train.global_batch_size=8"):
+        check_run(cfg)
+    check_run(cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"max_workers": 2})}))
+
+
+def test_unsharded_engine_refused_for_several_workers(corpus_dir, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(tiny_raw(corpus_dir, tmp_path / "r", scaling={"num_workers": 2})))
+    assert main(["train", str(path), "--no-progress"]) == 2  # before Ray starts
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "parallel.engine=none with up to 2 workers; fix:" in err
+
+
+def test_trainer_built_from_yaml(corpus_dir, tmp_path):
+    cfg = parse_config(tiny_raw(corpus_dir, tmp_path / "runs" / "x", parallel={"engine": "fsdp"},
+                                scaling={"min_workers": 1, "max_workers": 2, "max_failures": 5}))
+    trainer = build_trainer(cfg)
+    assert trainer.scaling_config.num_workers == (1, 2)
+    assert trainer.run_config.failure_config.max_failures == 5
+    assert trainer.run_config.storage_path == str((tmp_path / "runs").resolve())
+    assert trainer.run_config.name == "x"
+
+
+def _commit(root, step):
+    path = root / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "COMMITTED").write_text("")
+    return path
+
+
+def test_resume_point(corpus_dir, tmp_path):
+    cfg = parse_config(tiny_raw(corpus_dir, tmp_path / "run"))
+    assert resume_point(cfg, None) is None
+    s10, s20 = _commit(cfg.out_dir, 10), _commit(cfg.out_dir, 20)
+    assert Checkpointer(cfg.out_dir / "checkpoints", 3).latest() == s20
+    # Ray registered step 10 only (the worker died before step 20's report reached the controller).
+    assert resume_point(cfg, Checkpoint.from_directory(str(s10))) == s20.resolve()
+    assert resume_point(cfg, Checkpoint.from_directory(str(s20))) == s20.resolve()
+    assert resume_point(cfg, None) == s20
+    # A checkpoint from outside this run (a Tune exploit's donor) wins even when older.
+    donor = _commit(tmp_path / "donor", 5)
+    assert resume_point(cfg, Checkpoint.from_directory(str(donor))) == donor.resolve()
+
+
+def test_callback_specs():
+    cb = load_callback("tests.ray.hooks:KillMeAtStep(step=3, rank=1)")
+    assert (cb.step, cb.rank) == (3, 1)
+    with pytest.raises(ConfigError, match="is not module:Name"):
+        load_callback("tests.ray.hooks.KillMeAtStep")
