@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/run.py --data $(DATA)
 	$(PY) bench/zero_memory.py --data $(DATA)
+	$(PY) bench/ray_recovery.py --data $(DATA)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
