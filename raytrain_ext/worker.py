@@ -31,9 +31,14 @@ from trainers.config import RunConfig, parse_config
 from trainers.launch import run_local
 from trainers.trainer import Trainer, TrainerCallback
 
-__all__ = ["FAILED_FILE", "ReportToRay", "load_callback", "train_fn"]
+__all__ = ["FAILED_FILE", "ReportToRay", "StopRun", "load_callback", "train_fn"]
 
 FAILED_FILE = "FAILED.json"
+
+
+class StopRun(Exception):
+    """Raised by a TrainerCallback on every rank at the same step to end the run there on purpose (a Tune
+    segment's last step, after its checkpoint was reported): the workers return normally."""
 
 
 class ReportToRay(TrainerCallback):
@@ -103,6 +108,8 @@ def train_fn(config: dict[str, Any]) -> None:
     callbacks = [report, *(load_callback(spec) for spec in config.get("callbacks", []))]
     try:
         run_local(cfg, callbacks=callbacks, progress=False)
+    except StopRun:
+        return
     except (ConfigError, NonFiniteLossError) as e:
         # Deterministic, reached by every rank at the same point: retrying cannot help.
         if ray.train.get_context().get_world_rank() == 0:
