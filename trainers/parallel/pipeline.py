@@ -76,9 +76,8 @@ def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
 
 def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
     """Contiguous blocks per stage, each stage at least one, minimising the costliest stage (exact, by
-    dynamic programming over prefixes). Equal costs give equal block counts; when counts cannot be
-    equal, later stages get the extra blocks (the first stage also runs the embedding... and the last
-    the head: the split leaves both to the tie-break)."""
+    dynamic programming over prefixes). Equal costs give equal block counts; where they cannot be equal,
+    earlier stages get the extra blocks (the last stage also runs the head and the loss)."""
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ConfigError(f"{num_stages} pipeline stages for {n} blocks; fix: use at most {n} stages")
@@ -196,7 +195,13 @@ class PipelineEngine(FSDPEngine):
         inputs = meta(b, s, dtype=torch.long) if index == 0 else meta(b, s, m.dim)
         outputs = meta(b, s, m.vocab_size) if index == self.num_stages - 1 else meta(b, s, m.dim)
         return PipelineStage(
-            part, index, self.num_stages, self.device, input_args=inputs, output_args=outputs, group=self.pp_group
+            part,
+            index,
+            self.num_stages,
+            self.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=self.pp_group,
         )
 
     def _schedule(self, name: str) -> Any:
@@ -224,7 +229,9 @@ class PipelineEngine(FSDPEngine):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = targets if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        self.schedule.step(
+            *args, target=target, losses=losses if self.has_last else None, return_outputs=False
+        )
         self.finish_grads()
         loss = torch.stack(losses).mean() if self.has_last else torch.zeros((), device=self.device)
         return self._from_last_stage(loss.detach().float())
@@ -256,7 +263,9 @@ class PipelineEngine(FSDPEngine):
                 with self.autocast():
                     h = self.parts[self.stage_ids.index(s)](h)
                 if s < self.num_stages - 1 and self.layout.stage_owner(s + 1, self.v_shape) != owner:
-                    dist.send(h.float(), group=self.pp_group, group_dst=self.layout.stage_owner(s + 1, self.v_shape))
+                    dist.send(
+                        h.float(), group=self.pp_group, group_dst=self.layout.stage_owner(s + 1, self.v_shape)
+                    )
             if self.has_last:
                 total += loss_fn(h, targets) * len(inputs)
         self.model.train()
@@ -300,7 +309,9 @@ class PartitionedState(ModelOptimizerState):
         if "optim" in state:
             local = {g["decay"]: g["params"] for g in self.local_groups}
             state["optim"]["param_groups"] = [
-                {**g, "params": local[g["decay"]]} for g in state["optim"]["param_groups"] if g["decay"] in local
+                {**g, "params": local[g["decay"]]}
+                for g in state["optim"]["param_groups"]
+                if g["decay"] in local
             ]
         super().load_state_dict(state)
 
