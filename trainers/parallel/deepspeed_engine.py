@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainers.config import ConfigError, OptimizerConfig, RunConfig
+from trainers.models.flops import param_count
 from trainers.optim import apply_hparams, build_optimizer, param_groups
 from trainers.parallel.engine import Engine
 from trainers.parallel.layout import ParallelLayout
@@ -97,6 +98,7 @@ def deepspeed_config(cfg: RunConfig, dp: int) -> dict[str, Any]:
             f"needs; fix: e.g. --set precision.init_scale={2.0 ** round(power)}"
         )
     offload_optimizer = "cpu" if p.offload in ("optimizer", "all") else "none"
+    bucket = int(min(5e8, max(param_count(cfg.model), 1e6)))
     generated: dict[str, Any] = {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -106,6 +108,10 @@ def deepspeed_config(cfg: RunConfig, dp: int) -> dict[str, Any]:
             "stage": stage,
             "offload_optimizer": {"device": offload_optimizer},
             "offload_param": {"device": "cpu" if p.offload == "all" else "none"},
+            # DeepSpeed's default buckets hold 5e8 elements (1.9 GB in fp32) whatever the model's size;
+            # a bucket never needs to exceed the model (bench/README.md, "ZeRO model state per rank").
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
         },
         "bf16": {"enabled": prec.dtype == "bf16"},
         "fp16": {"enabled": False},
