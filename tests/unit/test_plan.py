@@ -1,0 +1,271 @@
+"""The memory planner (trainers/plan.py): its arithmetic on hand-computed cases, its activation formula
+against what autograd really saves, one real training step's peak, and the `raytrain plan` command.
+(Its predictions for 2-process FSDP runs are checked by bench/plan_vs_measured.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from raytrain_ext.cli import main
+from trainers.config import ConfigError, parse_config
+from trainers.models import param_count
+from trainers.models.config import ModelConfig, MoEConfig
+from trainers.models.llama import TransformerBlock, rope_cos_sin
+from trainers.plan import (
+    Layout,
+    Widths,
+    _in_flight,
+    block_activation_bytes,
+    parse_bytes,
+    plan_memory,
+    plan_run,
+    widths,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FP32, AUTOCAST_BF16, BF16 = Widths(4, 4, 4, False), Widths(2, 4, 4, True), Widths(2, 2, 2, False)
+
+
+def run_config(**sections: dict[str, Any]) -> Any:
+    raw: dict[str, Any] = {
+        "model": {"vocab_size": 257, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32},
+        "data": {"path": "not-read-by-the-planner", "seq_len": 32},
+        "train": {"global_batch_size": 32, "micro_batch_size": 4, "steps": 10},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return parse_config(raw)
+
+
+# ------------------------------------------------------------------------------------------ sizes
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40GB") == 40 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1.5e3") == 1500
+    with pytest.raises(ConfigError, match="80Gx"):
+        parse_bytes("80Gx")
+
+
+# ------------------------------------------------------------------------------------ activations
+
+
+def test_dense_block_activations_by_hand():
+    # dim h=32, 2 heads (a), kv = heads, ffn f = 32 * ceil(int(8 * 32 / 3) / 32) = 96; 4 x 32 tokens
+    cfg = ModelConfig(vocab_size=257, dim=32, n_heads=2, max_seq_len=32)
+    assert cfg.hidden_dim == 96
+    per_token_fp32 = 4 * (8 * 32 + 2 * 32 + 4 * 96 + 2 + 2)  # 4 * (8h + 2hkv + 4f + 2 rsqrt + a lse)
+    assert block_activation_bytes(cfg, 0, 128, FP32) == 128 * per_token_fp32
+    # autocast: norms in fp32 (4 * (4h + 2)); in bf16 each projection's own cast of its input (3 for q k v,
+    # 2 for gate up), q k v and SDPA output, 4f; lse fp32 (4a); a bf16 copy of each weight; RoPE casts 4*s*hd*2
+    block_params = 4 * 32 * 32 + 3 * 32 * 96  # matmul weights (the norms' are not cast)
+    per_token = 4 * (4 * 32 + 2) + 2 * (3 * 32 + 4 * 32 + 2 * 32 + 4 * 96) + 4 * 2
+    expected = 128 * per_token + 2 * block_params + 4 * 32 * 16 * 2
+    assert block_activation_bytes(cfg, 0, 128, AUTOCAST_BF16, seq_len=32) == expected
+
+
+def _saved_bytes(cfg: ModelConfig, x: torch.Tensor, autocast: torch.dtype | None = None, half: bool = False) -> int:
+    """Bytes of the distinct storages autograd saves in one block's forward (weights and the RoPE tables,
+    which are model buffers, excluded)."""
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.02)
+    block = block.bfloat16() if half else block
+    cos, sin = rope_cos_sin(cfg.head_dim, x.shape[1], cfg.rope_theta)
+    excluded = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            block(x, cos, sin)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(
+    "model, w, autocast, half, rel",
+    [
+        ({}, FP32, None, False, 0.0),  # exact: every saved tensor is in the formula
+        ({"n_kv_heads": 2}, FP32, None, False, 0.0),
+        ({}, AUTOCAST_BF16, torch.bfloat16, False, 0.0),
+        ({}, BF16, None, True, 0.0),  # FSDP's bf16 params: all bf16 but the fp32 norms
+        ({"moe": MoEConfig(num_experts=4, top_k=2)}, FP32, None, False, 1e-4),  # + E expert fractions
+        ({"moe": MoEConfig(num_experts=4, top_k=1)}, FP32, None, False, 1e-4),
+    ],
+)
+def test_block_activations_match_what_autograd_saves(model, w, autocast, half, rel):
+    cfg = ModelConfig(vocab_size=257, dim=64, n_heads=4, max_seq_len=32, **model)
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16 if half else torch.float32, requires_grad=True)
+    measured = _saved_bytes(cfg, x, autocast, half)
+    planned = block_activation_bytes(cfg, 0, 4 * 32, w, seq_len=32)
+    assert planned == pytest.approx(measured, rel=rel, abs=0 if rel == 0 else None)
+
+
+def test_capacity_factor_keeps_fewer_assignments():
+    # 128 tokens, top-2 of 4 experts: capacity = ceil(128 * 2 / 4 * cf); kept per token = min(2, 4 * C / 128)
+    plans = {cf: plan_memory(run_config(model={"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": cf}},
+                                        train={"micro_batch_size": 4}), 1, "cpu") for cf in (None, 1.0, 0.5)}
+    assert [plans[cf].moe["kept_assignments_per_token"] for cf in (None, 1.0, 0.5)] == [2.0, 2.0, 1.0]
+    per_block = {cf: plans[cf].activations["per_block_bytes"]["0"] for cf in plans}
+    assert per_block[0.5] < per_block[1.0] == per_block[None]
+
+
+# ----------------------------------------------------------------------------------- model states
+
+
+def test_fsdp_model_states_are_sharded_by_hand():
+    cfg = run_config(parallel={"engine": "fsdp", "zero_stage": 3})
+    p = param_count(cfg.model)
+    states = plan_memory(cfg, 4, "cpu").model_states
+    shard = math.ceil(p / 4)
+    assert (states["parameters"], states["gradients"], states["optimizer"]) == (4 * shard, 4 * shard, 8 * shard)
+
+
+@pytest.mark.parametrize("stage, persistent, at_step", [(2, (2, 14), (2, 18)), (3, (0, 16), (0, 20))])
+def test_deepspeed_bf16_model_states_follow_zero(stage, persistent, at_step):
+    """ZeRO paper (bytes/param, N ranks): stage 2 = 2 + (2 + 12)/N, stage 3 = 16/N; the optimizer step
+    adds the fp32 gradient partition (DeepSpeed's estimator: stage 2 = 2 + 18/N)."""
+    cfg = run_config(parallel={"engine": "deepspeed", "zero_stage": stage}, precision={"dtype": "bf16"})
+    p, n = param_count(cfg.model), 8
+    states = plan_memory(cfg, n).model_states
+    total = states["parameters"] + states["gradients"] + states["optimizer"]
+    assert total == pytest.approx(persistent[0] * p + persistent[1] * p / n, rel=1e-3)
+    assert total + states["optimizer_step_temporaries"] == pytest.approx(at_step[0] * p + at_step[1] * p / n,
+                                                                         rel=1e-3)
+
+
+def test_offload_moves_states_to_the_host():
+    fsdp = plan_memory(run_config(parallel={"engine": "fsdp", "offload": "all"}), 2)
+    assert fsdp.model_states["parameters"] == fsdp.model_states["optimizer"] == 0
+    assert set(fsdp.host_bytes) == {"parameters", "gradients", "optimizer"}
+    ds = plan_memory(run_config(parallel={"engine": "deepspeed", "zero_stage": 2, "offload": "optimizer"}), 2)
+    assert ds.model_states["optimizer"] == 0 and ds.host_bytes["optimizer"] > 0
+
+
+def test_expert_parallel_keeps_one_ep_share_of_the_experts():
+    moe = {"moe": {"num_experts": 8, "top_k": 2}}
+    whole = plan_memory(run_config(model=moe, parallel={"engine": "fsdp"}), 4)
+    split = plan_memory(run_config(model=moe, parallel={"engine": "fsdp", "ep": 4}), 4)
+    assert split.moe["experts_per_rank"] == 2 and whole.moe["experts_per_rank"] == 8
+    assert split.moe["expert_parameters_on_rank"] == whole.moe["expert_parameters"] // 4
+
+
+# -------------------------------------------------------------------------------------- pipelines
+
+
+@pytest.mark.parametrize(
+    "schedule, v, expected",
+    [
+        ("1f1b", 1, 4.0),  # rank 0 holds p = 4 micro-batches (Narayanan et al. 2021)
+        ("gpipe", 1, 8.0),  # every micro-batch
+        ("interleaved_1f1b", 2, 4 * (1 + 3 / 8)),  # Korthikanti et al.: p * (1 + (p - 1) / (p * v))
+    ],
+)
+def test_in_flight_microbatches_of_pipeline_rank_0(schedule, v, expected):
+    cfg = run_config(model={"n_layers": 8}, parallel={"engine": "fsdp", "pp": 4, "pipeline_schedule": schedule,
+                                                      "virtual_stages": v, "n_microbatches": 8},
+                     train={"global_batch_size": 16, "micro_batch_size": 2})
+    lay = Layout.of(cfg, 4)
+    assert (lay.dp, lay.microbatches, lay.microbatch_size) == (1, 8, 2)
+    assert _in_flight(lay, 0) == pytest.approx(expected)
+    assert plan_memory(cfg, 4).peak_bytes > 0
+
+
+def test_bad_degrees_are_one_line_errors():
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 does not divide --world-size 3"):
+        plan_memory(run_config(parallel={"engine": "fsdp", "pp": 2}), 3)
+    with pytest.raises(ConfigError, match="global_batch_size=32 is not a multiple"):
+        plan_memory(run_config(parallel={"engine": "fsdp"}), 16)  # 4 x 16 per step > 32
+
+
+# --------------------------------------------------------------------------- verdict and changes
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    off = plan_memory(run_config(model={"n_layers": 6}), 1, "cpu")
+    on = plan_memory(run_config(model={"n_layers": 6}, memory={"activation_checkpointing": "every"}), 1, "cpu")
+    assert on.activations["checkpointed_blocks"] == 6 and off.activations["checkpointed_blocks"] == 0
+    assert on.activations["checkpointed_block_bytes"] == 4 * 32 * 32 * 4  # micro 4 x seq 32 x dim 32, fp32
+    assert on.breakdown["activations"] < off.breakdown["activations"] / 2
+
+
+def test_a_run_that_does_not_fit_gets_the_cheapest_change_that_does():
+    cfg = run_config(model={"n_layers": 6}, parallel={"engine": "fsdp", "zero_stage": 2})
+    peak = plan_memory(cfg, 2).peak_bytes
+    result = plan_run(cfg, 2, device_memory=int(peak * 0.9))  # usable = 81% of today's peak
+    assert not result.fits and result.change is not None
+    assert result.change["peak_bytes"] <= result.usable_bytes
+    # the candidates were tried cheapest first, and all before the chosen one do not fit
+    assert result.candidates[-1] == result.change
+    assert not any(c["fits"] for c in result.candidates[:-1])
+    assert plan_run(cfg, 2, device_memory=peak * 2).fits
+
+
+# ----------------------------------------------------------------------------- real run and CLI
+
+
+def test_single_process_peak_matches_a_real_step(tiny_config):
+    """One real training step of the tiny model, tracked by bench/measure.py's live-tensor tracker."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from measure import LiveTensorBytes, training_state
+
+    from trainers.trainer import Trainer, TrainerCallback
+
+    cfg = tiny_config("plan", train={"steps": 3, "eval_every": 0, "micro_batch_size": 8},
+                      schedule={"warmup_steps": 1}, checkpoint={"every": 0, "resume": "none"})
+    peaks: list[int] = []
+
+    class Track(TrainerCallback):
+        tracker = LiveTensorBytes()
+
+        def after_step(self, trainer, record):
+            if trainer.step == 2:
+                self.tracker.register(training_state(trainer.model, trainer.engine.optimizer))
+                self.tracker.__enter__()
+            elif trainer.step == 3:
+                self.tracker.__exit__(None, None, None)
+                peaks.append(self.tracker.peak)
+
+    Trainer(cfg, callbacks=[Track()], progress=False).fit()
+    assert plan_memory(cfg, 1, "cpu").peak_bytes == pytest.approx(peaks[0], rel=0.15)
+
+
+def test_cli_plan_json_and_text(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text(json.dumps({"model": {"vocab_size": 257, "dim": 32, "n_layers": 2, "n_heads": 2,
+                                         "max_seq_len": 32},
+                               "data": {"path": "x", "seq_len": 32},
+                               "parallel": {"engine": "fsdp"},
+                               "train": {"global_batch_size": 8, "micro_batch_size": 4}}))
+    assert main(["plan", str(run), "--world-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["layout"]["dp"] == 2
+    assert sum(out["breakdown"].values()) == out["peak_bytes"]
+    assert main(["plan", str(run), "--world-size", "2", "--device-memory", "1MiB"]) == 0
+    text = capsys.readouterr().out
+    assert "does NOT fit" in text and "--set " in text
+    assert main(["plan", str(run), "--world-size", "2", "--device-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lots" in err[0]
+
+
+def test_widths_per_engine_and_dtype():
+    assert widths(run_config()) == FP32
+    assert widths(run_config(precision={"dtype": "bf16"})) == AUTOCAST_BF16
+    assert widths(run_config(precision={"dtype": "bf16"}, parallel={"engine": "fsdp"})) == BF16
+    assert widths(run_config(precision={"dtype": "fp16"}, parallel={"engine": "fsdp"})) == AUTOCAST_BF16

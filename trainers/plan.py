@@ -1,0 +1,682 @@
+"""Memory per rank before anything starts: arithmetic over the run config (no model is built, no ray).
+
+`plan_memory(cfg, world_size)` predicts the peak bytes one rank's device holds during a training step,
+broken down into parameters, gradients, optimizer state, activations and temporary buffers; `plan_run`
+adds a verdict against the device's memory and, when it does not fit, the cheapest change that does
+(found by re-planning candidate changes, not by rule of thumb).
+
+The peak is the largest of three kinds of moment in a step, each the sum of what is live then:
+  1. backward start: the saved activations of every micro-batch in flight, the loss's buffers;
+  2. backward of block i (for every i): activations of blocks before i, block i's own (recomputed if
+     checkpointed), the gradients of the blocks after i, that block's gradient buffers;
+  3. optimizer step: parameters, complete gradients, optimizer state and the step's temporaries.
+
+Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", s*b*h*(34 + 5*a*s/h) bytes for a GPT block in 16-bit), redone for this model: the
+tensors autograd saves in `trainers/models/llama.py` and `moe.py`, element by element (see
+`block_activation_bytes`). Differences from the GPT block: no dropout (no masks); SDPA keeps a
+logsumexp per head and token instead of the a*s*s softmax (the 5*a*s/h term is gone); RMSNorm saves its
+input and x*rsqrt(mean x^2), and the norm's output is saved once more as the projections' input; SwiGLU
+saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) where GELU saves 2 of width 4h;
+under autocast each projection saves its own 16-bit cast of its input and of its weight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from trainers._base import ConfigError
+from trainers.config import RunConfig, apply_overrides, parse_config
+from trainers.models.config import ModelConfig
+from trainers.models.flops import _attention_params, _ffn_params
+
+__all__ = [
+    "KINDS",
+    "Layout",
+    "MemoryPlan",
+    "RunPlan",
+    "Widths",
+    "block_activation_bytes",
+    "format_bytes",
+    "parse_bytes",
+    "plan_memory",
+    "plan_run",
+    "widths",
+]
+
+DeviceType = Literal["cuda", "cpu"]
+KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+# Of the device's memory, what a step may use: the CUDA context, NCCL's buffers and the caching
+# allocator's fragmentation take the rest (torchtitan and DeepSpeed users report 5-10%).
+USABLE_FRACTION = 0.9
+_OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "adagrad": 1}  # fp32 tensors per parameter
+_DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size / allgather_bucket_size
+
+
+# ------------------------------------------------------------------------------------------- sizes
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'80GiB' -> 85899345920; '80GB' / '80G' are powers of ten; a bare number is bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"memory size {text!r} is not understood; fix: write e.g. 80GiB, 40GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------------------------ precision
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of what the step holds, from precision.dtype and the engine."""
+
+    compute: int  # matmul inputs and outputs
+    resid: int  # the residual stream (what a checkpointed block keeps, what a pipeline stage sends)
+    gathered: int  # a parameter as the forward sees it (FSDP all-gather / DeepSpeed's 16-bit module)
+    autocast: bool  # per-op casts: each projection saves its own 16-bit copy of its input and weight
+
+
+def widths(cfg: RunConfig) -> Widths:
+    dtype, engine = cfg.precision.dtype, cfg.parallel.engine
+    if dtype == "fp32":
+        return Widths(4, 4, 4, False)
+    if engine == "deepspeed" or (engine == "fsdp" and dtype == "bf16"):
+        # The whole forward runs on 16-bit weights (FSDP's param_dtype, DeepSpeed's 16-bit module).
+        return Widths(2, 2, 2, False)
+    return Widths(2, 4, 4, True)  # autocast over fp32 weights (none, ddp, fsdp fp16)
+
+
+# ---------------------------------------------------------------------------------- activations
+
+
+def _kept_per_token(model: ModelConfig, tokens: int) -> float:
+    """Expert assignments kept per token: top_k when dropless, else at most E * capacity / tokens."""
+    moe = model.moe
+    if moe.capacity_factor is None:
+        return float(moe.top_k)
+    capacity = math.ceil(tokens * moe.top_k / moe.num_experts * moe.capacity_factor)
+    return min(float(moe.top_k), moe.num_experts * capacity / tokens)
+
+
+def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widths) -> float:
+    """Bytes the feed-forward half of a block saves per token (after its RMSNorm)."""
+    h, f = model.dim, model.hidden_dim
+    if not model.is_moe_layer(layer_id):
+        # norm output (cast once per projection under autocast) + gate, up, silu(gate), silu*up
+        return (2 if w.autocast else 1) * h * w.compute + 4 * f * w.compute
+    k, e = _kept_per_token(model, tokens), model.moe.num_experts
+    # top-k > 1 renormalises the top-k weights: the division keeps them and their sum for backward
+    renormalised = model.moe.top_k + 1 if model.moe.top_k > 1 else 0
+    router = (h * w.compute  # the router's input
+              + 4 * (2 * e + k + 1 + renormalised)  # fp32 logits, probs, kept weights, logsumexp (z-loss)
+              + 8 * (model.moe.top_k + 2 * k))  # int64 expert ids and the token ids of kept assignments
+    gathered = (2 if w.autocast else 1) * k * h * w.compute  # tokens grouped by expert (per-expert casts)
+    experts = 4 * k * f * w.compute  # SwiGLU of each kept assignment
+    combine = 2 * k * h * w.compute  # expert outputs, and those outputs times the router weights
+    return router + gathered + experts + combine
+
+
+def block_activation_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widths,
+                           seq_len: int | None = None) -> int:
+    """Bytes autograd saves for one block's backward, for `tokens` = micro-batch x sequence length.
+
+    Per token, with h = dim, a = heads, hkv = kv_heads * head_dim, f = ffn width (fp32: 4 bytes each):
+      RMSNorm (fp32 whatever the dtype: it computes in fp32): for both norms, its input upcast (or
+      as it is, in fp32) and x*rsqrt(mean x^2): 4h; rsqrt per token: 2 values
+      attention (w.compute): norm output h (x3 casts under autocast), q h, k hkv, v hkv (after RoPE, as
+      SDPA saves them), SDPA output h (= o_proj's input); logsumexp a values in fp32
+      feed-forward: see `_ffn_saved_per_token` (dense: norm output + 4f; MoE: router + k kept copies)
+      autocast: the 16-bit copy of every matmul weight (2 bytes per parameter; the norms' stay fp32)
+      16-bit: RoPE's cos and sin tables cast for q and for k (4 x seq_len x head_dim, per sequence)
+    fp32 dense total: 4 * (8h + 2hkv + 4f + 2 + a) bytes per token (Megatron's GPT block: 34h + 5as).
+    """
+    h, a = model.dim, model.n_heads
+    hkv = model.kv_heads * model.head_dim
+    qkv_input = (3 if w.autocast else 1) * h * w.compute
+    attention = qkv_input + (2 * h + 2 * hkv) * w.compute + 4 * a
+    per_token = 4 * (4 * h + 2) + attention + _ffn_saved_per_token(model, layer_id, tokens, w)
+    weights = 2 * (_block_params(model, layer_id) - 2 * model.dim) if w.autocast else 0  # norms stay fp32
+    rope = 4 * (seq_len or 0) * model.head_dim * w.compute if w.compute != 4 else 0
+    return int(tokens * per_token) + weights + rope
+
+
+def _head_saved(model: ModelConfig, tokens: int, w: Widths) -> int:
+    """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: the logits the trainer holds
+    and log_softmax's fp32 output (cross_entropy saves it)."""
+    norm = tokens * (4 * (2 * model.dim + 1) + model.dim * w.compute)
+    logits = tokens * model.vocab_size * (w.compute + 4)
+    return norm + logits
+
+
+def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths) -> int:
+    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32 (+ its 16-bit cast)."""
+    return tokens * model.vocab_size * (8 + (w.compute if w.compute != 4 else 0))
+
+
+def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widths) -> int:
+    """Gradients flowing through one block's backward at its widest: one SwiGLU hidden and one
+    residual-width gradient per (kept) assignment. MoE: `GroupedExperts` multiplies by `w1[e]`, so
+    each expert's weight gradient comes back through select_backward as a zero-filled tensor the size
+    of the whole stacked weight, and summing two of them makes a third (measured: 2 alive at once)."""
+    if not model.is_moe_layer(layer_id):
+        return tokens * (model.hidden_dim + model.dim) * w.compute
+    k = _kept_per_token(model, tokens)
+    stacked = model.moe.num_experts * model.hidden_dim * model.dim
+    return int(tokens * k * (model.hidden_dim + model.dim) * w.compute) + 2 * stacked * w.gathered
+
+
+# ------------------------------------------------------------------------------------ parameters
+
+
+def _expert_params(model: ModelConfig, layer_id: int) -> int:
+    return model.moe.num_experts * 3 * model.dim * model.hidden_dim if model.is_moe_layer(layer_id) else 0
+
+
+def _block_params(model: ModelConfig, layer_id: int) -> int:
+    return _attention_params(model) + _ffn_params(model, layer_id, active=False) + 2 * model.dim
+
+
+def _embed_params(model: ModelConfig) -> int:
+    return model.vocab_size * model.dim
+
+
+def _head_params(model: ModelConfig) -> int:
+    return model.dim + (0 if model.tie_embeddings else model.vocab_size * model.dim)
+
+
+# -------------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degrees the planner reads from `parallel` (pp/ep/schedule fields default when absent)."""
+
+    world_size: int
+    pp: int
+    dp: int
+    ep: int
+    schedule: str
+    virtual_stages: int
+    microbatches: int  # pipeline microbatches per step (= accumulation without a pipeline)
+    microbatch_size: int  # samples per forward/backward (the pipeline splits a rank's share of the step)
+    accumulation: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig, world_size: int) -> Layout:
+        par = cfg.parallel
+        pp, ep = int(getattr(par, "pp", 1)), int(getattr(par, "ep", 1))
+        if world_size < 1 or world_size % pp:
+            raise ConfigError(f"parallel.pp={pp} does not divide --world-size {world_size}; fix: use a "
+                              f"multiple of {pp}")
+        dp = world_size // pp
+        if par.engine == "none" and world_size > 1:
+            raise ConfigError(f"parallel.engine=none with world size {world_size}; fix: set parallel.engine "
+                              f"to ddp, fsdp or deepspeed, or plan --world-size 1")
+        if dp % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}; fix: use an ep "
+                              f"dividing {dp}")
+        accumulation = cfg.train.accumulation(dp)
+        microbatches = int(getattr(par, "n_microbatches", None) or accumulation)
+        size = cfg.train.micro_batch_size
+        if pp > 1:  # trainers/parallel/pipeline.py: a rank's share of the step, in n_microbatches pieces
+            share = cfg.train.global_batch_size // dp
+            if share % microbatches:
+                raise ConfigError(f"parallel.n_microbatches={microbatches} does not divide the {share} samples "
+                                  f"each pipeline runs per step; fix: use a divisor")
+            size = share // microbatches
+        return cls(world_size, pp, dp, ep, str(getattr(par, "pipeline_schedule", "1f1b")),
+                   int(getattr(par, "virtual_stages", 1)), microbatches, size, accumulation)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What one pipeline rank holds: its blocks, whether it embeds / computes the loss, and how many
+    micro-batches' activations it keeps at once (fractional for interleaved schedules)."""
+
+    index: int
+    blocks: tuple[int, ...]
+    embeds: bool
+    head: bool
+    in_flight: float
+
+
+def _ranks(cfg: RunConfig, lay: Layout) -> list[_Rank]:
+    """Blocks per pipeline rank as the pipeline engine splits them (by cost, looped or V-shaped)."""
+    p, v = lay.pp, lay.virtual_stages
+    if p == 1:
+        return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
+    from trainers.parallel.pipeline import block_costs, split_stages
+
+    stages = p * v
+    split = split_stages(block_costs(cfg.model, cfg.data.seq_len), stages)
+    out = []
+    for r in range(p):
+        ids = [r + j * p for j in range(v)] if lay.schedule != "zbv" else [r, 2 * p - 1 - r][:v]
+        blocks = tuple(b for s in ids for b in split[s])
+        out.append(_Rank(r, blocks, 0 in ids, stages - 1 in ids, _in_flight(lay, r)))
+    return out
+
+
+def _in_flight(lay: Layout, r: int) -> float:
+    """Micro-batches whose activations a rank holds at its peak, in units of all its blocks.
+
+    GPipe: every microbatch. 1F1B: p - r (Narayanan et al. 2021). Interleaved with v chunks per rank:
+    Megatron's warmup of 2(p - r - 1) + (v - 1)p chunks, plus one (for r = 0: p * (1 + (p-1)/(p*v))
+    microbatches' worth, the paper's factor). Zero-bubble V: as 1F1B (Qi et al. 2024)."""
+    p, v, m = lay.pp, lay.virtual_stages, lay.microbatches
+    if p == 1:
+        return 1.0
+    if lay.schedule == "gpipe":
+        return float(m)
+    if lay.schedule in ("interleaved_1f1b", "interleaved_zb"):
+        return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
+    return float(min(m, p - r))
+
+
+# ---------------------------------------------------------------------------------- model states
+
+
+@dataclass
+class _States:
+    """Per-rank model-state bytes: on the device and moved to the host by offload."""
+
+    parameters: int = 0
+    gradients: int = 0  # complete (after the step's last backward)
+    optimizer: int = 0
+    host: dict[str, int] = field(default_factory=dict)
+    step_temp: int = 0  # only during the optimizer step
+    persistent_buffers: int = 0  # e.g. DDP's gradient buckets
+
+
+def _model_states(cfg: RunConfig, lay: Layout, dense: int, experts: int, w: Widths,
+                  device_type: DeviceType) -> _States:
+    """`dense`: parameters the data-parallel engine shards over dp; `experts`: this rank's expert
+    parameters when ep > 1 (kept whole: replicated over the dp/ep ranks holding the same experts)."""
+    engine, offload = cfg.parallel.engine, cfg.parallel.offload
+    n_opt = _OPTIMIZER_STATES.get(cfg.optimizer.name, 0)
+    if cfg.optimizer.name in ("sgd", "rmsprop"):
+        n_opt = (cfg.optimizer.momentum > 0) + (cfg.optimizer.name == "rmsprop")
+    dp = lay.dp
+    if engine == "deepspeed":
+        st = _deepspeed_states(cfg, dense, dp, n_opt, w)
+    elif engine == "fsdp":
+        shard = math.ceil(dense / dp) + experts
+        st = _States(4 * shard, 4 * shard, 4 * n_opt * shard)
+        if offload == "all":
+            st.host = {"parameters": st.parameters, "gradients": st.gradients, "optimizer": st.optimizer}
+            st.parameters = st.gradients = st.optimizer = 0
+    else:  # none, ddp: every rank holds everything in fp32 (autocast copies are activations)
+        full = dense + experts
+        st = _States(4 * full, 4 * full, 4 * n_opt * full)
+        if engine == "ddp":
+            st.persistent_buffers = 4 * full  # the reducer's flat gradient buckets
+    local = st.parameters // 4 if engine != "deepspeed" else 0
+    if local and n_opt:
+        # torch's foreach step (CUDA) makes one temporary per parameter (sqrt of the second moment);
+        # the per-tensor step (CPU) two of the largest tensor's size.
+        largest = max(cfg.model.vocab_size * cfg.model.dim, cfg.model.dim * cfg.model.hidden_dim)
+        largest = math.ceil(largest / dp) if engine == "fsdp" else largest  # a shard of it
+        st.step_temp = 4 * local if device_type == "cuda" else 2 * 4 * min(largest, local)
+    return st
+
+
+def _deepspeed_states(cfg: RunConfig, p: int, dp: int, n_opt: int, w: Widths) -> _States:
+    """DeepSpeed ZeRO (stage_1_and_2.py, stage3.py): the module's parameters and gradients in the
+    training dtype (stage 3: its flat 16-bit gradient partition), an fp32 partition of the parameters and
+    the optimizer state; at the step an fp32 copy of the gradient partition. Persistent: the ZeRO paper's
+    (2 + 2 + 12) bytes/param at 16-bit; at the step 4 more."""
+    stage, offload, b = cfg.parallel.stage, cfg.parallel.offload, w.gathered
+    part = math.ceil(p / dp)
+    params = b * (part if stage == 3 else p)
+    grads = b * (part if stage >= 2 else p)
+    master = 4 * (part if stage >= 1 else (p if b == 2 else 0))
+    optimizer = 4 * n_opt * (part if stage >= 1 else p)
+    st = _States(params, grads, master + optimizer)
+    st.step_temp = 4 * part if stage >= 1 else 0
+    if stage >= 1:
+        st.persistent_buffers = b * min(_DEEPSPEED_BUCKET, p)  # the reduce bucket (contiguous gradients)
+    if offload != "none":  # ZeRO-Offload: fp32 master, optimizer and step on the CPU
+        st.host = {"optimizer": master + optimizer + st.step_temp}
+        st.optimizer, st.step_temp = 0, 0
+        if stage >= 2:  # the gradient partition is accumulated in CPU memory (fp32)
+            st.host["gradients"], st.gradients = 4 * part, 0
+    if offload == "all":
+        st.host["parameters"], st.parameters = st.parameters, 0
+    return st
+
+
+# --------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class MemoryPlan:
+    """Peak device bytes of the worst rank, what they are made of, and the numbers behind them."""
+
+    world_size: int
+    layout: dict[str, Any]
+    rank: int  # the pipeline rank with the largest peak (0 without a pipeline)
+    peak_bytes: int
+    moment: str  # when the peak happens
+    breakdown: dict[str, int]  # KINDS at the peak moment; they sum to peak_bytes
+    buffers: dict[str, int]  # what "buffers" holds at the peak moment
+    host_bytes: dict[str, int]  # moved to CPU memory by offload
+    model_states: dict[str, int]  # on the device once backward is done, and what the optimizer step adds
+    activations: dict[str, Any]
+    moe: dict[str, Any] | None
+    moments: dict[str, int]
+    assumptions: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_memory(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda") -> MemoryPlan:
+    """Peak memory per rank of one training step of `cfg` on `world_size` ranks (the worst rank)."""
+    lay = Layout.of(cfg, world_size)
+    plans = [_RankPlanner(cfg, lay, rank, device_type).plan() for rank in _ranks(cfg, lay)]
+    return max(plans, key=lambda p: p.peak_bytes)
+
+
+_Moment = tuple[dict[str, int], dict[str, int]]  # (bytes by kind except buffers, buffers by name)
+
+
+class _RankPlanner:
+    """The moments of one pipeline rank's step (all ranks alike without a pipeline)."""
+
+    def __init__(self, cfg: RunConfig, lay: Layout, rank: _Rank, device_type: DeviceType):
+        self.cfg, self.lay, self.rank, self.device_type = cfg, lay, rank, device_type
+        model, self.w = cfg.model, widths(cfg)
+        self.tokens = lay.microbatch_size * cfg.data.seq_len
+        every = cfg.memory.ac_every
+        self.checkpointed = {b for b in rank.blocks if every and b % every == 0}
+        self.full = {b: block_activation_bytes(model, b, self.tokens, self.w, cfg.data.seq_len)
+                     for b in rank.blocks}
+        self.block_input = self.tokens * model.dim * self.w.resid
+        self.saved = {b: self.block_input if b in self.checkpointed else self.full[b] for b in rank.blocks}
+        self.edge = (self.tokens * 16 if rank.embeds else 0) + (
+            _head_saved(model, self.tokens, self.w) if rank.head else 0)
+        # Parameters: `sharded` ones go through the data-parallel engine; with ep > 1 the experts are
+        # kept whole on their ep rank instead (1/ep of each MoE layer's experts).
+        ep = lay.ep
+        self.experts = {b: _expert_params(model, b) for b in rank.blocks}
+        self.sharded = {b: _block_params(model, b) - (self.experts[b] if ep > 1 else 0) for b in rank.blocks}
+        self.local = {b: self.sharded[b] + (self.experts[b] // ep if ep > 1 else 0) for b in rank.blocks}
+        self.root = (_embed_params(model) if rank.embeds else 0) + (_head_params(model) if rank.head else 0)
+        self.params = sum(self.local.values()) + self.root  # this rank's stage, unsharded
+        dense = sum(self.sharded.values()) + self.root
+        self.states = _model_states(cfg, lay, dense, self.params - dense, self.w, device_type)
+        self.grad_per_param = self.states.gradients / max(self.params, 1)
+        self.others = (rank.in_flight - 1) * (sum(self.saved.values()) + self.edge)  # other micro-batches
+
+    # -------------------------------------------------------------------------------- moments
+
+    def moments(self) -> dict[str, _Moment]:
+        out = {"backward start": self.backward_start()}
+        done = 0  # gradient bytes of the blocks already through backward
+        for prev, b in zip((None, *reversed(self.rank.blocks)), reversed(self.rank.blocks)):
+            out[f"backward of block {b}"] = self.block_backward(b, prev, done)
+            if self._fsdp:
+                out[f"gradient reduction of block {b}"] = self.block_reduction(b, done)
+            done += self.grad_per_param * self.local[b]
+        out["optimizer step"] = self.optimizer_step()
+        return out
+
+    def backward_start(self) -> _Moment:
+        """Every micro-batch's saved activations, the loss's gradient buffers (or the last block's)."""
+        model, blocks = self.cfg.model, self.rank.blocks
+        acts = self.others + sum(self.saved.values()) + self.edge
+        if blocks and blocks[-1] in self.checkpointed:
+            acts += self.full[blocks[-1]] - self.block_input  # recomputed at once
+        temps = [_head_backward_temp(model, self.tokens, self.w) if self.rank.head else 0]
+        temps += [_block_backward_temp(model, b, self.tokens, self.w) for b in blocks[-1:]]
+        gathered = self._gathered(blocks[-1] if blocks else None, reducing=False)
+        return self._kinds(self._grads(0), acts), {**gathered, **self._always(), "backward temporaries": max(temps)}
+
+    def block_backward(self, b: int, after: int | None, done: float) -> _Moment:
+        """Block b's backward: its activations whole, earlier blocks' saved, later blocks' gradients;
+        FSDP2 keeps the reduce-scatter input of the block reduced before (`after`) until the next."""
+        acts = self.others + self._earlier(b) + self.full[b]
+        bufs = {**self._gathered(b, reducing=False), **self._always(),
+                "backward temporaries": _block_backward_temp(self.cfg.model, b, self.tokens, self.w)}
+        if self._fsdp and after is not None:
+            bufs["reduce-scatter buffer"] = 4 * self.sharded[after]
+        return self._kinds(self._grads(done), acts), bufs
+
+    def block_reduction(self, b: int, done: float) -> _Moment:
+        """FSDP2's post-backward of block b: its parameters resharded, its unsharded gradients copied
+        into a flat fp32 reduce-scatter input."""
+        bufs = {**self._gathered(b, reducing=True), **self._always(),
+                "unsharded block gradients": self.w.gathered * self.sharded[b],
+                "reduce-scatter buffer": 4 * self.sharded[b]}
+        return self._kinds(self._grads(done), self.others + self._earlier(b)), bufs
+
+    def optimizer_step(self) -> _Moment:
+        return self._kinds(self.states.gradients, 0), {**self._always(), "optimizer step": self.states.step_temp}
+
+    # -------------------------------------------------------------------------------- pieces
+
+    @property
+    def _fsdp(self) -> bool:
+        return self.cfg.parallel.engine == "fsdp" and self.lay.dp > 1
+
+    def _earlier(self, b: int) -> int:
+        """Saved activations of the blocks before b, the token ids and the logits the trainer holds."""
+        acts = sum(self.saved[x] for x in self.rank.blocks if x < b)
+        acts += self.tokens * 16 if self.rank.embeds else 0
+        return acts + (self.tokens * self.cfg.model.vocab_size * self.w.compute if self.rank.head else 0)
+
+    def _kinds(self, gradients: float, activations: float) -> dict[str, int]:
+        return {"parameters": self.states.parameters, "gradients": int(gradients),
+                "optimizer": self.states.optimizer, "activations": int(activations)}
+
+    def _grads(self, done: float) -> float:
+        """Gradient bytes during backward: those of the blocks already done, plus the head's (FSDP2
+        reduces the root's only at the end, so they stay unsharded), or all of them while earlier
+        micro-batches' are kept (accumulation; FSDP keeps them unsharded, in fp32)."""
+        if self.lay.accumulation > 1 or self.lay.pp > 1:
+            return 4 * self.params if self.cfg.parallel.engine == "fsdp" else self.states.gradients
+        head = _head_params(self.cfg.model) if self.rank.head else 0
+        return done + (self.w.gathered * head if self._fsdp else self.grad_per_param * head)
+
+    def _gathered(self, current: int | None, reducing: bool) -> dict[str, int]:
+        """Unsharded parameters (FSDP; DeepSpeed stage 3) around block `current`'s backward. FSDP2
+        keeps the root's (embeddings, head) gathered from forward to backward; zero2 keeps each block
+        gathered until its own post-backward; zero3 re-gathers a block for its backward and prefetches
+        the next one's flat all-gather output meanwhile."""
+        engine, stage, width = self.cfg.parallel.engine, self.cfg.parallel.stage, self.w.gathered
+        if self.lay.dp == 1 or engine in ("none", "ddp") or (engine == "deepspeed" and stage < 3):
+            return {}
+        if self.lay.pp > 1:  # torch's pipelining keeps a stage gathered across the step's microbatches
+            return {"gathered parameters": width * (self.root + sum(self.sharded.values()))}
+        blocks = [b for b in self.rank.blocks if current is None or b <= current]
+        if engine == "fsdp" and stage == 2:
+            live = [b for b in blocks if not (reducing and b == current)]
+        else:
+            live = blocks[-2:] if not reducing else blocks[-2:-1]  # (current and) the prefetched one
+        return {"gathered parameters": width * (self.root + sum(self.sharded[b] for b in live))}
+
+    def _always(self) -> dict[str, int]:
+        out, model = {}, self.cfg.model
+        if self.states.persistent_buffers:
+            out["gradient buckets"] = self.states.persistent_buffers
+        if self.lay.pp > 1:
+            out["pipeline send/recv"] = 2 * self.tokens * model.dim * self.w.resid
+        if self.lay.ep > 1 and model.moe is not None:
+            k = _kept_per_token(model, self.tokens)
+            out["expert all-to-all"] = int(2 * self.tokens * k * model.dim * self.w.compute)
+        return out
+
+    # ---------------------------------------------------------------------------------- result
+
+    def plan(self) -> MemoryPlan:
+        moments = self.moments()
+        totals = {k: int(sum(v[0].values()) + sum(v[1].values())) for k, v in moments.items()}
+        name = max(totals, key=totals.get)
+        kinds, bufs = moments[name]
+        bufs = {k: int(v) for k, v in bufs.items() if v}
+        breakdown = {**kinds, "buffers": sum(bufs.values())}
+        st, rank = self.states, self.rank
+        return MemoryPlan(
+            world_size=self.lay.world_size,
+            layout=asdict(self.lay),
+            rank=rank.index,
+            peak_bytes=sum(breakdown.values()),
+            moment=name,
+            breakdown={k: int(breakdown[k]) for k in KINDS},
+            buffers=bufs,
+            host_bytes=st.host,
+            model_states={"parameters": st.parameters, "gradients": st.gradients, "optimizer": st.optimizer,
+                          "optimizer_step_temporaries": st.step_temp},
+            activations={
+                "per_block_bytes": {str(b): self.full[b] for b in rank.blocks},
+                "checkpointed_block_bytes": self.block_input,
+                "checkpointed_blocks": len(self.checkpointed),
+                "blocks": len(rank.blocks),
+                "micro_batch_tokens": self.tokens,
+                "in_flight_microbatches": rank.in_flight,
+                "loss_and_head_bytes": _head_saved(self.cfg.model, self.tokens, self.w) if rank.head else 0,
+            },
+            moe=self._moe(),
+            moments=totals,
+            assumptions=_assumptions(self.cfg, self.lay, self.device_type),
+        )
+
+    def _moe(self) -> dict[str, Any] | None:
+        moe = self.cfg.model.moe
+        if moe is None:
+            return None
+        experts = sum(self.experts.values())
+        return {
+            "experts_per_rank": moe.num_experts // self.lay.ep,
+            "expert_parameters": experts,
+            "expert_parameters_on_rank": experts // self.lay.ep,  # before data-parallel sharding
+            "expert_share_of_parameters": experts / max(sum(_block_params(self.cfg.model, b)
+                                                            for b in self.rank.blocks) + self.root, 1),
+            "kept_assignments_per_token": _kept_per_token(self.cfg.model, self.tokens),
+        }
+
+
+def _assumptions(cfg: RunConfig, lay: Layout, device_type: DeviceType) -> list[str]:
+    out = [f"optimizer step temporaries of torch's {'foreach' if device_type == 'cuda' else 'per-tensor'} "
+           f"implementation ({device_type})"]
+    if cfg.model.moe is not None:
+        out.append("MoE routing balanced: each expert gets tokens * top_k / num_experts assignments")
+    if lay.ep > 1:
+        out.append("experts are kept out of FSDP and whole on their ep rank")
+    if lay.pp > 1:
+        out.append(f"pipeline: {lay.schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
+    return out
+
+
+# ------------------------------------------------------------------------------- verdict, changes
+
+
+@dataclass
+class RunPlan:
+    """A plan, the verdict against a device's memory, and the cheapest change that makes it fit."""
+
+    plan: MemoryPlan
+    device_memory_bytes: int
+    usable_bytes: int
+    fits: bool
+    change: dict[str, Any] | None  # {"set": {...}, "why": ..., "peak_bytes": ..., "fits": True} or None
+    candidates: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.plan.to_dict()
+        out.update(device_memory_bytes=self.device_memory_bytes, usable_bytes=self.usable_bytes,
+                   fits=self.fits, change=self.change, candidates=self.candidates)
+        return out
+
+
+def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: DeviceType = "cuda",
+             raw: dict[str, Any] | None = None) -> RunPlan:
+    """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, re-plan the
+    candidate changes, cheapest first, and name the first that fits."""
+    plan = plan_memory(cfg, world_size, device_type)
+    usable = int(device_memory * USABLE_FRACTION)
+    fits = plan.peak_bytes <= usable
+    candidates = [] if fits else _candidates(cfg, world_size, device_type, usable, raw)
+    change = next((c for c in candidates if c["fits"]), None)
+    return RunPlan(plan, device_memory, usable, fits, change, candidates)
+
+
+# Cheapest first. Raising the ZeRO stage adds parameter all-gathers that FSDP/DeepSpeed overlap with
+# compute (ZeRO: 1.5x data-parallel traffic); a smaller micro-batch keeps the math and the global batch
+# (accumulation grows) at lower kernel efficiency; checkpointing recomputes the forward (+~1/3 FLOPs);
+# more pipeline stages grow the bubble (p-1)/m; CPU offload moves the step to the host over PCIe.
+def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]]:
+    par, out = cfg.parallel, []
+    if par.engine == "fsdp" and par.stage == 2:
+        out.append(({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters after forward"))
+    if par.engine == "deepspeed" and par.stage < 3:
+        out += [({"parallel.zero_stage": s}, f"raise the ZeRO stage to {s}") for s in range(par.stage + 1, 4)]
+    if par.engine == "ddp" and getattr(par, "pp", 1) == 1:
+        out.append(({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
+                    "shard the model states: FSDP (ZeRO-3) instead of DDP"))
+    mb = cfg.train.micro_batch_size
+    for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
+        out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
+                     f"same global batch)"))
+    if cfg.memory.ac_every != 1:
+        out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
+    pp = getattr(par, "pp", None)
+    if pp is not None and par.engine == "fsdp":
+        for more in (pp * 2, pp * 4):
+            if world_size % more == 0:
+                out.append(({"parallel.pp": more}, f"{more} pipeline stages instead of {pp}"))
+    if par.engine == "fsdp" and par.offload == "none":
+        out.append(({"parallel.offload": "all"}, "FSDP CPU offload of parameters, gradients and optimizer"))
+    if par.engine == "deepspeed" and par.offload == "none":
+        out.append(({"parallel.offload": "optimizer"}, "DeepSpeed CPU offload of the optimizer"))
+    return out
+
+
+def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable: int,
+                raw: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each change alone, cheapest first; if none fits, the changes added up in that order."""
+    raw = raw if raw is not None else json.loads(cfg.model_dump_json())
+    changes, out = _changes(cfg, world_size), []
+    for sets, why in changes:
+        peak = _replan(raw, sets, world_size, device_type)
+        if peak is not None:
+            out.append({"set": sets, "why": why, "peak_bytes": peak, "fits": peak <= usable})
+            if peak <= usable:
+                return out
+    combined: dict[str, Any] = {}
+    for sets, why in changes[1:]:
+        trial = {**combined, **sets}
+        peak = _replan(raw, trial, world_size, device_type)
+        if peak is not None:
+            combined = trial
+            out.append({"set": trial, "why": "together: " + why, "peak_bytes": peak, "fits": peak <= usable})
+            if peak <= usable:
+                return out
+    return out
+
+
+def _replan(raw: dict[str, Any], sets: dict[str, Any], world_size: int, device_type: DeviceType) -> int | None:
+    """The peak after applying `sets`, or None when the change is not a valid run (e.g. pp too large)."""
+    try:
+        cfg = parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
+        return plan_memory(cfg, world_size, device_type).peak_bytes
+    except ConfigError:
+        return None
