@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--no-progress", action="store_true")
     prep.set_defaults(func=_cmd_data_prepare)
+    from raytrain_ext.cli_plan import add_commands as add_plan_commands  # plan, cluster check
+
+    add_plan_commands(sub)
     return parser
 
 
