@@ -69,15 +69,16 @@ def plan_lines(result: RunPlan, name: str) -> list[str]:
     acts = plan.activations
     per_block = max(acts["per_block_bytes"].values(), default=0)
     lines = [
-        f"plan: {name} on {plan.world_size} ranks (pp={lay['pp']} x dp={lay['dp']}, ep={lay['ep']}), "
+        f"plan: {name} on {plan.world_size} rank{'s' if plan.world_size > 1 else ''} (pp={lay['pp']} x dp={lay['dp']}, ep={lay['ep']}), "
         f"{acts['micro_batch_tokens']:,} tokens per micro-batch, accumulation {lay['accumulation']}",
         f"peak per rank: {format_bytes(plan.peak_bytes)} at {plan.moment}"
         + (f" (pipeline rank {plan.rank})" if lay["pp"] > 1 else ""),
     ]
     details = {
-        "activations": f"{acts['blocks']} blocks, {format_bytes(per_block)} each per micro-batch "
-                       f"({acts['checkpointed_blocks']} checkpointed: {format_bytes(acts['checkpointed_block_bytes'])}"
-                       f" kept), {acts['in_flight_microbatches']:g} micro-batch(es) in flight",
+        "activations": f"{acts['blocks']} blocks x {format_bytes(per_block)} per micro-batch; "
+                       f"{acts['checkpointed_blocks']} checkpointed (keeping "
+                       f"{format_bytes(acts['checkpointed_block_bytes'])} each); "
+                       f"{acts['in_flight_microbatches']:g} micro-batch(es) in flight",
         "buffers": ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.buffers.items()),
     }
     for kind in KINDS:

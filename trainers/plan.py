@@ -32,7 +32,7 @@ from typing import Any, Literal
 from trainers._base import ConfigError
 from trainers.config import RunConfig, apply_overrides, parse_config
 from trainers.models.config import ModelConfig
-from trainers.models.flops import _attention_params, _ffn_params
+from trainers.models.flops import _attention_params, _ffn_params, param_count
 
 __all__ = [
     "KINDS",
@@ -55,6 +55,9 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 USABLE_FRACTION = 0.9
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "adagrad": 1}  # fp32 tensors per parameter
 _DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size / allgather_bucket_size
+# DeepSpeed stage 3 defaults: parameters under this many elements stay whole on every rank, and parameters
+# reused within this many elements of fetches are not released after forward.
+_DS_PERSISTENCE, _DS_REUSE = 100_000, 1_000_000_000
 
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -200,6 +203,29 @@ def _embed_params(model: ModelConfig) -> int:
 
 def _head_params(model: ModelConfig) -> int:
     return model.dim + (0 if model.tie_embeddings else model.vocab_size * model.dim)
+
+
+def _param_sizes(model: ModelConfig) -> list[int]:
+    """Elements of every parameter tensor (as `trainers/models` builds them)."""
+    h, f, hkv = model.dim, model.hidden_dim, model.kv_heads * model.head_dim
+    sizes = [model.vocab_size * h, h] + ([] if model.tie_embeddings else [model.vocab_size * h])
+    for i in range(model.n_layers):
+        sizes += [h, h, h * h, h * hkv, h * hkv, h * h]  # norms, q k v o
+        if model.is_moe_layer(i):
+            sizes += [model.moe.num_experts * h] + [model.moe.num_experts * h * f] * 3
+        else:
+            sizes += [h * f] * 3
+    return sizes
+
+
+def _deepspeed_setting(cfg: RunConfig, key: str, default: int) -> int:
+    return int((cfg.parallel.deepspeed_extra.get("zero_optimization") or {}).get(key, default))
+
+
+def _small_params(cfg: RunConfig) -> int:
+    """Elements DeepSpeed stage 3 keeps whole (`stage3_param_persistence_threshold`)."""
+    threshold = _deepspeed_setting(cfg, "stage3_param_persistence_threshold", _DS_PERSISTENCE)
+    return sum(n for n in _param_sizes(cfg.model) if n < threshold)
 
 
 # -------------------------------------------------------------------------------------- layout
@@ -351,8 +377,10 @@ def _deepspeed_states(cfg: RunConfig, p: int, dp: int, n_opt: int, w: Widths) ->
     optimizer = 4 * n_opt * (part if stage >= 1 else p)
     st = _States(params, grads, master + optimizer)
     st.step_temp = 4 * part if stage >= 1 else 0
-    if stage >= 1:
-        st.persistent_buffers = b * min(_DEEPSPEED_BUCKET, p)  # the reduce bucket (contiguous gradients)
+    if stage >= 1:  # the reduce bucket; our engine caps it at the model's size (at least 1e6 elements)
+        st.persistent_buffers = b * int(min(_DEEPSPEED_BUCKET, max(param_count(cfg.model), 1e6)))
+    if stage == 3:  # parameters under the persistence threshold are also whole on every rank
+        st.parameters += b * _small_params(cfg)  # (next to their partition; bench/README.md, ZeRO section)
     if offload != "none":  # ZeRO-Offload: fp32 master, optimizer and step on the CPU
         st.host = {"optimizer": master + optimizer + st.step_temp}
         st.optimizer, st.step_temp = 0, 0
@@ -474,6 +502,14 @@ class _RankPlanner:
     # -------------------------------------------------------------------------------- pieces
 
     @property
+    def _deepspeed_keeps_gathered(self) -> bool:
+        """DeepSpeed stage 3 keeps a parameter gathered from forward to backward when the elements fetched
+        in between (at most twice the stage's) stay within `stage3_max_reuse_distance` (1e9)."""
+        cfg = self.cfg
+        return cfg.parallel.engine == "deepspeed" and 2 * self.params <= _deepspeed_setting(
+            cfg, "stage3_max_reuse_distance", _DS_REUSE)
+
+    @property
     def _fsdp(self) -> bool:
         return self.cfg.parallel.engine == "fsdp" and self.lay.dp > 1
 
@@ -507,7 +543,7 @@ class _RankPlanner:
         if self.lay.pp > 1:  # torch's pipelining keeps a stage gathered across the step's microbatches
             return {"gathered parameters": width * (self.root + sum(self.sharded.values()))}
         blocks = [b for b in self.rank.blocks if current is None or b <= current]
-        if engine == "fsdp" and stage == 2:
+        if (engine == "fsdp" and stage == 2) or self._deepspeed_keeps_gathered:
             live = [b for b in blocks if not (reducing and b == current)]
         else:
             live = blocks[-2:] if not reducing else blocks[-2:-1]  # (current and) the prefetched one
@@ -632,7 +668,13 @@ def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]
     if par.engine == "ddp" and getattr(par, "pp", 1) == 1:
         out.append(({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
                     "shard the model states: FSDP (ZeRO-3) instead of DDP"))
-    mb = cfg.train.micro_batch_size
+    mb, pp = cfg.train.micro_batch_size, getattr(par, "pp", 1)
+    dp = world_size // pp if world_size % pp == 0 else 0
+    whole = cfg.train.global_batch_size // dp if dp and cfg.train.global_batch_size % dp == 0 else 0
+    if par.engine == "fsdp" and pp == 1 and whole > mb:
+        # FSDPEngine.no_sync keeps an unsharded fp32 gradient between micro-batches (4 bytes per parameter)
+        out.append(({"train.micro_batch_size": whole}, f"micro-batch {mb} -> {whole}: no accumulation, so no "
+                     f"unsharded gradients between micro-batches"))
     for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
         out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
                      f"same global batch)"))
@@ -652,7 +694,8 @@ def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]
 
 def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable: int,
                 raw: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Each change alone, cheapest first; if none fits, the changes added up in that order."""
+    """Each change alone, cheapest first; if none fits, changes added up greedily in that order (a change
+    joins when it lowers the peak)."""
     raw = raw if raw is not None else json.loads(cfg.model_dump_json())
     changes, out = _changes(cfg, world_size), []
     for sets, why in changes:
@@ -661,12 +704,12 @@ def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable
             out.append({"set": sets, "why": why, "peak_bytes": peak, "fits": peak <= usable})
             if peak <= usable:
                 return out
-    combined: dict[str, Any] = {}
-    for sets, why in changes[1:]:
+    combined, best = {}, plan_memory(cfg, world_size, device_type).peak_bytes
+    for sets, why in changes:
         trial = {**combined, **sets}
         peak = _replan(raw, trial, world_size, device_type)
-        if peak is not None:
-            combined = trial
+        if peak is not None and peak < best:
+            combined, best = trial, peak
             out.append({"set": trial, "why": "together: " + why, "peak_bytes": peak, "fits": peak <= usable})
             if peak <= usable:
                 return out

@@ -140,13 +140,36 @@ def test_fsdp_model_states_are_sharded_by_hand():
 def test_deepspeed_bf16_model_states_follow_zero(stage, persistent, at_step):
     """ZeRO paper (bytes/param, N ranks): stage 2 = 2 + (2 + 12)/N, stage 3 = 16/N; the optimizer step
     adds the fp32 gradient partition (DeepSpeed's estimator: stage 2 = 2 + 18/N)."""
-    cfg = run_config(parallel={"engine": "deepspeed", "zero_stage": stage}, precision={"dtype": "bf16"})
+    cfg = run_config(parallel={"engine": "deepspeed", "zero_stage": stage, "deepspeed_extra": {
+        "zero_optimization": {"stage3_param_persistence_threshold": 0}}}, precision={"dtype": "bf16"})
     p, n = param_count(cfg.model), 8
     states = plan_memory(cfg, n).model_states
     total = states["parameters"] + states["gradients"] + states["optimizer"]
     assert total == pytest.approx(persistent[0] * p + persistent[1] * p / n, rel=1e-3)
     assert total + states["optimizer_step_temporaries"] == pytest.approx(at_step[0] * p + at_step[1] * p / n,
                                                                          rel=1e-3)
+
+
+@pytest.mark.parametrize("model", [{}, {"moe": {"num_experts": 4, "top_k": 2}, "n_kv_heads": 1},
+                                   {"tie_embeddings": True}])
+def test_parameter_list_matches_the_built_model(model):
+    from trainers.models import build_model
+    from trainers.plan import _param_sizes
+
+    cfg = run_config(model=model).model
+    assert sorted(_param_sizes(cfg)) == sorted(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_deepspeed_stage3_keeps_small_parameters_whole():
+    """stage3_param_persistence_threshold (1e5 elements): smaller parameters stay whole on every rank, next to
+    their partition. Here (dim 32) every tensor but the embedding and head (257 x 32 = 8224 < 1e5, also
+    small) is small: all of them. With the threshold at 0 none is."""
+    cfg = run_config(parallel={"engine": "deepspeed", "zero_stage": 3})
+    p = param_count(cfg.model)
+    assert plan_memory(cfg, 4).model_states["parameters"] == 4 * math.ceil(p / 4) + 4 * p
+    none = run_config(parallel={"engine": "deepspeed", "zero_stage": 3, "deepspeed_extra": {
+        "zero_optimization": {"stage3_param_persistence_threshold": 0}}})
+    assert plan_memory(none, 4).model_states["parameters"] == 4 * math.ceil(p / 4)
 
 
 def test_offload_moves_states_to_the_host():
