@@ -167,3 +167,10 @@ def test_cli_cluster_check_exit_codes(tmp_path, capsys):
     assert main(["cluster", "check", str(CLUSTERS / "local.yaml"), "--run", str(path),
                  "--set", "scaling.num_workers=12", "--set", "train.global_batch_size=48"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["plan", "--help"], ["cluster", "--help"], ["cluster", "check", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and "usage: raytrain" in capsys.readouterr().out
