@@ -30,6 +30,7 @@ bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/zero_memory.py --data $(DATA)
 	$(PY) bench/ray_recovery.py --data $(DATA)
 	$(PY) bench/plan_vs_measured.py --data $(DATA)
+	$(PY) bench/pipeline.py --data $(DATA)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,8 @@
 """The Mixtral-form mixture-of-experts feed-forward: a softmax router picks top-k SwiGLU experts per token.
 
 Token movement is two small functions, `dispatch` (group token-assignments by expert) and `combine`
-(weighted sum back per token), so an expert-parallel all-to-all version can replace them later.
+(weighted sum back per token); expert parallelism (trainers/parallel/expert.py) moves only the expert
+computation between them to other ranks.
 The load-balancing and z-losses reach the gradient through `_AuxLossScaler` (Megatron-LM's
 MoEAuxLossAutoScaler), so forward stays tensor-in/tensor-out for pipeline stages.
 """
