@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     from raytrain_ext.cli_plan import add_commands as add_plan_commands  # plan, cluster check
 
     add_plan_commands(sub)
+    __import__("search.cli", fromlist=["add_commands"]).add_commands(sub)  # `tune`: search/ is the layer above
     return parser
 
 

@@ -16,6 +16,7 @@ range), so that a bad key or value fails with one line before a worker starts.
 
 from __future__ import annotations
 
+import json
 import random
 from functools import cached_property
 from pathlib import Path
@@ -23,9 +24,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
@@ -33,50 +31,29 @@ from pydantic import (
     model_validator,
 )
 
+from search.schedulers import SchedulerConfig
 from search.space import Choice, IntRange, Range, SearchSpace, parse_space
 from trainers._base import ConfigError, StrictModel
 from trainers.config import RunConfig, _one_line, apply_overrides, check_inputs, parse_config
 
-__all__ = ["ExperimentConfig", "load_experiment", "parse_experiment"]
+__all__ = ["EXPERIMENT_FILE", "ExperimentConfig", "load_experiment", "load_saved", "parse_experiment", "save"]
+
+EXPERIMENT_FILE = "experiment.json"  # in the experiment folder: the config as it ran (report, replay)
 
 # Keys the driver owns: set per trial from the budget, the scheduler and the experiment directory.
-_DRIVER_KEYS = ("name", "run_dir", "train.steps", "train.eval_every", "checkpoint.every", "checkpoint.resume")
-# What a restored donor checkpoint fixes: changing these mid-run would not fit the donor's weights,
-# or would move its data position (PBT and PB2 change hyperparameters during a run).
-_STATIC_PREFIXES = ("seed", "model.", "data.", "parallel.", "precision.", "train.global_batch_size")
-
-
-class SchedulerConfig(StrictModel):
-    name: Literal["pbt", "pb2", "asha", "random"] = "pbt"  # random: independent samples, no early stop
-    interval: PositiveInt = 50  # steps between reports; PBT/PB2 decide (exploit/explore) at each one
-    burn_in: NonNegativeInt = 0  # pbt, pb2: steps before the first decision
-    quantile_fraction: float = Field(0.25, gt=0, le=0.5)  # pbt, pb2: bottom fraction copies the top one
-    resample_probability: float = Field(0.25, ge=0, le=1)  # pbt: chance a value is drawn afresh
-    perturbation_factors: tuple[PositiveFloat, PositiveFloat] = (1.2, 0.8)  # pbt
-    synch: bool = False  # pbt: decide for the whole population at once (waits for the slowest)
-    grace_period: PositiveInt | None = None  # asha: steps before the first stop (None = interval)
-    reduction_factor: float = Field(3.0, gt=1)  # asha
-
-    _ONLY = {
-        "burn_in": ("pbt", "pb2"),
-        "quantile_fraction": ("pbt", "pb2"),
-        "resample_probability": ("pbt",),
-        "perturbation_factors": ("pbt",),
-        "synch": ("pbt",),
-        "grace_period": ("asha",),
-        "reduction_factor": ("asha",),
-    }
-
-    @model_validator(mode="after")
-    def _check(self) -> SchedulerConfig:
-        for key in sorted(self.model_fields_set):
-            allowed = self._ONLY.get(key)
-            if allowed and self.name not in allowed:
-                raise ValueError(
-                    f"{key} applies to {' and '.join(allowed)} only, not {self.name}; fix: remove "
-                    f"scheduler.{key} or set scheduler.name to {allowed[0]}"
-                )
-        return self
+_DRIVER_KEYS = (
+    "name",
+    "run_dir",
+    "train.steps",
+    "train.eval_every",
+    "checkpoint.every",
+    "checkpoint.resume",
+    "scaling.",
+)
+# What PBT and PB2 may change during a run: what a restored optimizer and the closed-form LR schedule
+# take as they are (the model, data position and optimizer kind are fixed by the donor's checkpoint).
+_LIVE_PREFIXES = ("optimizer.", "schedule.")
+_NOT_LIVE = ("optimizer.name",)
 
 
 class BudgetConfig(StrictModel):
@@ -85,9 +62,9 @@ class BudgetConfig(StrictModel):
 
 
 class ResourcesConfig(StrictModel):
-    workers: PositiveInt = 1  # Ray Train workers per trial
+    workers: PositiveInt = 1  # Ray Train workers per trial (the run's scaling.num_workers)
     cpus_per_worker: PositiveFloat = 1.0
-    gpus_per_worker: NonNegativeFloat = 0.0
+    use_gpu: bool = False  # one GPU per worker
 
 
 class ExperimentConfig(StrictModel):
@@ -102,6 +79,8 @@ class ExperimentConfig(StrictModel):
     metric: Literal["val_loss", "train_loss"] = "val_loss"
     mode: Literal["min", "max"] = "min"
     resources: ResourcesConfig = ResourcesConfig()
+    # how a trial trains between reports: a bounded Train run per interval, or one run kept alive
+    trial_runs: Literal["segments", "live"] = "live"
     max_concurrent_trials: PositiveInt | None = None  # None = as many as the cluster's CPUs/GPUs hold
     keep_checkpoints: PositiveInt = 3  # newest Tune checkpoints per trial (plus any an exploit still needs)
     storage: Path = Path("runs/tune")  # the experiment directory is storage/name
@@ -149,7 +128,17 @@ class ExperimentConfig(StrictModel):
 
     def run_raw(self, hparams: dict[str, Any], **driver: Any) -> dict[str, Any]:
         """The raw run config of a trial: base + overrides + hyperparameters + driver-owned keys."""
+        hparams = self.search_space.coerce(hparams)
         raw = apply_overrides(self.base_raw, [f"{k}={_yaml(v)}" for k, v in hparams.items()])
+        scaling = {
+            k: v for k, v in (raw.get("scaling") or {}).items() if k not in ("min_workers", "max_workers")
+        }
+        raw["scaling"] = {
+            **scaling,
+            "num_workers": self.resources.workers,
+            "cpus_per_worker": self.resources.cpus_per_worker,
+            "use_gpu": self.resources.use_gpu,
+        }
         fixed = {
             "train.steps": self.steps,
             "train.eval_every": self.scheduler.interval,
@@ -192,6 +181,28 @@ def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:
     return exp
 
 
+def save(exp: ExperimentConfig) -> Path:
+    path = exp.exp_dir / EXPERIMENT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"experiment": exp.model_dump(mode="json"), "base_raw": exp.base_raw}, indent=1)
+    )
+    return path
+
+
+def load_saved(exp_dir: str | Path) -> ExperimentConfig:
+    """The experiment an `EXP_DIR` ran (wherever that folder is now)."""
+    exp_dir = Path(exp_dir).resolve()
+    path = exp_dir / EXPERIMENT_FILE
+    if not path.is_file():
+        raise ConfigError(f"{exp_dir} holds no {EXPERIMENT_FILE}; fix: pass the folder `raytrain tune` wrote")
+    data = json.loads(path.read_text())
+    raw = {**data["experiment"], "storage": str(exp_dir.parent), "name": exp_dir.name}
+    exp = ExperimentConfig.model_validate(raw)
+    exp._base_raw = data["base_raw"]
+    return exp
+
+
 def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
     if not exp.base.is_file():
         raise ConfigError(f"base={exp.base}: run YAML not found; fix: a path relative to the experiment file")
@@ -209,16 +220,18 @@ def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
 def _check_space(exp: ExperimentConfig) -> None:
     space = exp.search_space
     for key in space:
-        if key in _DRIVER_KEYS:
+        if key in _DRIVER_KEYS or key.startswith(_DRIVER_KEYS[-1]):
             raise ConfigError(
-                f"space.{key} is set by the tune driver; fix: remove it (the budget sets train.steps, "
-                f"scheduler.interval sets eval_every and checkpoint.every)"
+                f"space.{key} is set by the tune driver; fix: remove it (budget.steps sets train.steps, "
+                f"scheduler.interval eval_every and checkpoint.every, resources the scaling)"
             )
         mutable = isinstance(space[key], (Range, IntRange, Choice))
-        if exp.scheduler.name in ("pbt", "pb2") and mutable and key.startswith(_STATIC_PREFIXES):
+        live = key.startswith(_LIVE_PREFIXES) and key not in _NOT_LIVE
+        if exp.scheduler.name in ("pbt", "pb2") and mutable and not live:
             raise ConfigError(
-                f"space.{key}: {exp.scheduler.name} changes hyperparameters during a run, and {key} cannot "
-                f"change once training started; fix: make it a fixed value or use scheduler.name=asha/random"
+                f"space.{key}: {exp.scheduler.name} changes hyperparameters during a run, and only optimizer.* "
+                f"(not name) and schedule.* keys can change once training started; fix: make it a fixed "
+                f"value or use scheduler.name=asha/random"
             )
         if exp.scheduler.name == "pb2" and isinstance(space[key], Choice):
             raise ConfigError(

@@ -9,7 +9,9 @@ A space maps a dotted run-config key to one parameter:
     optimizer.grad_clip: 1.0                           # fixed value
 
 Ray's own explore multiplies a value by 0.8/1.2 without looking at its bounds (ray #5035) and treats
-`tune.choice` as continuous; `explore` here is the pure function the schedulers call instead.
+`tune.choice` as continuous; `explore` here is the pure function the schedulers call instead. A perturbation
+factor f multiplies log ranges (lr * 1.2), shifts linear ranges by (f - 1) x their width (so that a
+weight decay at 0 can move), moves lists to a neighbour, and every result is clipped to the bounds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class Range:
 
     def perturb(self, value: float, rng: random.Random, factors: tuple[float, ...]) -> tuple[float, str]:
         factor = rng.choice(factors)
-        return self.clip(float(value) * factor), f"* {factor}"
+        if self.log:
+            return self.clip(float(value) * factor), f"* {factor}"
+        # a linear range moves by a fraction of its width: a value at 0 must be able to move
+        shift = (factor - 1) * (self.high - self.low)
+        return self.clip(float(value) + shift), f"{shift:+.4g}"
 
     def clip(self, value: float) -> float:
         return min(max(value, self.low), self.high)
@@ -67,10 +73,10 @@ class IntRange:
 
     def perturb(self, value: int, rng: random.Random, factors: tuple[float, ...]) -> tuple[int, str]:
         factor = rng.choice(factors)
-        new = round(int(value) * factor)
-        if new == value and factor != 1:  # a small integer would never move under rounding
+        new = round(int(value) * factor) if self.log else round(value + (factor - 1) * (self.high - self.low))
+        if new == value and factor != 1:  # a small change would never move an integer under rounding
             new = value + (1 if factor > 1 else -1)
-        return self.clip(new), f"* {factor}"
+        return self.clip(new), f"{new - value:+d}"
 
     def clip(self, value: float) -> int:
         return int(min(max(round(value), self.low), self.high))
@@ -162,6 +168,15 @@ class SearchSpace(Mapping):
         if isinstance(p, Choice):
             return value in p.values
         return value == p.value
+
+    def coerce(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Integers for int ranges and values clipped into ranges (PB2 proposes floats in its boxes)."""
+        out = dict(config)
+        for key, value in config.items():
+            p = self.params.get(key)
+            if isinstance(p, (Range, IntRange)) and isinstance(value, (int, float)):
+                out[key] = p.clip(value)
+        return out
 
     def bounds(self) -> dict[str, tuple[float, float]]:
         """Continuous bounds of every mutable key (PB2 searches boxes only)."""

@@ -61,16 +61,16 @@ def test_explore_never_leaves_the_bounds(resample):
             assert config["optimizer.grad_clip"] == 1.0 and "optimizer.grad_clip" not in ops
 
 
-def test_explore_perturbs_by_a_factor_and_clips():
-    space = parse_space({"optimizer.lr": {"uniform": [0.1, 1.0]}})
+def test_explore_multiplies_log_ranges_and_shifts_linear_ones():
+    space = parse_space({"lr": {"loguniform": [1e-4, 1.0]}, "wd": {"uniform": [0.0, 0.5]}})
     seen = set()
     for seed in range(40):
-        new, ops = space.explore({"optimizer.lr": 0.5}, random.Random(seed), resample_probability=0.0)
-        seen.add(round(new["optimizer.lr"], 9))
-        assert ops["optimizer.lr"] in ("* 1.2", "* 0.8")
-    assert seen == {0.6, 0.4}
-    new, _ = space.explore({"optimizer.lr": 0.95}, random.Random(3), 0.0, factors=(1.2,))
-    assert new["optimizer.lr"] == 1.0  # 1.14 clipped to the upper bound
+        new, ops = space.explore({"lr": 0.5, "wd": 0.0}, random.Random(seed), resample_probability=0.0)
+        seen.add((round(new["lr"], 9), round(new["wd"], 9)))
+    # lr * 1.2 or * 0.8; wd at 0 moves by +0.2 x width (0.1) or stays clipped at 0
+    assert {lr for lr, _ in seen} == {0.6, 0.4} and {wd for _, wd in seen} == {0.1, 0.0}
+    new, _ = space.explore({"lr": 0.95, "wd": 0.45}, random.Random(3), 0.0, factors=(1.2,))
+    assert (new["lr"], new["wd"]) == (1.0, 0.5)  # 1.14 and 0.55 clipped to the upper bounds
 
 
 def test_small_integers_still_move():
@@ -167,7 +167,9 @@ def test_experiment_builds_each_members_run(tmp_path, corpus_dir):
             {"space__model.dim": {"int": [32, 64]}},
             "space.model.dim: pbt changes hyperparameters during a run",
         ),
+        ({"space__optimizer.name": ["adam", "adamw"]}, "space.optimizer.name: pbt changes hyperparameters"),
         ({"space__train.steps": 10}, "space.train.steps is set by the tune driver"),
+        ({"space__scaling.num_workers": 2}, "space.scaling.num_workers is set by the tune driver"),
         (
             {"space__optimizer.lrr": 0.1},
             "space.optimizer.lrr: the run at optimizer.lrr=0.1 is invalid: unknown key 'optimizer.lrr'",

@@ -1,0 +1,244 @@
+"""Lineage of a population: what each trial reported, and every exploit (with its explore) that happened.
+
+Each trial appends to its own `EXP_DIR/lineage/<trial>.jsonl` (one writer per file: a trial runs in one
+actor at a time); `collect` merges them into Parquet tables:
+
+- `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s
+- `EXP_DIR/lineage.parquet`: one row per exploit: time, step (where the trial continues: the donor's
+  checkpoint step), trial, donor, donor_time (when the donor reported that checkpoint), old_hparams,
+  new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's)
+
+An exploit is recorded by the trial that restores a checkpoint another trial wrote - the event as it
+really happened, whichever scheduler (PBT, PB2) decided it. The functions below are pure over these rows.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = [
+    "LineageLog",
+    "Schedule",
+    "collect",
+    "read_events",
+    "read_reports",
+    "schedule_of",
+    "best_trial",
+]
+
+REPORTS_FILE, EVENTS_FILE = "reports.parquet", "lineage.parquet"
+
+
+class LineageLog:
+    """The rows one trial appends (from the trial function, in its actor)."""
+
+    def __init__(self, exp_dir: Path, trial: str):
+        self.trial = trial
+        self.path = Path(exp_dir) / "lineage" / f"{trial}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def last_report(self) -> dict[str, Any] | None:
+        rows = [r for r in _read_jsonl(self.path) if r["kind"] == "report"]
+        return rows[-1] if rows else None
+
+    def report(self, step: int, metric: float, hparams: dict[str, Any], **extra: Any) -> None:
+        self._append(kind="report", step=step, metric=metric, hparams=hparams, **extra)
+
+    def exploit(
+        self,
+        step: int,
+        donor: str,
+        donor_time: float,
+        old_hparams: dict[str, Any] | None,
+        new_hparams: dict[str, Any],
+        donor_hparams: dict[str, Any],
+        score: float | None,
+        donor_score: float | None,
+    ) -> None:
+        self._append(
+            kind="exploit",
+            step=step,
+            donor=donor,
+            donor_time=donor_time,
+            old_hparams=old_hparams,
+            new_hparams=new_hparams,
+            donor_hparams=donor_hparams,
+            score=score,
+            donor_score=donor_score,
+        )
+
+    def _append(self, **row: Any) -> None:
+        row = {"time": time.time(), "trial": self.trial, **row}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill mid-write
+            continue
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+_REPORT_COLUMNS = ("time", "trial", "step", "metric", "hparams", "failed", "steps_s", "wall_s")
+_EVENT_COLUMNS = (
+    "time",
+    "step",
+    "trial",
+    "donor",
+    "donor_time",
+    "old_hparams",
+    "new_hparams",
+    "donor_hparams",
+    "score",
+    "donor_score",
+)
+
+
+def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Merge the trials' logs into `reports.parquet` and `lineage.parquet`; returns (reports, events).
+    A step reported twice by one trial (a restart redid it) keeps its latest report."""
+    exp_dir = Path(exp_dir)
+    rows = [r for p in sorted((exp_dir / "lineage").glob("*.jsonl")) for r in _read_jsonl(p)]
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        if r["kind"] == "report":
+            latest[(r["trial"], r["step"])] = r
+    reports = sorted(latest.values(), key=lambda r: (r["time"], r["trial"]))
+    events = sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"])
+    _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=("hparams",))
+    _write(
+        exp_dir / EVENTS_FILE,
+        events,
+        _EVENT_COLUMNS,
+        json_columns=("old_hparams", "new_hparams", "donor_hparams"),
+    )
+    return read_reports(exp_dir), read_events(exp_dir)
+
+
+def _write(
+    path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...], json_columns: tuple[str, ...]
+) -> None:
+    data = {c: [json.dumps(r.get(c)) if c in json_columns else r.get(c) for r in rows] for c in columns}
+    types = {"step": pa.int64(), "trial": pa.string(), "donor": pa.string()}
+    fields = [pa.field(c, types.get(c, pa.string() if c in json_columns else pa.float64())) for c in columns]
+    if "failed" in columns:
+        fields[columns.index("failed")] = pa.field("failed", pa.bool_())
+        data["failed"] = [bool(v) for v in data["failed"]]
+    pq.write_table(pa.table(data, schema=pa.schema(fields)), path)
+
+
+def _read(path: Path, json_columns: tuple[str, ...]) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = pq.read_table(path).to_pylist()
+    for r in rows:
+        for c in json_columns:
+            r[c] = json.loads(r[c]) if r[c] is not None else None
+    return rows
+
+
+def read_reports(exp_dir: Path) -> list[dict[str, Any]]:
+    return _read(Path(exp_dir) / REPORTS_FILE, ("hparams",))
+
+
+def read_events(exp_dir: Path) -> list[dict[str, Any]]:
+    return _read(Path(exp_dir) / EVENTS_FILE, ("old_hparams", "new_hparams", "donor_hparams"))
+
+
+# ----------------------------------------------------------------------------------------- queries
+
+
+def best_trial(reports: list[dict[str, Any]], mode: str = "min") -> tuple[str, dict[str, Any]]:
+    """The trial whose latest report is the best (finite) one, and that report."""
+    last: dict[str, dict[str, Any]] = {}
+    for r in sorted(reports, key=lambda r: r["time"]):
+        last[r["trial"]] = r
+    finite = [
+        r
+        for r in last.values()
+        if r["metric"] is not None and r["metric"] == r["metric"] and abs(r["metric"]) != float("inf")
+    ]
+    if not finite:
+        raise ValueError("no trial reported a finite metric")
+    pick = min if mode == "min" else max
+    best = pick(finite, key=lambda r: r["metric"])
+    return best["trial"], best
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The hyperparameters a lineage trained with: `changes[i] = (step, hparams)` holds from `step` on
+    (the first at step 0); `path[i] = (trial, from_step, to_step)` says whose steps they were."""
+
+    changes: list[tuple[int, dict[str, Any]]]
+    path: list[tuple[str, int, int]]
+    final_step: int
+
+
+def schedule_of(
+    trial: str, reports: list[dict[str, Any]], events: list[dict[str, Any]], step: int | None = None
+) -> Schedule:
+    """Walk back from `trial` at `step` (default: its last report) through the exploits it descends from:
+    each exploit at step e hands over the donor's weights trained up to e, so the schedule is the donor's
+    up to e, then the trial's own hyperparameters after it."""
+    own = sorted((r for r in reports if r["trial"] == trial), key=lambda r: r["time"])
+    if step is None:
+        if not own:
+            raise ValueError(f"trial {trial} reported nothing")
+        step = own[-1]["step"]
+    path: list[tuple[str, int, int]] = []
+    changes: list[tuple[int, dict[str, Any]]] = []
+    current, upto, before = trial, step, None
+    while True:
+        exploit = _last_exploit(current, upto, events, before)
+        start = exploit["step"] if exploit else 0
+        path.insert(0, (current, start, upto))
+        changes.insert(0, (start, _hparams_after(current, start, exploit, reports)))
+        if exploit is None:
+            break
+        current, upto, before = exploit["donor"], exploit["step"], exploit["donor_time"]
+    merged: list[tuple[int, dict[str, Any]]] = []
+    for s, h in changes:
+        if merged and merged[-1][1] == h:
+            continue
+        merged.append((s, h))
+    return Schedule(merged, path, step)
+
+
+def _last_exploit(
+    trial: str, upto: int, events: list[dict[str, Any]], before: float | None
+) -> dict[str, Any] | None:
+    """The exploit that produced `trial`'s weights at `upto`: its latest one at or before that step (and,
+    when following a donor, before the donor reported the checkpoint that was copied)."""
+    mine = [
+        e
+        for e in events
+        if e["trial"] == trial and e["step"] <= upto and (before is None or e["time"] < before)
+    ]
+    return max(mine, key=lambda e: e["time"]) if mine else None
+
+
+def _hparams_after(
+    trial: str, start: int, exploit: dict[str, Any] | None, reports: list[dict[str, Any]]
+) -> dict[str, Any]:
+    if exploit is not None:
+        return exploit["new_hparams"]
+    first = [r for r in sorted(reports, key=lambda r: r["time"]) if r["trial"] == trial and r["step"] > start]
+    if not first:
+        raise ValueError(f"trial {trial} has no report after step {start}")
+    return first[0]["hparams"]

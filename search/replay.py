@@ -1,0 +1,57 @@
+"""`raytrain tune replay EXP_DIR [--trial best]`: re-train a trial's hyperparameter schedule from scratch
+as one run. The schedule is its lineage's (see `lineage.schedule_of`): the donors' hyperparameters up to
+each exploit, then its own; `hooks.ApplySchedule` changes them at the recorded steps during the run."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from search.config import load_saved
+from search.lineage import Schedule, best_trial, collect, schedule_of
+
+__all__ = ["ReplayResult", "replay"]
+
+
+@dataclass
+class ReplayResult:
+    trial: str
+    schedule: Schedule
+    run_dir: Path
+    metric: str
+    replayed: float | None
+    reported: float  # what the trial reported at the same step during the experiment
+
+    def describe(self) -> str:
+        got = f"{self.replayed:.4f}" if self.replayed is not None else "n/a"
+        changes = "; ".join(
+            f"step {s}: "
+            + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(h.items()))
+            for s, h in self.schedule.changes
+        )
+        return (
+            f"replayed {self.trial}'s schedule ({changes}) in {self.run_dir}:\n"
+            f"{self.metric} {got} at step {self.schedule.final_step} (the experiment reported {self.reported:.4f})"
+        )
+
+
+def replay(exp_dir: Path, trial: str = "best") -> ReplayResult:
+    """Ray must be initialised (the run is a Ray Train run like the trials', same workers)."""
+    from raytrain_ext.launcher import train
+
+    exp = load_saved(exp_dir)
+    reports, events = collect(exp.exp_dir)
+    if trial == "best":
+        trial, _ = best_trial(reports, exp.mode)
+    schedule = schedule_of(trial, reports, events)
+    reported = [r for r in reports if r["trial"] == trial and r["step"] == schedule.final_step][-1]["metric"]
+    run_dir = exp.exp_dir / "replay" / f"{trial}-{uuid.uuid4().hex[:6]}"
+    first, later = schedule.changes[0][1], [[s, h] for s, h in schedule.changes[1:]]
+    cfg = exp.run_config(
+        first, name=run_dir.name, run_dir=str(run_dir), **{"train.steps": schedule.final_step}
+    )
+    callbacks = [f"search.hooks:ApplySchedule(changes={later!r})"] if later else []
+    result = train(cfg, progress=False, callbacks=callbacks)
+    replayed = result.val_loss if exp.metric == "val_loss" else result.train_loss
+    return ReplayResult(trial, schedule, run_dir, exp.metric, replayed, reported)

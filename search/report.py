@@ -1,0 +1,197 @@
+"""`raytrain tune report EXP_DIR`: plots and a short summary of a finished (or interrupted) experiment.
+
+Writes `EXP_DIR/report/`: `population.png` (each trial's metric over steps, exploits marked),
+`hparams.png` (each hyperparameter's value over steps per trial, the winner's schedule in black),
+`lineage.png` (the family tree: who copied whom, when) and `summary.txt`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from search.config import load_saved
+from search.lineage import Schedule, best_trial, collect, schedule_of
+
+__all__ = ["ReportOutput", "outside_steps_fraction", "write_report"]
+
+
+@dataclass
+class ReportOutput:
+    summary: str
+    plots: list[Path]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def outside_steps_fraction(reports: list[dict[str, Any]]) -> float | None:
+    """Share of the trials' time spent outside training steps (starting runs, restoring, evaluating,
+    checkpointing, reporting), over the reports that trained."""
+    rows = [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
+    wall = sum(r["wall_s"] for r in rows)
+    return 1.0 - sum(r["steps_s"] for r in rows) / wall if wall else None
+
+
+def write_report(exp_dir: Path) -> ReportOutput:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    exp_dir = Path(exp_dir).resolve()
+    exp = load_saved(exp_dir)
+    reports, events = collect(exp_dir)
+    if not reports:
+        from trainers._base import ConfigError
+
+        raise ConfigError(f"{exp_dir}: no trial has reported yet; fix: run `raytrain tune` first")
+    out = exp_dir / "report"
+    out.mkdir(exist_ok=True)
+    trials = sorted({r["trial"] for r in reports})
+    winner, row = best_trial(reports, exp.mode)
+    schedule = schedule_of(winner, reports, events)
+    plots = [
+        _plot_population(out / "population.png", reports, events, trials, exp.metric, winner),
+        _plot_hparams(out / "hparams.png", reports, trials, list(exp.search_space.mutable), schedule),
+        _plot_lineage(out / "lineage.png", reports, events, trials, winner),
+    ]
+    summary = _summary(exp, reports, events, trials, winner, row, schedule)
+    (out / "summary.txt").write_text(summary + "\n")
+    return ReportOutput(summary, plots)
+
+
+# ----------------------------------------------------------------------------------------- plots
+
+
+def _by_trial(reports: list[dict[str, Any]], trial: str) -> list[dict[str, Any]]:
+    return sorted((r for r in reports if r["trial"] == trial), key=lambda r: r["time"])
+
+
+def _plot_population(path, reports, events, trials, metric, winner) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, trial in enumerate(trials):
+        rows = [r for r in _by_trial(reports, trial) if _finite(r["metric"])]
+        ax.plot(
+            [r["step"] for r in rows],
+            [r["metric"] for r in rows],
+            marker=".",
+            color=f"C{i % 10}",
+            lw=2.5 if trial == winner else 1.2,
+            label=trial + (" (best)" if trial == winner else ""),
+        )
+    for e in events:  # the exploited trial jumps from its own score to the donor's
+        if _finite(e["donor_score"]):
+            ax.plot([e["step"]], [e["donor_score"]], "k|", ms=12)
+            if _finite(e["score"]):
+                ax.annotate(
+                    "",
+                    xy=(e["step"], e["donor_score"]),
+                    xytext=(e["step"], e["score"]),
+                    arrowprops={"arrowstyle": "->", "color": "gray", "lw": 0.8},
+                )
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"population: {metric} per trial (| = exploit)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_hparams(path, reports, trials, keys, schedule: Schedule) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        for i, trial in enumerate(trials):
+            rows = _by_trial(reports, trial)
+            xs, ys = [], []
+            for r in rows:  # the value in force over (previous report, this report]
+                xs += [r["step"] - 0.5, r["step"]]
+                ys += [r["hparams"].get(key)] * 2
+            ax.plot(xs, ys, color=f"C{i % 10}", lw=1, alpha=0.7, label=trial)
+        steps = [s for s, _ in schedule.changes] + [schedule.final_step]
+        for (start, h), end in zip(schedule.changes, steps[1:]):
+            ax.plot([start, end], [h.get(key)] * 2, color="black", lw=2.5)
+        ax.set_ylabel(key)
+        if all(isinstance(v, (int, float)) and v > 0 for v in _values(reports, key)) and key.endswith("lr"):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title("hyperparameters per trial; black: the best trial's schedule (its lineage)")
+    axes[0, 0].legend(fontsize=7)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _values(reports, key) -> list[Any]:
+    return [r["hparams"].get(key) for r in reports]
+
+
+def _plot_lineage(path, reports, events, trials, winner) -> Path:
+    import matplotlib.pyplot as plt
+
+    y = {t: i for i, t in enumerate(trials)}
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(trials) + 1.8))
+    for trial in trials:
+        rows = _by_trial(reports, trial)
+        starts = [0] + [e["step"] for e in sorted(events, key=lambda e: e["time"]) if e["trial"] == trial]
+        for s in starts:  # each life of the trial: from its start (or an exploit) to its next report run
+            after = [r["step"] for r in rows if r["step"] > s]
+            if after:
+                ax.plot(
+                    [s, max(after)], [y[trial]] * 2, color="C0" if trial != winner else "C3", lw=3, alpha=0.5
+                )
+    for e in events:
+        ax.annotate(
+            "",
+            xy=(e["step"], y[e["trial"]]),
+            xytext=(e["step"], y[e["donor"]]),
+            arrowprops={"arrowstyle": "->", "color": "black", "lw": 1, "connectionstyle": "arc3,rad=0.2"},
+        )
+    ax.set_yticks(range(len(trials)), trials, fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title("family tree: arrows go from donor to the trial that copied its weights")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------- summary
+
+
+def _fmt(hparams: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(hparams.items())
+    )
+
+
+def _summary(exp, reports, events, trials, winner, row, schedule: Schedule) -> str:
+    frac = outside_steps_fraction(reports)
+    lines = [
+        f"experiment {exp.name}: {exp.scheduler.name}, population {exp.population}, {exp.steps} steps per trial, "
+        f"interval {exp.scheduler.interval}, {exp.resources.workers} workers per trial ({exp.trial_runs} runs)",
+        f"best: {winner}, {exp.metric} {row['metric']:.4f} at step {row['step']}",
+        f"exploits: {len(events)}; failed reports: {sum(bool(r['failed']) for r in reports)}",
+        "time outside training steps: " + (f"{frac:.1%}" if frac is not None else "n/a"),
+        "winning schedule (replay with `raytrain tune replay`):",
+        *(f"  from step {s}: {_fmt(h)}" for s, h in schedule.changes),
+        "  lineage: " + " -> ".join(f"{t}[{a}..{b}]" for t, a, b in schedule.path),
+        "final per trial:",
+    ]
+    for trial in trials:
+        last = _by_trial(reports, trial)[-1]
+        lines.append(
+            f"  {trial}: step {last['step']}, {exp.metric} {last['metric']:.4f}, {_fmt(last['hparams'])}"
+        )
+    return "\n".join(lines)

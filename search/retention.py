@@ -1,0 +1,63 @@
+"""Tune checkpoint retention that never deletes a checkpoint a pending exploit needs.
+
+Tune's own `num_to_keep` deletes a trial's older checkpoints as new ones arrive, also the one PBT has just
+picked for another trial to clone, before that trial restarts (ray #9036: `num_to_keep <= 2` breaks PBT;
+under time-multiplexing any small value can). Here each trial keeps its newest `keep` checkpoints, plus
+every checkpoint still referenced by a trial as the one it will restore from (an exploit points the
+exploited trial at the donor's) or by the scheduler as a donor candidate.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+__all__ = ["ProtectedRetention", "to_delete"]
+
+
+def to_delete(checkpoints: list[str], keep: int, protected: Iterable[str]) -> list[str]:
+    """Of one trial's checkpoints (oldest first), those beyond the newest `keep` that nothing protects."""
+    protected = set(protected)
+    old = checkpoints[: max(len(checkpoints) - keep, 0)]
+    return [c for c in old if c not in protected]
+
+
+class ProtectedRetention(tune.Callback):
+    def __init__(self, keep: int, scheduler: Any = None):
+        self.keep, self.scheduler = keep, scheduler
+
+    def on_checkpoint(
+        self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
+    ) -> None:
+        protected = self._protected(trials)
+        if protected is None:  # a donor's save is still pending: decide at the next checkpoint
+            return
+        for t in trials:
+            manager = t.run_metadata.checkpoint_manager
+            results = list(manager._checkpoint_results)
+            doomed = set(to_delete([r.checkpoint.path for r in results], self.keep, protected))
+            if not doomed:
+                continue
+            manager._checkpoint_results = [r for r in results if r.checkpoint.path not in doomed]
+            for path in doomed:
+                shutil.rmtree(Path(path), ignore_errors=True)
+
+    def _protected(self, trials: list[Any]) -> set[str] | None:
+        """Paths a restore may still need, or None while the scheduler waits on a save in flight."""
+        paths = set()
+        for t in trials:
+            latest = t.run_metadata.checkpoint_manager.latest_checkpoint_result
+            if latest is not None and latest.checkpoint is not None:
+                paths.add(latest.checkpoint.path)
+        for state in getattr(self.scheduler, "_trial_state", {}).values():  # PBT/PB2 donor candidates
+            ckpt = state.last_checkpoint
+            if ckpt is None:
+                continue
+            if not isinstance(ckpt, tune.Checkpoint):
+                return None
+            paths.add(ckpt.path)
+        return paths

@@ -1,0 +1,98 @@
+"""Lineage tables, the schedule a trial descends from, and retention that keeps what an exploit needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
+from search.retention import to_delete
+
+
+def _report(trial, step, metric, lr, t):
+    return {"time": t, "trial": trial, "step": step, "metric": metric, "hparams": {"lr": lr}, "failed": False}
+
+
+def _exploit(trial, donor, step, t, donor_time, new_lr, donor_lr):
+    return {
+        "time": t,
+        "trial": trial,
+        "donor": donor,
+        "step": step,
+        "donor_time": donor_time,
+        "new_hparams": {"lr": new_lr},
+        "donor_hparams": {"lr": donor_lr},
+    }
+
+
+def test_schedule_follows_exploits_back_through_donors():
+    # a: lr 1 all along. b copies a at step 10 (lr 2), c copies b at step 20 (lr 3).
+    reports = [
+        _report("a", 10, 5.0, 1, 1),
+        _report("b", 10, 6.0, 9, 1),
+        _report("c", 10, 7.0, 8, 1),
+        _report("a", 20, 4.0, 1, 3),
+        _report("b", 20, 3.5, 2, 3),
+        _report("c", 20, 6.0, 8, 3),
+        _report("c", 30, 3.0, 3, 5),
+    ]
+    events = [_exploit("b", "a", 10, 2, 1, 2, 1), _exploit("c", "b", 20, 4, 3, 3, 2)]
+    s = schedule_of("c", reports, events)
+    assert s.changes == [(0, {"lr": 1}), (10, {"lr": 2}), (20, {"lr": 3})]
+    assert s.path == [("a", 0, 10), ("b", 10, 20), ("c", 20, 30)]
+    assert s.final_step == 30
+    # a trial that was never exploited keeps its own hyperparameters
+    assert schedule_of("a", reports, events).changes == [(0, {"lr": 1})]
+
+
+def test_a_donors_later_exploit_does_not_rewrite_the_copied_past():
+    # b copies a's step-10 checkpoint (reported at t=1) at t=2; a itself is exploited later (t=3, from b),
+    # which must not change b's history.
+    reports = [_report("a", 10, 5.0, 1, 1), _report("b", 10, 6.0, 9, 1), _report("b", 20, 3.0, 2, 4)]
+    events = [_exploit("b", "a", 10, 2, 1, 2, 1), _exploit("a", "b", 10, 3, 1, 7, 9)]
+    assert schedule_of("b", reports, events).changes == [(0, {"lr": 1}), (10, {"lr": 2})]
+
+
+def test_best_trial_ignores_failed_and_uses_the_latest_report():
+    reports = [_report("a", 10, 1.0, 1, 1), _report("a", 20, 2.0, 1, 2), _report("b", 20, 1.5, 1, 2)]
+    reports.append({**_report("c", 20, float("inf"), 1, 2), "failed": True})
+    assert best_trial(reports, "min")[0] == "b"
+    assert best_trial(reports, "max")[0] == "a"
+
+
+def test_logs_merge_into_parquet(tmp_path):
+    a, b = LineageLog(tmp_path, "a"), LineageLog(tmp_path, "b")
+    a.report(10, 3.0, {"lr": 0.1}, failed=False, steps_s=1.0, wall_s=2.0)
+    b.report(10, 4.0, {"lr": 0.2}, failed=False, steps_s=1.0, wall_s=2.0)
+    b.exploit(10, "a", 1.0, {"lr": 0.2}, {"lr": 0.12}, {"lr": 0.1}, 4.0, 3.0)
+    b.report(20, 2.5, {"lr": 0.12}, failed=False, steps_s=1.0, wall_s=2.0)
+    b.report(20, 2.4, {"lr": 0.12}, failed=False, steps_s=1.0, wall_s=2.0)  # a restart redid step 20
+    with (tmp_path / "lineage" / "b.jsonl").open("a") as f:
+        f.write('{"time": 9, "trial": "b", "kind": "rep')  # cut by a kill mid-write
+    reports, events = collect(tmp_path)
+    assert [(r["trial"], r["step"], r["metric"]) for r in reports] == [
+        ("a", 10, 3.0),
+        ("b", 10, 4.0),
+        ("b", 20, 2.4),
+    ]
+    assert (tmp_path / "lineage.parquet").is_file() and (tmp_path / "reports.parquet").is_file()
+    (event,) = read_events(tmp_path)
+    assert (event["trial"], event["donor"], event["step"]) == ("b", "a", 10)
+    assert (event["old_hparams"], event["new_hparams"], event["donor_hparams"]) == (
+        {"lr": 0.2},
+        {"lr": 0.12},
+        {"lr": 0.1},
+    )
+    assert (event["score"], event["donor_score"]) == (4.0, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("keep", "protected", "deleted"),
+    [
+        (2, set(), ["c1", "c2"]),
+        (2, {"c1"}, ["c2"]),  # c1: a paused trial will restore from it (an exploit pointed it there)
+        (1, {"c4"}, ["c1", "c2", "c3"]),  # the newest is always kept
+        (10, set(), []),
+    ],
+)
+def test_retention_keeps_newest_and_protected(keep, protected, deleted):
+    assert to_delete(["c1", "c2", "c3", "c4"], keep, protected) == deleted
