@@ -185,7 +185,10 @@ def save(exp: ExperimentConfig) -> Path:
     path = exp.exp_dir / EXPERIMENT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        json.dumps({"experiment": exp.model_dump(mode="json"), "base_raw": exp.base_raw}, indent=1)
+        json.dumps(
+            {"experiment": exp.model_dump(mode="json", exclude_unset=True), "base_raw": exp.base_raw},
+            indent=1,
+        )
     )
     return path
 

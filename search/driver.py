@@ -62,8 +62,11 @@ def _tuner_parts(exp: ExperimentConfig) -> tuple[Any, dict[str, Any]]:
     return trainable, population_space(exp.members())
 
 
-def run_experiment(exp: ExperimentConfig, resume: bool = False, verbose: int = 1) -> ExperimentResult:
-    """Run (or with `resume`, continue) the experiment in `exp.exp_dir`; Ray must be initialised."""
+def run_experiment(
+    exp: ExperimentConfig, resume: bool = False, verbose: int = 1, callbacks: list[tune.Callback] = ()
+) -> ExperimentResult:
+    """Run (or with `resume`, continue) the experiment in `exp.exp_dir`; Ray must be initialised.
+    `callbacks`: more Tune callbacks (a resumed experiment keeps those it started with)."""
     exp_dir = exp.exp_dir
     trainable, space = _tuner_parts(exp)
     if resume:
@@ -101,6 +104,7 @@ def run_experiment(exp: ExperimentConfig, resume: bool = False, verbose: int = 1
                 callbacks=[
                     SchedulerState(scheduler, str(exp_dir / "scheduler_state.json")),
                     ProtectedRetention(exp.keep_checkpoints, scheduler),
+                    *callbacks,
                 ],
             ),
         )

@@ -119,7 +119,12 @@ def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         if r["kind"] == "report":
             latest[(r["trial"], r["step"])] = r
     reports = sorted(latest.values(), key=lambda r: (r["time"], r["trial"]))
-    events = sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"])
+    # A trial restored again from the same donor checkpoint (an interrupted experiment resumed before it
+    # reported) records the same exploit twice: keep the first.
+    unique: dict[tuple[str, str, float], dict[str, Any]] = {}
+    for r in sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"]):
+        unique.setdefault((r["trial"], r["donor"], r["donor_time"]), r)
+    events = list(unique.values())
     _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=("hparams",))
     _write(
         exp_dir / EVENTS_FILE,

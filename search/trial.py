@@ -72,6 +72,13 @@ class TrialRun(tune.Trainable):
 
     def step(self) -> dict[str, Any]:
         exp = self.exp
+        if self.step_no >= exp.steps:  # restored at the end of the budget (a resumed, finished trial)
+            last = self.log.last_report()
+            return {
+                exp.metric: last["metric"] if last else _worst(exp),
+                TIME_ATTR: self.step_no,
+                "done": True,
+            }
         if self.error is not None:  # waiting to be replaced: no training, the worst metric
             out = _Interval(self._next_stop(), _worst(exp), None, 0.0, "waiting to be replaced")
         else:

@@ -1,0 +1,232 @@
+"""PBT over Ray Train runs (CPU, 1 worker per trial, 2 trials, synchronous PBT so that the weaker trial
+exploits the stronger one at the first interval, deterministically):
+
+- the exploited trial continues from the donor: its first loss after the exploit is the donor's at that
+  step (not a fresh model's), and its learning rate is the explored one;
+- a trial whose loss goes NaN is replaced through exploit and finishes with the population;
+- a driver interrupted (SIGINT) after an exploit resumes with `--resume` semantics: the exploited trial
+  continues from the donor's checkpoint with its new hyperparameters, the scheduler's count of exploits
+  carries over, and report/replay work on the result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+from ray import tune
+
+from search.config import load_experiment, save
+from search.driver import run_experiment
+from search.lineage import read_events, read_reports
+from tests.conftest import tiny_raw
+from tests.ray.conftest import RUNTIME_ENV, ray_env_restored
+from trainers.metrics import read_metrics
+
+pytestmark = pytest.mark.ray
+
+INTERVAL, STEPS = 10, 20
+
+
+@pytest.fixture(scope="module")
+def ray_pbt():
+    import ray
+
+    assert not ray.is_initialized(), "a Ray from another test module is still running"
+    with ray_env_restored():
+        # address="local": a new Ray even when another one runs on this machine
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False
+        )
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def _experiment(
+    tmp: Path, corpus: Path, name: str, optimizer: dict, space: dict, initial: list[dict]
+) -> Path:
+    base = tiny_raw(corpus, tmp / "unused", optimizer=optimizer, train={"tensorboard": False})
+    (tmp / f"{name}-base.yaml").write_text(yaml.safe_dump(base))
+    exp = {
+        "name": name,
+        "base": f"{name}-base.yaml",
+        "space": space,
+        "initial": initial,
+        "scheduler": {
+            "name": "pbt",
+            "interval": INTERVAL,
+            "quantile_fraction": 0.5,
+            "synch": True,
+            "resample_probability": 0.0,
+        },
+        "population": 2,
+        "budget": {"steps": STEPS},
+        "resources": {"workers": 1},
+        "storage": str(tmp / "runs"),
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    return path
+
+
+def _train_rows(exp_dir: Path, trial: str) -> dict[int, dict]:
+    """Each step of a trial's Train runs, from the run that trained it last."""
+    rows = []
+    for path in (exp_dir / "runs" / trial).glob("*/metrics.jsonl"):
+        rows += read_metrics(path, "train")
+    return {r["step"]: r for r in sorted(rows, key=lambda r: r["time"])}
+
+
+def _trial_of(exp_dir: Path, lr: float) -> str:
+    return next(r["trial"] for r in read_reports(exp_dir) if r["hparams"]["optimizer.lr"] == lr)
+
+
+# --------------------------------------------------------------------------- exploit continues
+
+
+@pytest.fixture(scope="module")
+def strong_and_weak(ray_pbt, corpus_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pbt")
+    path = _experiment(
+        tmp,
+        corpus_dir,
+        "exploit",
+        {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+    )
+    exp = load_experiment(path)
+    save(exp)
+    return run_experiment(exp, verbose=0)
+
+
+def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_weak):
+    result = strong_and_weak
+    exp_dir = result.exp_dir
+    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
+    (event,) = [e for e in result.events if e["trial"] == weak]
+    assert (event["donor"], event["step"]) == (strong, INTERVAL)
+    assert event["old_hparams"] == {"optimizer.lr": 1e-4} and event["donor_hparams"] == {"optimizer.lr": 1e-2}
+    new_lr = event["new_hparams"]["optimizer.lr"]
+    assert new_lr == pytest.approx(1e-2 * 1.2) or new_lr == pytest.approx(1e-2 * 0.8)
+
+    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
+    after = INTERVAL + 1
+    # The loss of step 11 is computed on the weights after step 10: the donor's, not the weak trial's own
+    # (which were still near a fresh model's loss).
+    assert weak_rows[after]["loss"] == pytest.approx(strong_rows[after]["loss"], rel=1e-6)
+    assert weak_rows[INTERVAL]["loss"] > strong_rows[after]["loss"] + 0.5
+    # ... and step 11 ran with the explored learning rate (same schedule factor as the donor's step 11).
+    assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
+    # The population finished the budget; the weak trial's last report carries the new hyperparameters.
+    last = {r["trial"]: r for r in sorted(result.reports, key=lambda r: r["time"])}
+    assert {r["step"] for r in last.values()} == {STEPS}
+    assert last[weak]["hparams"] == {"optimizer.lr": new_lr}
+
+
+# ------------------------------------------------------------------ NaN trial, interrupt, resume
+
+
+class InterruptAfterExploit(tune.Callback):
+    """Sends the driver a SIGINT (as Ctrl-C would) once a trial has restored another's checkpoint."""
+
+    def __init__(self, exp_dir: Path):
+        self.exp_dir, self.sent = exp_dir, False
+
+    def get_state(self):  # the resumed experiment restores its callbacks: do not interrupt it again
+        return {"sent": self.sent}
+
+    def set_state(self, state):
+        self.sent = state["sent"]
+
+    def on_step_end(self, iteration, trials, **info):
+        logs = (self.exp_dir / "lineage").glob("*.jsonl")
+        if not self.sent and any('"kind": "exploit"' in p.read_text() for p in logs):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def nan_resumed(ray_pbt, corpus_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pbt-nan")
+    # SGD at lr 1e6 without clipping: the loss is NaN within a few steps and the run stops (max_bad_steps)
+    path = _experiment(
+        tmp,
+        corpus_dir,
+        "nan",
+        {"name": "sgd", "lr": 0.5, "grad_clip": None, "weight_decay": 0.0},
+        {"optimizer.lr": {"loguniform": [1e-3, 1e6]}},
+        [{"optimizer.lr": 0.5}, {"optimizer.lr": 1e6}],
+    )
+    exp = load_experiment(path)
+    save(exp)
+    first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
+    before = {"reports": list(first.reports), "events": list(first.events)}
+    resumed = run_experiment(exp, resume=True, verbose=0)
+    return exp, before, resumed
+
+
+def test_nan_trial_is_replaced_through_exploit(nan_resumed):
+    exp, _, result = nan_resumed
+    good, bad = _trial_of(exp.exp_dir, 0.5), _trial_of(exp.exp_dir, 1e6)
+    bad_reports = [r for r in result.reports if r["trial"] == bad]
+    assert (
+        bad_reports[0]["failed"]
+        and math.isinf(bad_reports[0]["metric"])
+        and bad_reports[0]["step"] == INTERVAL
+    )
+    assert "NonFiniteLossError" in json.dumps(
+        [json.loads(line) for line in (exp.exp_dir / "lineage" / f"{bad}.jsonl").read_text().splitlines()]
+    )
+    (event,) = [e for e in result.events if e["trial"] == bad]
+    assert (event["donor"], event["step"]) == (good, INTERVAL)
+    assert math.isinf(event["score"]) and math.isfinite(event["donor_score"])
+    # replaced, not dropped: it trained on from the donor and finished the budget with a finite loss
+    assert bad_reports[-1]["step"] == STEPS and not bad_reports[-1]["failed"]
+    assert math.isfinite(bad_reports[-1]["metric"])
+    assert bad_reports[-1]["hparams"]["optimizer.lr"] == pytest.approx(0.5 * 1.2) or bad_reports[-1][
+        "hparams"
+    ]["optimizer.lr"] == pytest.approx(0.5 * 0.8)
+
+
+def test_interrupted_driver_resumes_with_scheduler_state(nan_resumed):
+    exp, before, result = nan_resumed
+    bad = _trial_of(exp.exp_dir, 1e6)
+    # The interrupt came after the exploit, before the exploited trial finished.
+    assert [e["trial"] for e in before["events"]] == [bad]
+    assert not [r for r in before["reports"] if r["trial"] == bad and r["step"] == STEPS]
+    # After --resume: the same two trials, each at the end of the budget; the exploited one trained on
+    # from the donor's checkpoint (its step-20 loss is finite) with the explored learning rate.
+    last = {r["trial"]: r for r in sorted(result.reports, key=lambda r: r["time"])}
+    assert len(last) == 2 and {r["step"] for r in last.values()} == {STEPS}
+    assert last[bad]["hparams"] != {"optimizer.lr": 1e6} and not last[bad]["failed"]
+    # The scheduler's own count of exploits carried over the restore (Tune does not checkpoint
+    # schedulers; without SchedulerState the resumed PBT would count 0).
+    state = json.loads((exp.exp_dir / "scheduler_state.json").read_text())
+    assert state["perturbations"] == len(read_events(exp.exp_dir)) == 1
+
+
+def test_report_and_replay_on_the_result(nan_resumed, ray_pbt):
+    from search.replay import replay
+    from search.report import write_report
+
+    exp, _, result = nan_resumed
+    out = write_report(exp.exp_dir)
+    assert [p.name for p in out.plots] == ["population.png", "hparams.png", "lineage.png"]
+    assert all(p.stat().st_size > 10_000 for p in out.plots)
+    assert "exploits: 1" in out.summary and f"best: {result.best_trial}" in out.summary
+
+    bad = _trial_of(exp.exp_dir, 1e6)
+    rep = replay(exp.exp_dir, bad)
+    # The schedule of the replaced trial is the donor's until step 10, then its explored learning rate;
+    # replayed from scratch as one run it lands on the loss the trial reported (CPU runs are deterministic).
+    assert [s for s, _ in rep.schedule.changes] == [0, INTERVAL]
+    assert rep.schedule.changes[0][1] == {"optimizer.lr": 0.5}
+    assert rep.replayed == pytest.approx(rep.reported, rel=1e-5)
