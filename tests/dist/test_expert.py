@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +22,11 @@ from tests.dist.test_pipeline import (
     STEPS,
     _assert_same_grads,
     _assert_same_run,
+    _Grads,
     _merged,
     _raw,
     _rows,
     _train,
-    _Grads,
 )
 from trainers.config import parse_config
 from trainers.models import moe_layers
@@ -137,7 +136,9 @@ def runs(corpus_dir, tmp_path_factory) -> dict:
     equivalence = {n: _raw(corpus_dir, root / n, _model(m), p) for n, (m, p) in EQUIVALENCE.items()}
     fixed = {n: _raw(corpus_dir, root / n, _model(m), {**FSDP, "pp": 2, "ep": 2}) for n, m in FIXED.items()}
     grads = _merged(run_ranks(_train_ep, 4, equivalence, fixed))
-    refs = {n: _train(_raw(corpus_dir, root / f"ref-{n}", _model(m), {})) for n, (m, _) in EQUIVALENCE.items()}
+    refs = {
+        n: _train(_raw(corpus_dir, root / f"ref-{n}", _model(m), {})) for n, (m, _) in EQUIVALENCE.items()
+    }
     return {
         "equivalence": {n: (root / n, grads[n]) for n in EQUIVALENCE},
         "refs": {n: (root / f"ref-{n}", refs[n]) for n in EQUIVALENCE},
