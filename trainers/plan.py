@@ -8,7 +8,8 @@ adds a verdict against the device's memory and, when it does not fit, the cheape
 The peak is the largest of three kinds of moment in a step, each the sum of what is live then:
   1. backward start: the saved activations of every micro-batch in flight, the loss's buffers;
   2. backward of block i (for every i): activations of blocks before i, block i's own (recomputed if
-     checkpointed), the gradients of the blocks after i, that block's gradient buffers;
+     checkpointed), the gradients of the blocks after i; under FSDP also the block's gradient reduction,
+     after its parameters are resharded;
   3. optimizer step: parameters, complete gradients, optimizer state and the step's temporaries.
 
 Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -16,9 +17,9 @@ Transformer Models", s*b*h*(34 + 5*a*s/h) bytes for a GPT block in 16-bit), redo
 tensors autograd saves in `trainers/models/llama.py` and `moe.py`, element by element (see
 `block_activation_bytes`). Differences from the GPT block: no dropout (no masks); SDPA keeps a
 logsumexp per head and token instead of the a*s*s softmax (the 5*a*s/h term is gone); RMSNorm saves its
-input and x*rsqrt(mean x^2), and the norm's output is saved once more as the projections' input; SwiGLU
-saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) where GELU saves 2 of width 4h;
-under autocast each projection saves its own 16-bit cast of its input and of its weight.
+input and x*rsqrt(mean x^2) in fp32 whatever the dtype, and its output once more as the projections' input;
+SwiGLU saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) where GELU saves 2 of width
+4h; under autocast each projection saves its own 16-bit cast of its input and of its weight.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ __all__ = [
 
 DeviceType = Literal["cuda", "cpu"]
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
-# Of the device's memory, what a step may use: the CUDA context, NCCL's buffers and the caching
-# allocator's fragmentation take the rest (torchtitan and DeepSpeed users report 5-10%).
+# Of the device's memory, what the planned peak may use: a margin for what the planner does not count
+# (the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces).
 USABLE_FRACTION = 0.9
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "adagrad": 1}  # fp32 tensors per parameter
 _DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size / allgather_bucket_size
@@ -511,7 +512,9 @@ class _RankPlanner:
 
     @property
     def _fsdp(self) -> bool:
-        return self.cfg.parallel.engine == "fsdp" and self.lay.dp > 1
+        """FSDP reduce-scatters block by block (under a pipeline only once, after the last microbatch:
+        the unsharded gradients are counted whole then, in `_grads`)."""
+        return self.cfg.parallel.engine == "fsdp" and self.lay.dp > 1 and self.lay.pp == 1
 
     def _earlier(self, b: int) -> int:
         """Saved activations of the blocks before b, the token ids and the logits the trainer holds."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,23 +99,45 @@ def _saved_bytes(cfg: ModelConfig, x: torch.Tensor, autocast: torch.dtype | None
     return sum(seen.values())
 
 
-@pytest.mark.parametrize(
-    "model, w, autocast, half, rel",
-    [
-        ({}, FP32, None, False, 0.0),  # exact: every saved tensor is in the formula
-        ({"n_kv_heads": 2}, FP32, None, False, 0.0),
-        ({}, AUTOCAST_BF16, torch.bfloat16, False, 0.0),
-        ({}, BF16, None, True, 0.0),  # FSDP's bf16 params: all bf16 but the fp32 norms
-        ({"moe": MoEConfig(num_experts=4, top_k=2)}, FP32, None, False, 1e-4),  # + E expert fractions
-        ({"moe": MoEConfig(num_experts=4, top_k=1)}, FP32, None, False, 1e-4),
-    ],
-)
-def test_block_activations_match_what_autograd_saves(model, w, autocast, half, rel):
-    cfg = ModelConfig(vocab_size=257, dim=64, n_heads=4, max_seq_len=32, **model)
-    x = torch.randn(4, 32, 64, dtype=torch.bfloat16 if half else torch.float32, requires_grad=True)
-    measured = _saved_bytes(cfg, x, autocast, half)
-    planned = block_activation_bytes(cfg, 0, 4 * 32, w, seq_len=32)
-    assert planned == pytest.approx(measured, rel=rel, abs=0 if rel == 0 else None)
+# name -> (model fields, widths, autocast dtype, bf16 weights, relative tolerance)
+SAVED_CASES: dict[str, tuple[dict[str, Any], Widths, torch.dtype | None, bool, float]] = {
+    "fp32": ({}, FP32, None, False, 0.0),  # exact: every saved tensor is in the formula
+    "fp32-gqa": ({"n_kv_heads": 2}, FP32, None, False, 0.0),
+    "bf16-autocast": ({}, AUTOCAST_BF16, torch.bfloat16, False, 0.0),
+    "bf16-weights": ({}, BF16, None, True, 0.0),  # FSDP's bf16 params: all bf16 but the fp32 norms
+    "moe-top2": ({"moe": MoEConfig(num_experts=4, top_k=2)}, FP32, None, False, 1e-4),  # + E expert fractions
+    "moe-top1": ({"moe": MoEConfig(num_experts=4, top_k=1)}, FP32, None, False, 1e-4),
+}
+
+
+def _case_model(name: str) -> ModelConfig:
+    return ModelConfig(vocab_size=257, dim=64, n_heads=4, max_seq_len=32, **SAVED_CASES[name][0])
+
+
+def saved_bytes_of_all_cases() -> dict[str, int]:
+    """Run in a fresh interpreter by the fixture below."""
+    out = {}
+    for name, (_, _, autocast, half, _) in SAVED_CASES.items():
+        x = torch.randn(4, 32, 64, dtype=torch.bfloat16 if half else torch.float32, requires_grad=True)
+        out[name] = _saved_bytes(_case_model(name), x, autocast, half)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_bytes() -> dict[str, int]:
+    """Measured in a fresh interpreter: in a full `make test` session, state left by an earlier test made
+    autocast keep no bf16 weight copies here (the same test passes alone)."""
+    code = "import json; from tests.unit.test_plan import saved_bytes_of_all_cases as f; print(json.dumps(f()))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(SAVED_CASES))
+def test_block_activations_match_what_autograd_saves(saved_bytes, name):
+    _, w, _, _, rel = SAVED_CASES[name]
+    planned = block_activation_bytes(_case_model(name), 0, 4 * 32, w, seq_len=32)
+    assert planned == pytest.approx(saved_bytes[name], rel=rel, abs=0 if rel == 0 else None)
 
 
 def test_capacity_factor_keeps_fewer_assignments():
