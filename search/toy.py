@@ -24,7 +24,7 @@ __all__ = ["TOY_LR", "TOY_MEMBERS", "TOY_SPACE", "run_toy", "toy_trainable"]
 
 TOY_SPACE = parse_space({"h0": {"uniform": [0.0, 1.0]}, "h1": {"uniform": [0.0, 1.0]}})
 TOY_MEMBERS = [{"h0": 1.0, "h1": 0.0}, {"h0": 0.0, "h1": 1.0}]
-TOY_LR = 0.05  # gradient-ascent step on the surrogate
+TOY_LR = 0.2  # gradient-ascent step on the surrogate
 START = (0.9, 0.9)
 
 

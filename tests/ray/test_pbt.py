@@ -39,6 +39,8 @@ def ray_pbt():
 
     assert not ray.is_initialized(), "a Ray from another test module is still running"
     with ray_env_restored():
+        import tensorboardX  # noqa: F401  (Tune's logger imports it, and it sets CRC32C_SW_MODE on import)
+
         # address="local": a new Ray even when another one runs on this machine
         ray.init(
             address="local", num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False
