@@ -15,6 +15,7 @@ really happened, whichever scheduler (PBT, PB2) decided it. The functions below 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,21 +111,16 @@ _EVENT_COLUMNS = (
 
 
 def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Merge the trials' logs into `reports.parquet` and `lineage.parquet`; returns (reports, events).
-    A step reported twice by one trial (a restart redid it) keeps its latest report."""
+    """Merge the trials' logs into `reports.parquet` and `lineage.parquet`; returns (reports, events)."""
     exp_dir = Path(exp_dir)
     rows = [r for p in sorted((exp_dir / "lineage").glob("*.jsonl")) for r in _read_jsonl(p)]
-    latest: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in rows:
-        if r["kind"] == "report":
-            latest[(r["trial"], r["step"])] = r
-    reports = sorted(latest.values(), key=lambda r: (r["time"], r["trial"]))
     # A trial restored again from the same donor checkpoint (an interrupted experiment resumed before it
     # reported) records the same exploit twice: keep the first.
     unique: dict[tuple[str, str, float], dict[str, Any]] = {}
     for r in sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"]):
         unique.setdefault((r["trial"], r["donor"], r["donor_time"]), r)
     events = list(unique.values())
+    reports = _without_redone([r for r in rows if r["kind"] == "report"], events)
     _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=("hparams",))
     _write(
         exp_dir / EVENTS_FILE,
@@ -133,6 +129,21 @@ def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         json_columns=("old_hparams", "new_hparams", "donor_hparams"),
     )
     return read_reports(exp_dir), read_events(exp_dir)
+
+
+def _without_redone(reports: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A trial that restarts from its own checkpoint (a resumed experiment) may report steps again: the
+    later report replaces the earlier ones from that step on. Reports before and after an exploit are
+    different lives of the trial and are all kept."""
+    kept: list[dict[str, Any]] = []
+    for r in sorted(reports, key=lambda r: r["time"]):
+        exploits = [e["time"] for e in events if e["trial"] == r["trial"] and e["time"] < r["time"]]
+        since = max(exploits, default=-math.inf)
+        kept = [
+            k for k in kept if not (k["trial"] == r["trial"] and k["step"] >= r["step"] and k["time"] > since)
+        ]
+        kept.append(r)
+    return kept
 
 
 def _write(

@@ -54,7 +54,7 @@ def write_report(exp_dir: Path) -> ReportOutput:
     schedule = schedule_of(winner, reports, events)
     plots = [
         _plot_population(out / "population.png", reports, events, trials, exp.metric, winner),
-        _plot_hparams(out / "hparams.png", reports, trials, list(exp.search_space.mutable), schedule),
+        _plot_hparams(out / "hparams.png", reports, events, trials, list(exp.search_space.mutable), schedule),
         _plot_lineage(out / "lineage.png", reports, events, trials, winner),
     ]
     summary = _summary(exp, reports, events, trials, winner, row, schedule)
@@ -69,33 +69,57 @@ def _by_trial(reports: list[dict[str, Any]], trial: str) -> list[dict[str, Any]]
     return sorted((r for r in reports if r["trial"] == trial), key=lambda r: r["time"])
 
 
+@dataclass
+class _Life:
+    """A trial from its start, or from an exploit, to its next exploit."""
+
+    start: int
+    start_metric: float | None  # the donor's metric at the exploit
+    hparams: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+
+def _lives(trial: str, reports: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[_Life]:
+    rows = _by_trial(reports, trial)
+    mine = sorted((e for e in events if e["trial"] == trial), key=lambda e: e["time"])
+    bounds = [None, *mine]
+    lives = []
+    for i, e in enumerate(bounds):
+        lo = e["time"] if e else -math.inf
+        hi = bounds[i + 1]["time"] if i + 1 < len(bounds) else math.inf
+        part = [r for r in rows if lo < r["time"] < hi]
+        if e is None and not part:
+            continue
+        hparams = e["new_hparams"] if e else part[0]["hparams"]
+        lives.append(_Life(e["step"] if e else 0, e["donor_score"] if e else None, hparams, part))
+    return lives
+
+
 def _plot_population(path, reports, events, trials, metric, winner) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, trial in enumerate(trials):
-        rows = [r for r in _by_trial(reports, trial) if _finite(r["metric"])]
-        ax.plot(
-            [r["step"] for r in rows],
-            [r["metric"] for r in rows],
-            marker=".",
-            color=f"C{i % 10}",
-            lw=2.5 if trial == winner else 1.2,
-            label=trial + (" (best)" if trial == winner else ""),
-        )
-    for e in events:  # the exploited trial jumps from its own score to the donor's
-        if _finite(e["donor_score"]):
-            ax.plot([e["step"]], [e["donor_score"]], "k|", ms=12)
-            if _finite(e["score"]):
-                ax.annotate(
-                    "",
-                    xy=(e["step"], e["donor_score"]),
-                    xytext=(e["step"], e["score"]),
-                    arrowprops={"arrowstyle": "->", "color": "gray", "lw": 0.8},
-                )
+        for k, life in enumerate(_lives(trial, reports, events)):
+            xs = ([life.start] if life.start_metric is not None else []) + [r["step"] for r in life.rows]
+            ys = ([life.start_metric] if life.start_metric is not None else []) + [
+                r["metric"] for r in life.rows
+            ]
+            keep = [(x, y) for x, y in zip(xs, ys) if _finite(y)]
+            label = (trial + (" (best)" if trial == winner else "")) if k == 0 else None
+            ax.plot(
+                [x for x, _ in keep],
+                [y for _, y in keep],
+                marker=".",
+                color=f"C{i % 10}",
+                lw=2.5 if trial == winner else 1.2,
+                label=label,
+            )
+            if life.start_metric is not None:  # the exploit: the trial continues from the donor's point
+                ax.plot([life.start], [life.start_metric], marker="o", mfc="none", color=f"C{i % 10}", ms=9)
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
-    ax.set_title(f"population: {metric} per trial (| = exploit)")
+    ax.set_title(f"population: {metric} per trial (o = continues from a donor after an exploit)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -104,26 +128,33 @@ def _plot_population(path, reports, events, trials, metric, winner) -> Path:
     return path
 
 
-def _plot_hparams(path, reports, trials, keys, schedule: Schedule) -> Path:
+def _plot_hparams(path, reports, events, trials, keys, schedule: Schedule) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.6 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
-        for i, trial in enumerate(trials):
-            rows = _by_trial(reports, trial)
-            xs, ys = [], []
-            for r in rows:  # the value in force over (previous report, this report]
-                xs += [r["step"] - 0.5, r["step"]]
-                ys += [r["hparams"].get(key)] * 2
-            ax.plot(xs, ys, color=f"C{i % 10}", lw=1, alpha=0.7, label=trial)
         steps = [s for s, _ in schedule.changes] + [schedule.final_step]
         for (start, h), end in zip(schedule.changes, steps[1:]):
-            ax.plot([start, end], [h.get(key)] * 2, color="black", lw=2.5)
+            ax.plot([start, end], [h.get(key)] * 2, color="black", lw=4, alpha=0.35)
+        for i, trial in enumerate(trials):
+            for k, life in enumerate(_lives(trial, reports, events)):
+                end = max([r["step"] for r in life.rows], default=life.start)
+                ax.plot(
+                    [life.start, end],
+                    [life.hparams.get(key)] * 2,
+                    color=f"C{i % 10}",
+                    lw=1.5,
+                    label=trial if k == 0 else None,
+                )
+                if life.start_metric is not None:
+                    ax.plot([life.start], [life.hparams.get(key)], marker="o", mfc="none", color=f"C{i % 10}")
         ax.set_ylabel(key)
-        if all(isinstance(v, (int, float)) and v > 0 for v in _values(reports, key)) and key.endswith("lr"):
+        if key.endswith("lr") and all(isinstance(v, (int, float)) and v > 0 for v in _values(reports, key)):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0, 0].set_title("hyperparameters per trial; black: the best trial's schedule (its lineage)")
+    axes[0, 0].set_title(
+        "hyperparameters per trial (o = explored at an exploit); grey: the best trial's schedule"
+    )
     axes[0, 0].legend(fontsize=7)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()

@@ -85,6 +85,17 @@ def test_logs_merge_into_parquet(tmp_path):
     assert (event["score"], event["donor_score"]) == (4.0, 3.0)
 
 
+def test_a_redone_step_replaces_the_old_one_but_an_exploit_starts_a_new_life(tmp_path):
+    a = LineageLog(tmp_path, "a")
+    for step, metric in [(10, 5.0), (20, 4.0), (10, 5.0), (20, 3.9)]:  # resumed from its step-0 checkpoint
+        a.report(step, metric, {"lr": 1}, failed=False, steps_s=1.0, wall_s=1.0)
+    a.report(30, 3.5, {"lr": 1}, failed=False, steps_s=1.0, wall_s=1.0)
+    a.exploit(20, "b", 0.0, {"lr": 1}, {"lr": 2}, {"lr": 3}, 3.5, 3.0)  # back to b's step 20
+    a.report(30, 2.9, {"lr": 2}, failed=False, steps_s=1.0, wall_s=1.0)
+    reports, _ = collect(tmp_path)
+    assert [(r["step"], r["metric"]) for r in reports] == [(10, 5.0), (20, 3.9), (30, 3.5), (30, 2.9)]
+
+
 @pytest.mark.parametrize(
     ("keep", "protected", "deleted"),
     [
