@@ -20,7 +20,10 @@ $(DATA)/manifest.json: | $(STAMP)
 	$(VENV)/bin/raytrain data prepare --output $(DATA) --max-bytes 8000000
 
 demo: $(STAMP) $(DATA)/manifest.json
-	$(VENV)/bin/raytrain train examples/tiny-dense.yaml --set data.path=$(DATA)
+	# population-based training: 4 trials x 2 Ray Train workers, then plots in runs/tune/pbt-demo/report/
+	rm -rf runs/tune/pbt-demo
+	$(VENV)/bin/raytrain tune examples/pbt-demo.yaml --set overrides.data.path=$(DATA)
+	$(VENV)/bin/raytrain tune report runs/tune/pbt-demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -31,6 +34,8 @@ bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/ray_recovery.py --data $(DATA)
 	$(PY) bench/plan_vs_measured.py --data $(DATA)
 	$(PY) bench/pipeline.py --data $(DATA)
+	$(PY) bench/pbt_toy.py
+	$(PY) bench/pbt_vs_random.py --data $(DATA)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -213,7 +213,7 @@ def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
         raw = yaml.safe_load(exp.base.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"base={exp.base} is not valid YAML: {str(e).splitlines()[0]}") from None
-    raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in exp.overrides.items()])
+    raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in _flatten(exp.overrides).items()])
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     if "path" in data:  # trials run in other working directories
         data["path"] = str(Path(data["path"]).resolve())
@@ -277,6 +277,17 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
         except ConfigError as e:
             raise ConfigError(f"{label}: {e}") from None
     check_inputs(cfg)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{data: {path: x}} and {data.path: x} are the same override (`--set overrides.data.path=x` nests)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _yaml(value: Any) -> str:
