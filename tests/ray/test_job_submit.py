@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,11 @@ def head():
     log = (temp / "head.log").open("w")
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=2",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp / 'ray'}"],
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp / 'ray'}",
+         # The agents' fixed default ports clash with any other Ray on this machine: take free ones.
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+         f"--ray-client-server-port={free_port()}"],
         env={**_env(token), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "2"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
@@ -60,9 +65,18 @@ def head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+NOT_READY = "No available agent to submit job"  # the head's job agent starts after `ray start` returns
+
+
 def _submit(address: str, token: str, workdir: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`ray job submit`, repeated while the head says its job agent is not up yet (its own advice)."""
     cmd = [str(BIN / "ray"), "job", "submit", f"--address={address}", f"--working-dir={workdir}", "--", *argv]
-    return subprocess.run(cmd, env=_env(token), capture_output=True, text=True, timeout=400)
+    deadline = time.monotonic() + 180
+    while True:
+        out = subprocess.run(cmd, env=_env(token), capture_output=True, text=True, timeout=400)
+        if NOT_READY not in out.stdout + out.stderr or time.monotonic() > deadline:
+            return out
+        time.sleep(1)
 
 
 def test_ray_job_submit_runs_raytrain_train(head, corpus_dir, tmp_path):
