@@ -1,7 +1,7 @@
 """PBT (population 4) vs random search with the same total training steps, on the tiny model and the
 standard-library corpus; and the time a trial spends outside training steps, live runs vs segments.
 
-    .venv/bin/python bench/pbt_vs_random.py --data data/stdlib [--seeds 3] [--steps 300] [--interval 30]
+    .venv/bin/python bench/pbt_vs_random.py --data data/stdlib [--seeds 3] [--steps 240] [--interval 30]
 
 Both searches start from the same 4 sampled configurations per seed (the experiment seed draws them), so
 PBT differs from random search only by exploit and explore. The base run uses a constant learning rate:
@@ -84,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--interval", type=int, default=30)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-segments", action="store_true", help="skip the segments-mode overhead run")
