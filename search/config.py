@@ -34,7 +34,7 @@ from pydantic import (
 from search.schedulers import SchedulerConfig
 from search.space import Choice, IntRange, Range, SearchSpace, parse_space
 from trainers._base import ConfigError, StrictModel
-from trainers.config import RunConfig, _one_line, apply_overrides, check_inputs, parse_config
+from trainers.config import RunConfig, _one_line, apply_overrides, check_inputs, parse_config, read_yaml_mapping
 
 __all__ = ["EXPERIMENT_FILE", "ExperimentConfig", "load_experiment", "load_saved", "parse_experiment", "save"]
 
@@ -158,15 +158,7 @@ class ExperimentConfig(StrictModel):
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read and validate an experiment YAML (`--set` overrides apply to it). Raises ConfigError."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file {path} not found; fix: pass the path of an experiment YAML")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping (name:, base:, space:, ...)")
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(read_yaml_mapping(path, "experiment", "name:, base:, space:, ..."), overrides)
     if isinstance(raw.get("base"), str) and not Path(raw["base"]).is_absolute():
         raw["base"] = str(path.parent / raw["base"])
     return parse_experiment(raw)

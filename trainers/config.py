@@ -339,19 +339,24 @@ class RunConfig(StrictModel):
 # --------------------------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a run YAML, apply `a.b=c` overrides, validate. Raises ConfigError (one line)."""
+def read_yaml_mapping(path: str | Path, what: str, sections: str) -> dict[str, Any]:
+    """A YAML file holding a mapping, or a one-line ConfigError naming the file and the fix."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found; fix: pass the path of a run YAML")
+        raise ConfigError(f"{what} file {path} not found; fix: pass the path of a {what} YAML")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...)")
-    raw = apply_overrides(raw, overrides)
-    return parse_config(raw)
+        raise ConfigError(f"{path} must hold a mapping ({sections})")
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a run YAML, apply `a.b=c` overrides, validate. Raises ConfigError (one line)."""
+    raw = read_yaml_mapping(path, "run", "of sections: model:, data:, ...")
+    return parse_config(apply_overrides(raw, overrides))
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
