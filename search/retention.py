@@ -39,7 +39,9 @@ class ProtectedRetention(tune.Callback):
         for t in trials:
             manager = t.run_metadata.checkpoint_manager
             results = list(manager._checkpoint_results)
-            doomed = set(to_delete([r.checkpoint.path for r in results], self.keep, protected))
+            # Tune calls this before it registers `checkpoint`, the trial's newest: it counts towards `keep`.
+            kept = self.keep - 1 if t is trial else self.keep
+            doomed = set(to_delete([r.checkpoint.path for r in results], kept, protected))
             if not doomed:
                 continue
             manager._checkpoint_results = [r for r in results if r.checkpoint.path not in doomed]
@@ -54,10 +56,33 @@ class ProtectedRetention(tune.Callback):
             if latest is not None and latest.checkpoint is not None:
                 paths.add(latest.checkpoint.path)
         for state in getattr(self.scheduler, "_trial_state", {}).values():  # PBT/PB2 donor candidates
-            ckpt = state.last_checkpoint
-            if ckpt is None:
-                continue
-            if not isinstance(ckpt, tune.Checkpoint):
+            path = _donor_path(state.last_checkpoint)
+            if path is _PENDING:
                 return None
-            paths.add(ckpt.path)
+            if path is not None:
+                paths.add(path)
         return paths
+
+
+_PENDING = object()
+
+
+def _donor_path(candidate: Any) -> Any:
+    """A scheduler's donor checkpoint: a Checkpoint, or (async PBT) the future of a save that may still
+    be running; _PENDING when it cannot be known yet."""
+    if candidate is None or isinstance(candidate, tune.Checkpoint):
+        return candidate.path if candidate is not None else None
+    future = getattr(candidate, "future", None)
+    if future is None:
+        return _PENDING
+    import ray
+
+    ready, _ = ray.wait([future], timeout=0)
+    if not ready:
+        return _PENDING
+    try:
+        result = ray.get(future)
+    except Exception:  # the save failed: PBT will find no checkpoint to clone either
+        return None
+    checkpoint = getattr(result, "checkpoint", None)
+    return checkpoint.path if checkpoint is not None else None

@@ -52,7 +52,7 @@ def ray_pbt():
 
 
 def _experiment(
-    tmp: Path, corpus: Path, name: str, optimizer: dict, space: dict, initial: list[dict]
+    tmp: Path, corpus: Path, name: str, optimizer: dict, space: dict, initial: list[dict], **more
 ) -> Path:
     base = tiny_raw(corpus, tmp / "unused", optimizer=optimizer, train={"tensorboard": False})
     (tmp / f"{name}-base.yaml").write_text(yaml.safe_dump(base))
@@ -72,6 +72,7 @@ def _experiment(
         "budget": {"steps": STEPS},
         "resources": {"workers": 1},
         "storage": str(tmp / "runs"),
+        **more,
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(exp))
@@ -103,6 +104,7 @@ def strong_and_weak(ray_pbt, corpus_dir, tmp_path_factory):
         {"name": "adamw", "lr": 1e-3},
         {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
         [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        keep_checkpoints=1,
     )
     exp = load_experiment(path)
     save(exp)
@@ -131,6 +133,13 @@ def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_we
     last = {r["trial"]: r for r in sorted(result.reports, key=lambda r: r["time"])}
     assert {r["step"] for r in last.values()} == {STEPS}
     assert last[weak]["hparams"] == {"optimizer.lr": new_lr}
+    # Retention (keep 1) deleted the weak trial's own pre-exploit checkpoint, which nothing needed any
+    # more, and left the donor's that its restore used until then (the exploit above worked).
+    weak_dir = next(exp_dir.glob(f"TrialRun_{weak}_*"))
+    assert [
+        json.loads((c / "meta.json").read_text())["trial"] for c in sorted(weak_dir.glob("checkpoint_*"))
+    ] == [weak]
+    assert json.loads((next(weak_dir.glob("checkpoint_*")) / "meta.json").read_text())["step"] == STEPS
 
 
 # ------------------------------------------------------------------ NaN trial, interrupt, resume
