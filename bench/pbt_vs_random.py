@@ -2,6 +2,7 @@
 standard-library corpus; and the time a trial spends outside training steps, live runs vs segments.
 
     .venv/bin/python bench/pbt_vs_random.py --data data/stdlib [--seeds 3] [--steps 240] [--interval 30]
+        [--quantile 0.5]
 
 Both searches start from the same 4 sampled configurations per seed (the experiment seed draws them), so
 PBT differs from random search only by exploit and explore. The base run uses a constant learning rate:
@@ -33,7 +34,7 @@ def _experiment(args: argparse.Namespace, name: str, seed: int, scheduler: str, 
     from search.config import load_experiment
 
     sched = (
-        f"{{name: pbt, interval: {args.interval}, quantile_fraction: 0.25}}"
+        f"{{name: pbt, interval: {args.interval}, quantile_fraction: {args.quantile}}}"
         if scheduler == "pbt"
         else f"{{name: random, interval: {args.interval}}}"
     )
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--interval", type=int, default=30)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--quantile", type=float, default=0.5, help="PBT: the bottom fraction copies the top one")
     ap.add_argument("--no-segments", action="store_true", help="skip the segments-mode overhead run")
     ap.add_argument("--work", default=str(WORK), help="scratch folder for the experiments")
     args = ap.parse_args()
