@@ -42,6 +42,7 @@ FOUR = {
     "pp4-1f1b": (DENSE, {**FSDP, "pp": 4}),
     "pp2-dp2-ep2-1f1b": (MOE, {**FSDP, "pp": 2, "ep": 2}),
     "pp2-dp2-ep2-interleaved": (MOE, {**FSDP, "pp": 2, "ep": 2, **INTERLEAVED}),
+    "pp1-dp4-ep2": (MOE, {**FSDP, "ep": 2}),
 }
 FOUR_SLOW = {
     "pp4-gpipe": (DENSE, {**FSDP, "pp": 4, "pipeline_schedule": "gpipe"}),
@@ -60,6 +61,7 @@ RESUMES = {
     "pp2-dp2->pp2-dp1": ("pp2-dp2-1f1b", DENSE, {**FSDP, "pp": 2}),  # dp changes
     "pp4->pp2-dp1": ("pp4-1f1b", DENSE, {**FSDP, "pp": 2, **INTERLEAVED}),  # pp (and schedule) change
     "pp2-dp2-ep2->pp1-dp2-ep2": ("pp2-dp2-ep2-1f1b", MOE, {**FSDP, "ep": 2}),  # pp changes, ep kept
+    "pp1-dp4-ep2->pp1-dp2-ep2": ("pp1-dp4-ep2", MOE, {**FSDP, "ep": 2}),  # dp changes, pp and ep kept
     "one->pp2-dp1": ("ref-moe", MOE, {**FSDP, "pp": 2}),  # a single process's checkpoint into a pipeline
 }
 
