@@ -26,7 +26,7 @@ demo: $(STAMP) $(DATA)/manifest.json
 	$(VENV)/bin/raytrain tune report runs/tune/pbt-demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)  # the slow tier: make test PYTEST_ARGS="-m slow"
 
 bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/run.py --data $(DATA)

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from trainers.config import ConfigError, RunConfig, apply_overrides, load_config, parse_config
+from search.config import load_experiment  # imports ray, which sets RAY_CLIENT_MODE: at collection, not in a test
 
 BASE = {"data": {"path": "d"}}
 
@@ -94,8 +95,6 @@ def test_accumulation_keeps_the_global_batch():
 
 def test_examples_validate():
     from pathlib import Path
-
-    from search.config import load_experiment
 
     examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
     runs = [p for p in examples if not p.name.startswith("pbt-")]  # pbt-*: experiment YAMLs (raytrain tune)
