@@ -41,9 +41,13 @@ def ray_pbt():
     with ray_env_restored():
         import tensorboardX  # noqa: F401  (Tune's logger imports it, and it sets CRC32C_SW_MODE on import)
 
-        # address="local": a new Ray even when another one runs on this machine
+        # address="local": a new Ray even when another one runs on this machine. The dashboard is on, as
+        # `raytrain tune` has it: Ray Train's PlacementGroupCleaner asks the State API (served by the
+        # dashboard) whether a Train controller died. The interrupted experiment below kills its trials'
+        # controllers, and without the cleaner their workers' placement groups would outlive them in this
+        # driver and starve the resumed trials (a user's Ctrl-C ends the driver, which frees them too).
         ray.init(
-            address="local", num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False
+            address="local", num_cpus=2, include_dashboard=True, runtime_env=RUNTIME_ENV, log_to_driver=False
         )
         try:
             yield ray
