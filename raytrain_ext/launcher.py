@@ -28,6 +28,7 @@ from typing import Any
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.config import RunConfig, check_inputs
 from trainers.metrics import read_metrics
+from trainers.parallel.layout import ParallelLayout
 
 from raytrain_ext.worker import FAILED_FILE, train_fn
 
@@ -63,7 +64,7 @@ def check_run(cfg: RunConfig) -> None:
             f"parallel.engine=none with up to {max(cfg.scaling.sizes)} workers; fix: set parallel.engine to "
             f"ddp, fsdp or deepspeed, or scaling.num_workers=1"
         )
-    pp = getattr(cfg.parallel, "pp", 1)
+    pp, ep = cfg.parallel.pp, cfg.parallel.ep
     for world in cfg.scaling.sizes:
         if world % pp:
             raise ConfigError(
@@ -71,6 +72,7 @@ def check_run(cfg: RunConfig) -> None:
                 f"fix: choose worker counts that are multiples of {pp}"
             )
         try:
+            ParallelLayout.build(world, 0, pp=pp, ep=ep)  # the workers' own check (ep divides dp, ...)
             cfg.train.accumulation(world // pp)
         except ConfigError as e:
             raise ConfigError(f"at {world} workers (scaling allows {_sizes_text(cfg)}): {e}") from None

@@ -34,6 +34,20 @@ def test_every_elastic_size_must_keep_the_global_batch(corpus_dir, tmp_path):
     check_run(cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"max_workers": 2})}))
 
 
+def test_every_elastic_size_must_fit_the_expert_degree(corpus_dir, tmp_path):
+    # ep=2 needs an even data-parallel size: 2 and 4 workers are fine, 3 is refused before any worker starts
+    # (a worker would refuse it only after Ray had placed the group).
+    moe = {"moe": {"num_experts": 4, "top_k": 2}}
+    raw = tiny_raw(corpus_dir, tmp_path, model=moe, parallel={"engine": "fsdp", "ep": 2},
+                   train={"global_batch_size": 24, "micro_batch_size": 2},
+                   scaling={"min_workers": 2, "max_workers": 4})
+    with pytest.raises(ConfigError, match=r"at 3 workers \(scaling allows 2\.\.4\): parallel.ep=2 does not divide") as e:
+        check_run(parse_config(raw))
+    assert "\n" not in str(e.value) and "fix:" in str(e.value)
+    raw["scaling"] = {"num_workers": 4}
+    check_run(parse_config(raw))
+
+
 def test_unsharded_engine_refused_for_several_workers(corpus_dir, tmp_path, capsys):
     path = tmp_path / "run.yaml"
     import yaml
