@@ -28,6 +28,7 @@ from pydantic import (
     PositiveInt,
     PrivateAttr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -87,6 +88,12 @@ class ExperimentConfig(StrictModel):
     seed: int = 0  # initial samples and explore decisions
     _base_raw: dict[str, Any] | None = PrivateAttr(None)
 
+    @field_validator("base", "storage")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        # resolved here, in the driver: trials run in Tune's per-trial working directories
+        return path.resolve()
+
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
         if len(self.initial) > self.population:
@@ -100,7 +107,7 @@ class ExperimentConfig(StrictModel):
 
     @property
     def exp_dir(self) -> Path:
-        return (self.storage / self.name).resolve()
+        return self.storage / self.name
 
     @cached_property
     def search_space(self) -> SearchSpace:

@@ -157,6 +157,20 @@ def test_experiment_builds_each_members_run(tmp_path, corpus_dir):
     assert exp.members() == members  # seeded
 
 
+def test_relative_paths_are_fixed_where_the_driver_runs(tmp_path, corpus_dir, monkeypatch):
+    # Tune runs each trial in its own working directory: every path a trial uses must be absolute already.
+    path = _experiment(tmp_path, corpus_dir, storage="runs/tune", base="base/tiny.yaml")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "tiny.yaml").write_text((EXAMPLES / "tiny-dense.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    exp = load_experiment(path)
+    cfg = exp.run_config(exp.members()[0], run_dir=str(exp.exp_dir / "r"))
+    monkeypatch.chdir(tmp_path / "base")  # as in a trial actor
+    assert exp.exp_dir == tmp_path / "runs" / "tune" / "exp"
+    assert exp.base == tmp_path / "base" / "tiny.yaml"
+    assert exp.run_config(exp.members()[0], run_dir=str(exp.exp_dir / "r")) == cfg
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
