@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_ext.worker import FAILED_FILE, train_fn
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.config import RunConfig, check_inputs
 from trainers.metrics import read_metrics
 from trainers.parallel.layout import ParallelLayout
-
-from raytrain_ext.worker import FAILED_FILE, train_fn
 
 __all__ = ["RayRunResult", "RunFailedError", "build_trainer", "check_run", "ensure_ray", "run_config_for_workers", "train"]
 

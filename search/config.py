@@ -35,7 +35,14 @@ from pydantic import (
 from search.schedulers import SchedulerConfig
 from search.space import Choice, IntRange, Range, SearchSpace, parse_space
 from trainers._base import ConfigError, StrictModel
-from trainers.config import RunConfig, _one_line, apply_overrides, check_inputs, parse_config, read_yaml_mapping
+from trainers.config import (
+    RunConfig,
+    _one_line,
+    apply_overrides,
+    check_inputs,
+    parse_config,
+    read_yaml_mapping,
+)
 
 __all__ = ["EXPERIMENT_FILE", "ExperimentConfig", "load_experiment", "load_saved", "parse_experiment", "save"]
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from search.config import (
+    load_experiment,  # imports ray, which sets RAY_CLIENT_MODE: at collection, not in a test
+)
 from trainers.config import ConfigError, RunConfig, apply_overrides, load_config, parse_config
-from search.config import load_experiment  # imports ray, which sets RAY_CLIENT_MODE: at collection, not in a test
 
 BASE = {"data": {"path": "d"}}
 

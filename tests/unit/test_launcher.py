@@ -8,9 +8,9 @@ from ray.train import Checkpoint
 from raytrain_ext.cli import main
 from raytrain_ext.launcher import build_trainer, check_run
 from raytrain_ext.worker import load_callback, resume_point
+from tests.conftest import tiny_raw
 from trainers.checkpoint import Checkpointer
 from trainers.config import ConfigError, parse_config
-from tests.conftest import tiny_raw
 
 
 def test_scaling_sizes_and_errors(corpus_dir, tmp_path):
