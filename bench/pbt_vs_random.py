@@ -77,13 +77,11 @@ def _run(exp) -> dict[str, Any]:
 
 
 def _summary(name: str, exp_dir: Path, wall: float) -> dict[str, Any]:
-    from search.lineage import best_trial, collect
+    from search.lineage import best_trial, collect, latest_reports
     from search.report import outside_steps_fraction
 
     reports, events = collect(exp_dir)
-    last: dict[str, dict] = {}
-    for r in sorted(reports, key=lambda r: r["time"]):
-        last[r["trial"]] = r
+    last = latest_reports(reports)
     trained = [r for r in reports if not r["failed"]]
     # per report: the seconds outside training steps (the median is a report inside a running Train run;
     # the largest ones include starting a worker group, after the trial's start or an exploit)
@@ -109,14 +107,12 @@ def _summary(name: str, exp_dir: Path, wall: float) -> dict[str, Any]:
 def _summary_of_dir(exp_dir: Path, steps: int) -> dict[str, Any] | None:
     """`--summarize-only`: the summary of a finished experiment left in --work (None if it is missing or
     did not finish); its wall time from file times (experiment.json is written just before it starts)."""
-    from search.lineage import collect
+    from search.lineage import collect, latest_reports
 
     if not (exp_dir / "experiment.json").is_file():
         return None
     reports, _ = collect(exp_dir)
-    last: dict[str, dict] = {}
-    for r in sorted(reports, key=lambda r: r["time"]):
-        last[r["trial"]] = r
+    last = latest_reports(reports)
     if len(last) < 4 or any(r["step"] < steps for r in last.values()):
         return None
     wall = max(r["time"] for r in reports) - (exp_dir / "experiment.json").stat().st_mtime

@@ -32,6 +32,7 @@ __all__ = [
     "read_reports",
     "schedule_of",
     "best_trial",
+    "latest_reports",
 ]
 
 REPORTS_FILE, EVENTS_FILE = "reports.parquet", "lineage.parquet"
@@ -179,11 +180,17 @@ def read_events(exp_dir: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------- queries
 
 
-def best_trial(reports: list[dict[str, Any]], mode: str = "min") -> tuple[str, dict[str, Any]]:
-    """The trial whose latest report is the best (finite) one, and that report."""
+def latest_reports(reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each trial's latest report, by trial."""
     last: dict[str, dict[str, Any]] = {}
     for r in sorted(reports, key=lambda r: r["time"]):
         last[r["trial"]] = r
+    return last
+
+
+def best_trial(reports: list[dict[str, Any]], mode: str = "min") -> tuple[str, dict[str, Any]]:
+    """The trial whose latest report is the best (finite) one, and that report."""
+    last = latest_reports(reports)
     finite = [
         r
         for r in last.values()
