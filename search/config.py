@@ -216,9 +216,9 @@ def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
     if not exp.base.is_file():
         raise ConfigError(f"base={exp.base}: run YAML not found; fix: a path relative to the experiment file")
     try:
-        raw = yaml.safe_load(exp.base.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"base={exp.base} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raw = read_yaml_mapping(exp.base, "run", "of sections: model:, data:, ...")
+    except ConfigError as e:  # "PATH is not valid YAML: ..." -> "base=PATH is not valid YAML: ..."
+        raise ConfigError(f"base={e}") from None
     raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in _flatten(exp.overrides).items()])
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     if "path" in data:  # trials run in other working directories

@@ -205,6 +205,17 @@ def test_experiment_errors_are_one_line(tmp_path, corpus_dir, changes, message):
     assert "fix:" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"), [("model: [", "is not valid YAML"), ("- a list", "must hold a mapping")]
+)
+def test_base_run_yaml_errors_name_the_field(tmp_path, corpus_dir, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_experiment(_experiment(tmp_path, corpus_dir, base=str(tmp_path / "bad.yaml")))
+    assert f"base={tmp_path / 'bad.yaml'} " in str(e.value) and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_pb2_takes_continuous_ranges_only(tmp_path, corpus_dir):
     with pytest.raises(ConfigError, match="pb2 searches continuous ranges only"):
         load_experiment(_experiment(tmp_path, corpus_dir, scheduler={"name": "pb2", "interval": 10}))
