@@ -69,6 +69,7 @@ class Setup:
     keeps: str  # what the engine holds, from its source (torch 2.13, DeepSpeed 0.19.8)
     dtype: str = "fp32"
     deepspeed_extra: dict[str, Any] = field(default_factory=dict)
+    grad_accumulation: str | None = None  # parallel.grad_accumulation (fsdp)
 
     def parallel(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine}
@@ -76,12 +77,14 @@ class Setup:
             out["zero_stage"] = self.stage
         if self.deepspeed_extra:
             out["deepspeed_extra"] = self.deepspeed_extra
+        if self.grad_accumulation:
+            out["grad_accumulation"] = self.grad_accumulation
         return out
 
 
 _FSDP_ACCUMULATION = (
-    "Between micro-batches our FSDP engine turns gradient sync off, so FSDP2 accumulates unsharded gradients "
-    "(4P, after_first_backward) and reduce-scatters once on the last micro-batch."
+    "Between micro-batches a rank holds only its gradient shards: FSDP2 reduce-scatters every micro-batch's "
+    "gradients and accumulates them in the shards (parallel.grad_accumulation: sharded, the default)."
 )
 _DS_MASTER = (
     "DeepSpeed keeps an fp32 master copy of the rank's partition (optimizer 'master') even though the model "
@@ -113,6 +116,14 @@ SETUPS = {
         3,
         "Parameters, gradients and Adam state are DTensor shards (dim 0 padded to a multiple of N). "
         + _FSDP_ACCUMULATION,
+    ),
+    "fsdp-zero3-unsharded": Setup(
+        "fsdp",
+        3,
+        "As fsdp-zero3 with parallel.grad_accumulation: unsharded. Gradient sync is off on earlier "
+        "micro-batches, so FSDP2 accumulates whole gradients (4P, after_first_backward) and reduce-scatters "
+        "once, on the last micro-batch: ZeRO-1's gradient term between micro-batches, 1/k of the traffic.",
+        grad_accumulation="unsharded",
     ),
     "deepspeed-zero1": Setup(
         "deepspeed",

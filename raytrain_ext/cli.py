@@ -29,7 +29,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         from raytrain_ext.launcher import train
 
-        result = train(cfg, address=args.address, progress=not args.no_progress, callbacks=args.callbacks)
+        result = train(cfg, address=args.address, progress=not args.no_progress, callbacks=args.callbacks,
+                       ray_log_level=args.ray_log_level)
         sizes = f", workers per attempt {result.world_sizes}"
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ray cluster to join: auto, ray://host:10001 or host:6379 (default: start a local Ray)",
     )
     train.add_argument("--no-ray", action="store_true", help="run in this process only, without Ray")
+    train.add_argument(
+        "--ray-log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Ray Train's own console lines (INFO: each report and checkpoint it registers; default WARNING)",
+    )
     train.add_argument(
         "--callback",
         dest="callbacks",

@@ -91,9 +91,15 @@ def ensure_ray(address: str | None) -> bool:
     return True
 
 
-def build_trainer(cfg: RunConfig, callbacks: Sequence[str] = (), ray_callbacks: Sequence[Any] = ()):
+def build_trainer(
+    cfg: RunConfig,
+    callbacks: Sequence[str] = (),
+    ray_callbacks: Sequence[Any] = (),
+    ray_log_level: str = "WARNING",
+):
     """The TorchTrainer for this run (not started). `callbacks`: TrainerCallback specs ("module:Name")
-    built inside every worker; `ray_callbacks`: `ray.train.UserCallback`s run on the controller."""
+    built inside every worker; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
+    `ray_log_level`: of Ray Train's own `ray.train` console lines (INFO: every report and checkpoint)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -113,6 +119,7 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[str] = (), ray_callbacks: 
         # Our Checkpointer keeps `checkpoint.keep` and deletes older ones; Ray only registers them.
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
         callbacks=list(ray_callbacks),
+        logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(s.cpus_per_worker), 1))}},
     )
     return TorchTrainer(
@@ -130,6 +137,7 @@ def train(
     progress: bool = True,
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
+    ray_log_level: str = "WARNING",
 ) -> RayRunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError with the workers' cause
     when the run ended on an error that a restart cannot fix."""
@@ -140,7 +148,7 @@ def train(
     started = ensure_ray(address)
     watcher = _ProgressWatcher(run_dir / "metrics.jsonl", cfg.train.steps, cfg.name) if progress else None
     try:
-        trainer = build_trainer(cfg, callbacks, ray_callbacks)
+        trainer = build_trainer(cfg, callbacks, ray_callbacks, ray_log_level)
         if watcher:
             watcher.start()
         try:

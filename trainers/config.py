@@ -126,6 +126,12 @@ class ParallelConfig(StrictModel):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     virtual_stages: PositiveInt = 1  # pipeline stages per rank (interleaved_*: >= 2; zbv: 2)
     n_microbatches: PositiveInt | None = None  # pipeline microbatches per step; None = the accumulation count
+    # fsdp without a pipeline, when a step has several micro-batches per rank. sharded (the default):
+    # every micro-batch's gradients are reduce-scattered and accumulated in the shards, so a rank never
+    # holds more than ZeRO's 4P/N of gradients (one reduce-scatter per micro-batch). unsharded: whole fp32
+    # gradients are kept between micro-batches and reduce-scattered once per step (4P more per rank, 1/k
+    # of the gradient traffic). A pipeline schedule always reduces once per step.
+    grad_accumulation: Literal["sharded", "unsharded"] | None = None
 
     @model_validator(mode="after")
     def _check_pipeline(self) -> ParallelConfig:
@@ -175,11 +181,26 @@ class ParallelConfig(StrictModel):
             raise ValueError(
                 f"offload=all needs zero_stage=3 with deepspeed (got {self.stage}); fix: set zero_stage=3"
             )
+        if self.grad_accumulation is not None and engine != "fsdp":
+            raise ValueError(
+                f"grad_accumulation={self.grad_accumulation} needs engine=fsdp (DDP keeps whole gradients, "
+                f"DeepSpeed's zero_stage decides); fix: remove it or set engine=fsdp"
+            )
+        if self.grad_accumulation == "sharded" and self.pp > 1:
+            raise ValueError(
+                "grad_accumulation=sharded with pp > 1: the pipeline schedule reduces gradients once per step; "
+                "fix: remove it"
+            )
         if self.deepspeed_extra and engine != "deepspeed":
             raise ValueError(
                 "deepspeed_extra is set but engine is not deepspeed; fix: remove it or set engine"
             )
         return self
+
+    @property
+    def sharded_accumulation(self) -> bool:
+        """FSDP reduce-scatters every micro-batch's gradients (see `grad_accumulation`)."""
+        return self.engine == "fsdp" and self.pp == 1 and self.grad_accumulation != "unsharded"
 
     @property
     def stage(self) -> int:

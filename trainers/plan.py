@@ -529,9 +529,13 @@ class _RankPlanner:
     def _grads(self, done: float) -> float:
         """Gradient bytes during backward: those of the blocks already done, plus the head's (FSDP2
         reduces the root's only at the end, so they stay unsharded), or all of them while earlier
-        micro-batches' are kept (accumulation; FSDP keeps them unsharded, in fp32)."""
+        micro-batches' are kept (accumulation: sharded, or, with `grad_accumulation: unsharded` and
+        under a pipeline, whole fp32 gradients on FSDP)."""
+        par = self.cfg.parallel
         if self.lay.accumulation > 1 or self.lay.pp > 1:
-            return 4 * self.params if self.cfg.parallel.engine == "fsdp" else self.states.gradients
+            if not par.sharded_accumulation:
+                return 4 * self.params if par.engine == "fsdp" else self.states.gradients
+            done = self.states.gradients  # every shard exists from the first micro-batch on
         head = _head_params(self.cfg.model) if self.rank.head else 0
         return done + (self.w.gathered * head if self._fsdp else self.grad_per_param * head)
 
@@ -674,10 +678,10 @@ def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]
     mb, pp = cfg.train.micro_batch_size, getattr(par, "pp", 1)
     dp = world_size // pp if world_size % pp == 0 else 0
     whole = cfg.train.global_batch_size // dp if dp and cfg.train.global_batch_size % dp == 0 else 0
-    if par.engine == "fsdp" and pp == 1 and whole > mb:
-        # FSDPEngine.no_sync keeps an unsharded fp32 gradient between micro-batches (4 bytes per parameter)
-        out.append(({"train.micro_batch_size": whole}, f"micro-batch {mb} -> {whole}: no accumulation, so no "
-                     f"unsharded gradients between micro-batches"))
+    if par.engine == "fsdp" and pp == 1 and whole > mb and not par.sharded_accumulation:
+        # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
+        out.append(({"parallel.grad_accumulation": "sharded"}, "accumulate gradients in the shards "
+                     "(a reduce-scatter per micro-batch)"))
     for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
         out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
                      f"same global batch)"))

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.multiprocessing import ProcessExitedException
 
@@ -51,6 +53,8 @@ TWO_PROCESS_RUNS = {  # name: config sections, each compared with one process of
     "fsdp-zero2": {"parallel": {"engine": "fsdp", "zero_stage": 2}},
     "fsdp-zero3": {"parallel": FSDP},
     "fsdp-zero3-offload": {"parallel": {**FSDP, "offload": "all"}},
+    # whole gradients kept between the 2 micro-batches, reduced once (the default reduces each one)
+    "fsdp-zero3-unsharded-accumulation": {"parallel": {**FSDP, "grad_accumulation": "unsharded"}},
     "fsdp-zero3-ac": {"parallel": FSDP, "memory": {"activation_checkpointing": "every"}},
     "fsdp-zero3-bf16": {"parallel": FSDP, "precision": {"dtype": "bf16"}},
     # Overflows the first steps, to be skipped by all ranks together. Half one process's initial scale:
@@ -149,6 +153,43 @@ def _train_and_die_mid_save(rank: int, world: int, raw: dict, step: int) -> dict
     return _train(rank, world, raw)
 
 
+def _gradient_bytes(model) -> tuple[int, int]:
+    """(bytes of gradient this rank holds for FSDP's parameters, bytes of its shards of them): the sharded
+    gradients plus the whole ones FSDP2 keeps pending a reduce-scatter."""
+    held = shard = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                local = fp.sharded_param.to_local()
+                shard += local.numel() * local.element_size()
+                whole = getattr(fp, "_unsharded_param", None)  # made at the first all-gather
+                for g in (fp.sharded_param.grad, whole.grad if whole is not None else None,
+                          fp.unsharded_accumulated_grad):
+                    if g is not None:
+                        g = g.to_local() if isinstance(g, DTensor) else g
+                        held += g.numel() * g.element_size()
+    return held, shard
+
+
+def _gradients_between_micro_batches(rank: int, world: int, raws: dict[str, dict]) -> dict[str, tuple]:
+    """Per run: the gradient bytes held right after the first micro-batch of step 1 (one more follows)."""
+    out = {}
+    for name, raw in raws.items():
+        trainer = Trainer(parse_config(raw), progress=False)
+        engine, backward = trainer.engine, trainer.engine.backward
+
+        def recording_backward(loss, final_micro_batch, name=name, engine=engine, backward=backward):
+            backward(loss, final_micro_batch)
+            if not final_micro_batch and name not in out:
+                out[name] = _gradient_bytes(engine.model)
+
+        engine.backward = recording_backward
+        trainer.fit()
+    return out
+
+
 def _run(world: int, raw: dict, stop_after: int | None = None) -> dict[int, list[int]]:
     if world == 1:
         return _train(0, 1, raw, stop_after)
@@ -217,6 +258,22 @@ def test_ddp_checkpoint_writes_each_tensor_once(one_process, two_processes):
     assert len(ddp) == 2, "each rank writes a part"
     # Replicated tensors: DCP's save planner gives each to one rank; written twice they would double.
     assert sum(p.stat().st_size for p in ddp) < 1.1 * sum(p.stat().st_size for p in single)
+
+
+def test_fsdp_accumulates_gradients_in_the_shards(corpus_dir, tmp_path):
+    """Between micro-batches a rank holds its gradient shards only (ZeRO's 4P/N), unless asked to keep
+    whole gradients (4P: twice that at 2 ranks) and reduce once."""
+    raws = {mode: _raw(corpus_dir, tmp_path / mode, 2, parallel={**FSDP, "grad_accumulation": mode})
+            for mode in ("sharded", "unsharded")}
+    for raw in raws.values():  # step 1 is recorded: 2 micro-batches per rank
+        raw["train"].update(steps=2, eval_every=0)
+        raw["schedule"].update(warmup_steps=1)
+        raw["checkpoint"].update(every=0)
+    for held_and_shard in run_ranks(_gradients_between_micro_batches, 2, raws):
+        held, shard = held_and_shard["sharded"]
+        assert held == shard > 0
+        held, shard = held_and_shard["unsharded"]
+        assert held >= 2 * shard * 0.99  # whole = both ranks' shards, less dim-0 padding
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)], ids=["fsdp2-to-1", "1-to-fsdp2"])

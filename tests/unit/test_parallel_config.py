@@ -36,6 +36,8 @@ def test_engine_none_with_two_processes(tiny_config):
         ({"engine": "ddp", "offload": "all"}, "parallel.offload=all"),
         ({"engine": "none", "offload": "optimizer"}, "parallel.offload=optimizer"),
         ({"engine": "fsdp", "offload": "optimizer"}, "parallel.offload=optimizer"),
+        ({"engine": "ddp", "grad_accumulation": "unsharded"}, "parallel.grad_accumulation=unsharded"),
+        ({"engine": "fsdp", "pp": 2, "grad_accumulation": "sharded"}, "parallel.grad_accumulation=sharded"),
     ],
 )
 def test_bad_parallel_config_names_the_field(parallel, field):

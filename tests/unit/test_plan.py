@@ -160,6 +160,19 @@ def test_fsdp_model_states_are_sharded_by_hand():
     assert (states["parameters"], states["gradients"], states["optimizer"]) == (4 * shard, 4 * shard, 8 * shard)
 
 
+def test_fsdp_gradients_between_micro_batches_follow_grad_accumulation():
+    """global 32 / (micro 4 x 4 ranks) = 2 micro-batches. Sharded: the last micro-batch's backward adds
+    the head's unsharded gradient (FSDP2 reduces the root last) to the shards; unsharded: whole fp32."""
+    plans = {mode: plan_memory(run_config(parallel={"engine": "fsdp", "zero_stage": 3, "grad_accumulation": mode}),
+                               4, "cpu") for mode in ("sharded", "unsharded")}
+    p, head = param_count(run_config().model), 257 * 32 + 32  # output head and final norm
+    assert plans["unsharded"].breakdown["gradients"] == 4 * p
+    shards = plans["sharded"].model_states["gradients"]  # ~4P/4 (dim 0 of each tensor padded to 4)
+    assert 4 * p / 4 <= shards < 1.01 * 4 * p / 4
+    assert plans["sharded"].breakdown["gradients"] == shards + 4 * head
+    assert plans["sharded"].peak_bytes < plans["unsharded"].peak_bytes
+
+
 @pytest.mark.parametrize("stage, persistent, at_step", [(2, (2, 14), (2, 18)), (3, (0, 16), (0, 20))])
 def test_deepspeed_bf16_model_states_follow_zero(stage, persistent, at_step):
     """ZeRO paper (bytes/param, N ranks): stage 2 = 2 + (2 + 12)/N, stage 3 = 16/N; the optimizer step

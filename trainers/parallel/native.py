@@ -107,6 +107,7 @@ class FSDPEngine(_DataParallelEngine):
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
         self.model_cfg = cfg.model
         self.offload = cfg.parallel.offload == "all"
+        self.sharded_accumulation = cfg.parallel.sharded_accumulation
         self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group, self.layout.pp_group())
         self.fsdp_options = fsdp_options(cfg, self.mesh, self.precision.mp_policy())
         self.model = self.wrap(model)
@@ -132,9 +133,10 @@ class FSDPEngine(_DataParallelEngine):
 
     @contextlib.contextmanager
     def no_sync(self, final_micro_batch: bool) -> Iterator[None]:
-        # Skip the reduce-scatter on earlier micro-batches: FSDP2 keeps the unsharded gradients and
-        # accumulates into them (memory of one full gradient set), reducing once on the final one.
-        self.model.set_requires_gradient_sync(final_micro_batch)
+        # parallel.grad_accumulation: sharded = reduce-scatter every micro-batch and accumulate into the
+        # shards (FSDP2's default); unsharded = skip it on earlier micro-batches, FSDP2 then accumulates
+        # whole fp32 gradients (one full set of memory) and reduces once, on the final one.
+        self.model.set_requires_gradient_sync(final_micro_batch or self.sharded_accumulation)
         try:
             yield
         finally:
