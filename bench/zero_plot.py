@@ -97,7 +97,7 @@ def _peak_panel(ax, configs: list[dict[str, Any]], names: list[str]) -> None:
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("MiB per rank (largest rank; log scale)")
-    ax.set_title("peak memory (DeepSpeed: 5e8-element reduce bucket)", fontsize=10)
+    ax.set_title("peak memory (DeepSpeed buckets capped at the model size)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
 
 
