@@ -124,7 +124,11 @@ def build_trainer(
     )
     return TorchTrainer(
         train_fn,
-        train_loop_config={"run": json.loads(cfg.model_dump_json()), "callbacks": list(callbacks)},
+        train_loop_config={
+            "run": json.loads(cfg.model_dump_json()),
+            "callbacks": list(callbacks),
+            "ray_log_level": ray_log_level,
+        },
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=scaling,
         run_config=run,

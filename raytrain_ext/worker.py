@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import traceback
 from pathlib import Path
@@ -93,9 +94,20 @@ def _write_failed(run_dir: Path, error: BaseException, kind: str) -> None:
     os.replace(tmp, run_dir / FAILED_FILE)
 
 
+def set_ray_train_log_level(level: str) -> None:
+    """Ray Train's console lines in this process at `level`. Its per-report INFO line ("Reporting training
+    result ...") comes from a logger named after its source file, outside `ray.train`, so
+    `RunConfig(logging_config=...)` alone misses it."""
+    from ray.train.v2._internal.execution import context
+
+    for name in ("ray.train", context.__file__):
+        logging.getLogger(name).setLevel(level)
+
+
 def train_fn(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...]}."""
     cfg: RunConfig = parse_config(config["run"])
+    set_ray_train_log_level(config.get("ray_log_level", "WARNING"))
     run_dir = cfg.out_dir
     failed = run_dir / FAILED_FILE
     if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause
