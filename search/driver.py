@@ -4,6 +4,7 @@ the scheduler's state and the checkpoints an exploit needs kept across interrupt
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import ray
 from ray import tune
 
+from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
 from search.config import ExperimentConfig
 from search.lineage import best_trial, collect
 from search.retention import ProtectedRetention
@@ -19,6 +21,8 @@ from search.trial import TrialRun
 from trainers._base import ConfigError
 
 __all__ = ["ExperimentResult", "max_concurrent_trials", "run_experiment"]
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ experiment
@@ -108,7 +112,13 @@ def run_experiment(
                 ],
             ),
         )
-    tuner.fit()
+    before = placement_groups_of_this_job()
+    try:
+        tuner.fit()
+    finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
+        released = release_stranded_placement_groups(before)
+        if released:
+            logger.warning("released %d placement group(s) of Train runs killed while starting", len(released))
     reports, events = collect(exp_dir)
     trial, row = best_trial(reports, exp.mode)
     return ExperimentResult(exp_dir, trial, row["metric"], reports, events)
