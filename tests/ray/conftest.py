@@ -27,14 +27,20 @@ def ray_local():
             ray.shutdown()
 
 
+# Kept after a module's Ray: this process's Ray client caches the auth mode of its first `ray.init`, so a
+# Ray started later from it (ray.cluster_utils.Cluster's nodes inherit this environment) must run in the
+# same mode, or every actor the driver creates there dies at once ("Actor may be already destroyed").
+_KEPT = {"RAY_AUTH_MODE"}
+
+
 @contextlib.contextmanager
 def ray_env_restored():
     """ray.init sets variables for its children in this process (RAY_AUTH_MODE, PYTHONBREAKPOINT, ...):
-    put the environment back as it was."""
+    put the environment back as it was, but for the auth mode (see _KEPT)."""
     before = dict(os.environ)
     try:
         yield
     finally:
-        for key in set(os.environ) - set(before):
+        for key in set(os.environ) - set(before) - _KEPT:
             del os.environ[key]
         os.environ.update(before)

@@ -4,6 +4,8 @@ its snapshot, and leaves older ones alone."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
@@ -22,12 +24,15 @@ def test_placement_group_of_a_killed_creator_is_released(ray_local):  # noqa: F8
     ray = ray_local
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, max_restarts=0)
     class Creator:
         def make(self) -> str:
             pg = placement_group([{"CPU": 1}])
             ray.get(pg.ready())
             return pg.id.hex()
+
+        def die(self) -> None:  # as a killed controller: no cleanup of any kind
+            os._exit(1)
 
     older = placement_group([{"CPU": 1}])  # the driver's own, from before the snapshot
     ray.get(older.ready())
@@ -36,9 +41,8 @@ def test_placement_group_of_a_killed_creator_is_released(ray_local):  # noqa: F8
         assert older.id.hex() in before
         creator = Creator.remote()
         stranded = ray.get(creator.make.remote())
-        ray.kill(creator)
         with pytest.raises(ray.exceptions.RayActorError):  # returns once Ray knows the creator is dead
-            ray.get(creator.make.remote())
+            ray.get(creator.die.remote())
         assert _state(stranded) == "CREATED", "Ray keeps it: the creator's job (this driver) lives"
 
         assert release_stranded_placement_groups(before) == [stranded]
