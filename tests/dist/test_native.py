@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.multiprocessing import ProcessExitedException
 
+from bench.model_state import count, held_tensors
 from tests.conftest import tiny_raw
 from tests.dist.harness import run_ranks
 from trainers.checkpoint import Checkpointer, is_complete
@@ -153,24 +152,12 @@ def _train_and_die_mid_save(rank: int, world: int, raw: dict, step: int) -> dict
     return _train(rank, world, raw)
 
 
-def _gradient_bytes(model) -> tuple[int, int]:
-    """(bytes of gradient this rank holds for FSDP's parameters, bytes of its shards of them): the sharded
-    gradients plus the whole ones FSDP2 keeps pending a reduce-scatter."""
-    held = shard = 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                local = fp.sharded_param.to_local()
-                shard += local.numel() * local.element_size()
-                whole = getattr(fp, "_unsharded_param", None)  # made at the first all-gather
-                for g in (fp.sharded_param.grad, whole.grad if whole is not None else None,
-                          fp.unsharded_accumulated_grad):
-                    if g is not None:
-                        g = g.to_local() if isinstance(g, DTensor) else g
-                        held += g.numel() * g.element_size()
-    return held, shard
+def _gradient_bytes(engine) -> tuple[int, int]:
+    """(bytes of gradient this rank holds, bytes of parameters it holds: its shards, all resharded after
+    backward): bench/model_state.py's census, which counts the sharded gradients and the whole ones FSDP2
+    keeps pending a reduce-scatter, each storage once (with dim-0 padding)."""
+    sizes = count(held_tensors(engine))[0]
+    return sizes["grads"], sizes["params"]
 
 
 def _gradients_between_micro_batches(rank: int, world: int, raws: dict[str, dict]) -> dict[str, tuple]:
@@ -183,7 +170,7 @@ def _gradients_between_micro_batches(rank: int, world: int, raws: dict[str, dict
         def recording_backward(loss, final_micro_batch, name=name, engine=engine, backward=backward):
             backward(loss, final_micro_batch)
             if not final_micro_batch and name not in out:
-                out[name] = _gradient_bytes(engine.model)
+                out[name] = _gradient_bytes(engine)
 
         engine.backward = recording_backward
         trainer.fit()
