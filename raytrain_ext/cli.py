@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-ray", action="store_true", help="run in this process only, without Ray")
     train.add_argument(
         "--ray-log-level",
-        default="WARNING",
+        default="WARNING",  # raytrain_ext.worker.RAY_LOG_LEVEL, not imported here: it imports Ray
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="Ray Train's own console lines (INFO: each report and checkpoint it registers; default WARNING)",
     )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ext.worker import FAILED_FILE, train_fn
+from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, train_fn
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.config import RunConfig, check_inputs
 from trainers.metrics import read_metrics
@@ -95,7 +95,7 @@ def build_trainer(
     cfg: RunConfig,
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
-    ray_log_level: str = "WARNING",
+    ray_log_level: str = RAY_LOG_LEVEL,
 ):
     """The TorchTrainer for this run (not started). `callbacks`: TrainerCallback specs ("module:Name")
     built inside every worker; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
@@ -141,7 +141,7 @@ def train(
     progress: bool = True,
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
-    ray_log_level: str = "WARNING",
+    ray_log_level: str = RAY_LOG_LEVEL,
 ) -> RayRunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError with the workers' cause
     when the run ended on an error that a restart cannot fix."""

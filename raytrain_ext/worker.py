@@ -94,6 +94,11 @@ def _write_failed(run_dir: Path, error: BaseException, kind: str) -> None:
     os.replace(tmp, run_dir / FAILED_FILE)
 
 
+# Ray Train's own console lines in trial actors and workers, unless `raytrain train --ray-log-level` says
+# otherwise: INFO prints a line per report and per checkpoint it registers.
+RAY_LOG_LEVEL = "WARNING"
+
+
 def set_ray_train_log_level(level: str) -> None:
     """Ray Train's console lines in this process at `level`. Its per-report INFO line ("Reporting training
     result ...") comes from a logger named after its source file, outside `ray.train`, so
@@ -107,7 +112,7 @@ def set_ray_train_log_level(level: str) -> None:
 def train_fn(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...]}."""
     cfg: RunConfig = parse_config(config["run"])
-    set_ray_train_log_level(config.get("ray_log_level", "WARNING"))
+    set_ray_train_log_level(config["ray_log_level"])
     run_dir = cfg.out_dir
     failed = run_dir / FAILED_FILE
     if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause

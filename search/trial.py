@@ -37,7 +37,7 @@ import ray
 from ray import tune
 from ray.train import UserCallback
 
-from raytrain_ext.worker import set_ray_train_log_level
+from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import TIME_ATTR
@@ -61,7 +61,7 @@ class TrialRun(tune.Trainable):
     """Runs in a Tune actor; its Train run's controller and workers are separate actors."""
 
     def setup(self, config: dict[str, Any], exp: ExperimentConfig) -> None:
-        set_ray_train_log_level("WARNING")  # not a line per checkpoint registered; Tune's table is the view
+        set_ray_train_log_level(RAY_LOG_LEVEL)  # not a line per checkpoint registered; Tune's table is the view
         self.exp = exp
         self.hparams = {k: config[k] for k in exp.search_space}
         self.log = LineageLog(exp.exp_dir, self.trial_id)
