@@ -27,6 +27,7 @@ from pydantic import (
 
 from trainers._base import ConfigError, StrictModel
 from trainers.data.config import DataConfig
+from trainers.data.manifest import SPLITS, check_shard, read_manifest
 from trainers.models.config import ModelConfig, MoEConfig
 
 __all__ = [
@@ -454,22 +455,20 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
 
 
 def check_inputs(cfg: RunConfig) -> dict[str, Any]:
-    """Checks that need the disk, done before any worker starts. Returns the data manifest."""
-    manifest_path = Path(cfg.data.path) / "manifest.json"
-    if not manifest_path.is_file():
-        raise ConfigError(
-            f"data.path={cfg.data.path}: no manifest.json there; fix: run `raytrain data prepare "
-            f"--input TEXT_DIR --output {cfg.data.path}` or correct data.path"
-        )
-    manifest = json.loads(manifest_path.read_text())
-    vocab = int(manifest["tokenizer"]["vocab_size"])
+    """Checks that need the disk, done before any worker starts: the data manifest (the same reader as the
+    dataset's) and every shard it lists. Returns the manifest."""
+    manifest = read_manifest(cfg.data.path)
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            check_shard(cfg.data.path, shard)
+    vocab = manifest["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
             f"fix: --set model.vocab_size={vocab}"
         )
-    for split in ("train", "val"):
-        n = int(manifest["splits"][split]["tokens"])
+    for split in SPLITS:
+        n = manifest["splits"][split]["tokens"]
         if n < cfg.data.seq_len + 1:
             raise ConfigError(
                 f"data.path={cfg.data.path}: the {split} split holds {n} tokens, fewer than one window of "

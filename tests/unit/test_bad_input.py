@@ -1,12 +1,15 @@
 """Bad input: one line naming the field and the fix, a non-zero exit, and no saved checkpoint damaged.
 
-Each case runs the real `raytrain` command in a subprocess against a run directory that already holds a
-checkpoint, then checks the checkpoint's files are byte-for-byte unchanged and no newer one appeared.
+Most cases run the real `raytrain` command in a subprocess against a run directory that already holds a
+checkpoint, then check the checkpoint's files are byte-for-byte unchanged and no newer one appeared. Cases
+refused before anything starts run `raytrain`'s main in this process, with Ray and the local run replaced
+by functions that fail the test if they are called.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import trainers.launch
+from raytrain_ext import launcher  # imports Ray, which sets RAY_CLIENT_MODE: at collection, not in a test
+from raytrain_ext.cli import main
 from tests.conftest import tiny_raw
 from trainers.config import parse_config
 from trainers.trainer import Trainer
@@ -127,3 +133,39 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tr
     # No checkpoint of the diverged state: the only complete one is still step 6, byte for byte.
     assert sorted(p.name for p in ckpts.iterdir() if (p / "COMMITTED").exists()) == ["step_00000006"]
     assert _digest(ckpts) == before
+
+
+# ------------------------------------------------------------------ in this process: what starts nothing
+
+
+def _fail_if_called(what: str):
+    def called(*args, **kwargs):
+        raise AssertionError(f"{what} started although the input is bad")
+
+    return called
+
+
+BAD_DATA = {  # a prepared-data folder damaged after `raytrain data prepare` -> what the line names
+    "truncated-manifest": (lambda d: (d / "manifest.json").write_text('{"format": "raytrain-tok'), "manifest.json"),
+    "empty-manifest": (lambda d: (d / "manifest.json").write_text(""), "manifest.json"),
+    "list-manifest": (lambda d: (d / "manifest.json").write_text("[]"), "manifest.json"),
+    "shard-missing": (lambda d: (d / "train-00000.parquet").unlink(), "train-00000.parquet"),
+}
+
+
+@pytest.mark.parametrize("ray", [False, True], ids=["no-ray", "ray"])
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_folder_exits_2_before_anything_starts(case, ray, corpus_dir, tmp_path, monkeypatch, capsys):
+    damage, names = BAD_DATA[case]
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    damage(data)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tiny_raw(data, tmp_path / "run")))
+    monkeypatch.setattr(launcher, "ensure_ray", _fail_if_called("Ray"))
+    monkeypatch.setattr(trainers.launch, "run_local", _fail_if_called("the local run"))
+    assert main(["train", str(config), "--no-progress", *([] if ray else ["--no-ray"])]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raytrain: error: data.path={data}: "), err
+    assert names in err[0] and f"fix: run `raytrain data prepare --input TEXT_DIR --output {data}`" in err[0]
+    assert not (tmp_path / "run").exists()

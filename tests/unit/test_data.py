@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import tiny_raw
 from trainers._base import ConfigError
+from trainers.config import check_inputs, parse_config
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.data.prepare import default_corpus, prepare_corpus
 from trainers.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
@@ -181,6 +184,107 @@ def test_default_corpus_is_the_stdlib_source() -> None:
     assert any(f.name == "argparse.py" for f in files)
     skipped = {"site-packages", "test", "tests", "idlelib"}
     assert not any(skipped & set(f.parts[-4:-1]) for f in files)
+
+
+# ------------------------------------------------------------------------------ bad manifests and shards
+
+
+def _copy(folder: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in folder.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+def _edit_manifest(folder: Path, edit) -> None:
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _cut(path: Path, keep: float = 0.5) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(len(raw) * keep)])
+
+
+def _flip(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+MANIFEST_DAMAGE = {  # case -> (damage, what the one line says)
+    "truncated": (lambda d: _cut(d / "manifest.json"), "manifest.json is not valid JSON"),
+    "empty": (lambda d: (d / "manifest.json").write_text(""), "manifest.json is empty"),
+    "list": (lambda d: (d / "manifest.json").write_text("[1, 2]"), "manifest.json should be a JSON object, found a JSON list"),
+    "no-val-tokens": (
+        lambda d: _edit_manifest(d, lambda m: m["splits"]["val"].pop("tokens")),
+        "manifest.json: splits.val.tokens should be a JSON integer, found missing",
+    ),
+    "vocab-as-text": (
+        lambda d: _edit_manifest(d, lambda m: m["tokenizer"].update(vocab_size="257")),
+        "manifest.json: tokenizer.vocab_size should be a JSON integer, found a JSON string",
+    ),
+    "shard-without-sha": (
+        lambda d: _edit_manifest(d, lambda m: m["splits"]["train"]["shards"][0].pop("sha256")),
+        r"manifest.json: splits.train.shards\[0\].sha256 should be a JSON string, found missing",
+    ),
+}
+SHARD_DAMAGE = {
+    "shard-missing": (lambda d: (d / "val-00000.parquet").unlink(), "shard val-00000.parquet is missing"),
+    "shard-truncated": (lambda d: _cut(d / "val-00000.parquet"), "shard val-00000.parquet is .* bytes, manifest.json says"),
+    "shard-flipped": (lambda d: _flip(d / "val-00000.parquet"), "shard val-00000.parquet does not match its sha256"),
+}
+
+
+@pytest.mark.parametrize("case", [*MANIFEST_DAMAGE, *SHARD_DAMAGE])
+def test_check_inputs_refuses_a_bad_manifest_or_shard_in_one_line(case, corpus_dir, tmp_path) -> None:
+    damage, message = {**MANIFEST_DAMAGE, **SHARD_DAMAGE}[case]
+    data = _copy(corpus_dir, tmp_path / "data")
+    cfg = parse_config(tiny_raw(data, tmp_path / "run"))
+    check_inputs(cfg)  # intact: passes
+    damage(data)
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)
+    line = str(e.value)
+    assert re.search(message, line) and line.startswith(f"data.path={data}: "), line
+    assert "\n" not in line and f"fix: run `raytrain data prepare --input TEXT_DIR --output {data}`" in line
+
+
+@pytest.mark.parametrize("case", MANIFEST_DAMAGE)
+def test_one_manifest_reader_serves_the_dataset_and_the_tokenizer(case, corpus_dir, tmp_path) -> None:
+    damage, message = MANIFEST_DAMAGE[case]
+    data = _copy(corpus_dir, tmp_path / "data")
+    damage(data)
+    for read in (lambda: TokenWindows(data, "train", 8), lambda: load_tokenizer(data)):
+        with pytest.raises(ConfigError, match=message):
+            read()
+
+
+def test_a_manifest_without_shard_sizes_is_still_read_and_checked(corpus_dir, tmp_path) -> None:
+    # manifests written before shards carried their size: the sha256 still catches a changed shard
+    data = _copy(corpus_dir, tmp_path / "data")
+    _edit_manifest(data, lambda m: [s.pop("bytes") for split in m["splits"].values() for s in split["shards"]])
+    cfg = parse_config(tiny_raw(data, tmp_path / "run"))
+    check_inputs(cfg)
+    _cut(data / "train-00000.parquet")
+    with pytest.raises(ConfigError, match="shard train-00000.parquet does not match its sha256"):
+        check_inputs(cfg)
+
+
+def test_the_suggested_fix_works_on_a_damaged_folder(corpus: Path, tmp_path: Path) -> None:
+    # `raytrain data prepare --output DIR` must accept a folder whose manifest is damaged...
+    out = tmp_path / "data"
+    _prepare(corpus, out, val_fraction=0.3)
+    _cut(out / "manifest.json")
+    manifest = _prepare(corpus, out, val_fraction=0.3)
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    # ...but still never a folder holding a user's other files
+    _cut(out / "manifest.json")
+    (out / "notes.txt").write_text("mine")
+    _one_line_error("--output .*not a prepared-data folder", inputs=[corpus], output=out)
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 # ------------------------------------------------------------------------------------ windows, sampler

@@ -8,8 +8,6 @@ sees the same samples per step, and a run resumed at another world size continue
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,51 +16,9 @@ import pyarrow.parquet as pq
 import torch
 
 from trainers._base import ConfigError
+from trainers.data.manifest import SPLITS, check_shard, read_manifest
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MANIFEST_FILE",
-    "GlobalSampler",
-    "TokenWindows",
-    "eval_window_ids",
-    "file_sha256",
-    "read_manifest",
-    "shard_for_rank",
-]
-
-FORMAT = "raytrain-tokens"
-FORMAT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
-SPLITS = ("train", "val")
-
-
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared-data folder; ConfigError if there is none or it is not ours."""
-    path = Path(data_dir) / MANIFEST_FILE
-    fix = f"fix: run `raytrain data prepare --output {data_dir}` or correct data.path"
-    if not path.is_file():
-        raise ConfigError(f"data.path={data_dir}: no {MANIFEST_FILE} there; {fix}")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.path={data_dir}: {MANIFEST_FILE} is unreadable ({e}); {fix}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ConfigError(f"data.path={data_dir}: {MANIFEST_FILE} is not a {FORMAT} manifest; {fix}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(
-            f"data.path={data_dir}: format_version {manifest.get('format_version')} is not "
-            f"{FORMAT_VERSION}; fix: prepare the data again with this version"
-        )
-    return manifest
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+__all__ = ["GlobalSampler", "TokenWindows", "eval_window_ids", "shard_for_rank"]
 
 
 class TokenWindows:
@@ -94,15 +50,8 @@ class TokenWindows:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
     def _load_shard(self, shard: dict[str, Any]) -> np.ndarray:
-        path = self.data_dir / shard["file"]
+        path = check_shard(self.data_dir, shard)
         fix = "fix: prepare the data folder again (raytrain data prepare)"
-        if not path.is_file():
-            raise ConfigError(f"data.path={self.data_dir}: shard {shard['file']} is missing; {fix}")
-        if file_sha256(path) != shard["sha256"]:
-            raise ConfigError(
-                f"data.path={self.data_dir}: shard {shard['file']} does not match its sha256 in "
-                f"{MANIFEST_FILE} (corrupted or changed); {fix}"
-            )
         column = pq.read_table(path, columns=["tokens"], memory_map=True).column("tokens")
         # flatten() honours list offsets; rows are documents that already end in eos.
         values = np.concatenate([chunk.flatten().to_numpy() for chunk in column.chunks])

@@ -1,7 +1,7 @@
 """Text files to token shards: `raytrain data prepare`.
 
 Layout of the output folder (written to a temp folder, then renamed into place):
-    manifest.json          format, tokenizer, splits (shards with token counts and sha256), source stats
+    manifest.json          format, tokenizer, splits (shards with token counts, bytes and sha256), source stats
     tokenizer.json         bpe only
     train-00000.parquet    one row per document, column `tokens` list<uint16|uint32>, each row ends in eos
     val-00000.parquet
@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sysconfig
 import uuid
@@ -30,14 +31,14 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from trainers._base import ConfigError
-from trainers.data.dataset import (
+from trainers.data.manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_FILE,
     SPLITS,
     file_sha256,
 )
-from trainers.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from trainers.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer
 
 __all__ = ["default_corpus", "prepare_corpus"]
 
@@ -213,12 +214,20 @@ def _check_output(output: Path) -> None:
         raise ConfigError(f"--output {output} exists and is not a prepared-data folder; {fix}")
 
 
+# Every file prepare_corpus writes into an output folder (the shard names of _ShardWriter._flush).
+_OUTPUT_NAME = re.compile(rf"(train|val)-\d{{5}}\.parquet|{re.escape(TOKENIZER_FILE)}|{re.escape(MANIFEST_FILE)}")
+
+
 def _is_prepared(folder: Path) -> bool:
-    """Written by prepare_corpus (any format version: re-preparing an old folder is the upgrade path)."""
+    """Written by prepare_corpus: its manifest says so (any format version: re-preparing an old folder is
+    the upgrade path), or the manifest is damaged and every file is one that prepare writes (re-preparing
+    is the fix that reading such a folder suggests)."""
     try:
-        return json.loads((folder / MANIFEST_FILE).read_text()).get("format") == FORMAT
+        if json.loads((folder / MANIFEST_FILE).read_text()).get("format") == FORMAT:
+            return True
     except (OSError, ValueError, AttributeError):
-        return False
+        pass
+    return all(p.is_file() and _OUTPUT_NAME.fullmatch(p.name) for p in folder.iterdir())
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -353,6 +362,7 @@ class _ShardWriter:
                 "file": name,
                 "tokens": len(values),
                 "documents": len(self.rows),
+                "bytes": (self.folder / name).stat().st_size,  # so that a truncated shard is named as such
                 "sha256": file_sha256(self.folder / name),
             }
         )

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from trainers._base import ConfigError
-from trainers.data.dataset import read_manifest
+from trainers.data.manifest import read_manifest
 
 __all__ = ["EOS_TOKEN", "TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "Tokenizer", "load_tokenizer"]
 
