@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from trainers._base import ConfigError
 from trainers.config import load_config
 from trainers.plan import KINDS, USABLE_FRACTION, RunPlan, format_bytes, parse_bytes, plan_run
 
@@ -55,8 +56,11 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Peak memory per rank (parameters, gradients, optimizer state, activations, buffers), a verdict
     against the device's memory, and the cheapest change that makes the run fit."""
+    memory = parse_bytes(args.device_memory, "--device-memory")
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size} must be at least 1; fix: the number of ranks, e.g. 8")
     cfg = load_config(args.config, args.overrides)
-    result = plan_run(cfg, args.world_size, parse_bytes(args.device_memory), args.device_type)
+    result = plan_run(cfg, args.world_size, memory, args.device_type)
     if args.json:
         print(json.dumps({"config": str(args.config), "overrides": args.overrides, **result.to_dict()}, indent=1))
     else:
@@ -112,6 +116,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     GPUs per node against pp x dp, elastic min/max against the node types, memory per GPU (planner)."""
     from raytrain_ext.cluster import check_run, load_cluster, policy_findings
 
+    memory = None if args.device_memory is None else parse_bytes(args.device_memory, "--device-memory")
     cluster = load_cluster(args.cluster)
     types = ", ".join(f"{t.name} ({t.gpus} GPU{'s' if t.gpus != 1 else ''}"
                       f"{' ' + t.accelerator if t.accelerator else ''}, {t.min_workers}..{t.max_workers} nodes"
@@ -122,7 +127,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if not args.run:
         return 0
     cfg = load_config(args.run, args.overrides)
-    verdict = check_run(cluster, cfg, Path(args.run).name, args.device_memory)
+    verdict = check_run(cluster, cfg, Path(args.run).name, memory)
     for c in verdict.checks:
         print(f"  [{'ok' if c.ok else 'NO'}] {c.name}: {c.message}")
     print(f"verdict: {args.run} {'fits' if verdict.fits else 'does NOT fit'} {args.cluster}")

@@ -68,14 +68,20 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """'80GiB' -> 85899345920; '80GB' / '80G' are powers of ten; a bare number is bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"memory size {text!r} is not understood; fix: write e.g. 80GiB, 40GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
+    """'80GiB' -> 85899345920; '80GB' / '80G' are powers of ten; a bare number is bytes. `what` names the
+    value in the error (e.g. --device-memory): a size must be at least one byte."""
+    fix = "fix: write e.g. 80GiB, 40GB or 512MiB"
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        size = text
+    else:
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text), re.IGNORECASE)
+        if not m or m.group(2).lower() not in _UNITS or not math.isfinite(float(m.group(1))):
+            raise ConfigError(f"{what} {text!r} is not understood; {fix}")
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not 1 <= size < math.inf:  # also NaN
+        raise ConfigError(f"{what} {text!r} must be a finite size of at least 1 byte; {fix}")
+    return int(size)
 
 
 def format_bytes(n: float) -> str:

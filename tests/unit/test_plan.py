@@ -58,6 +58,14 @@ def test_parse_bytes_units():
         parse_bytes("80Gx")
 
 
+@pytest.mark.parametrize("size", ["0", "0GiB", "-1", "-2GiB", "0.5", "1e-4KB", "1e400", "nan", 0, -1, math.inf])
+def test_parse_bytes_refuses_what_is_not_a_size(size):
+    with pytest.raises(ConfigError) as e:
+        parse_bytes(size, "--device-memory")
+    line = str(e.value)
+    assert line.startswith(f"--device-memory {size!r} ") and "fix: write e.g. 80GiB" in line and "\n" not in line
+
+
 # ------------------------------------------------------------------------------------ activations
 
 
@@ -322,6 +330,28 @@ def test_cli_plan_json_and_text(tmp_path, capsys):
     assert main(["plan", str(run), "--world-size", "2", "--device-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lots" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["plan", "RUN", "--world-size", "2", "--device-memory", "0"], "--device-memory '0' "),
+        (["plan", "RUN", "--world-size", "2", "--device-memory=-4GiB"], "--device-memory '-4GiB' "),
+        (["plan", "RUN", "--world-size", "0"], "--world-size 0 "),
+        (["cluster", "check", str(ROOT / "clusters" / "local.yaml"), "--run", "RUN", "--device-memory", "0GB"],
+         "--device-memory '0GB' "),
+    ],
+    ids=["zero", "negative", "world-size-0", "cluster-check-zero"],
+)
+def test_cli_refuses_a_degenerate_size_in_one_line(argv, named, tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text(json.dumps({"model": {"vocab_size": 257, "dim": 32, "n_layers": 2, "n_heads": 2,
+                                         "max_seq_len": 32}, "data": {"path": "x", "seq_len": 32}}))
+    assert main([str(run) if a == "RUN" else a for a in argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raytrain: error: {named}") and "fix:" in err[0], err
+    assert "verdict" not in captured.out
 
 
 def test_widths_per_engine_and_dtype():
