@@ -17,6 +17,7 @@ range), so that a bad key or value fails with one line before a worker starts.
 from __future__ import annotations
 
 import json
+import math
 import random
 from functools import cached_property
 from pathlib import Path
@@ -37,6 +38,7 @@ from search.space import Choice, IntRange, Range, SearchSpace, parse_space
 from trainers._base import ConfigError, StrictModel
 from trainers.config import (
     RunConfig,
+    TrainConfig,
     _one_line,
     apply_overrides,
     check_inputs,
@@ -122,7 +124,17 @@ class ExperimentConfig(StrictModel):
 
     @property
     def steps(self) -> int:
-        return self.budget.steps or int(self.base_raw["train"].get("steps", 100))
+        """Optimizer steps per trial: budget.steps, else the base run's train.steps."""
+        if self.budget.steps is not None:
+            return self.budget.steps
+        train = self.base_raw.get("train")
+        steps = train.get("steps", TrainConfig().steps) if isinstance(train, dict) else TrainConfig().steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(
+                f"train.steps={steps!r} is not a positive integer; fix: set budget.steps, or train.steps in "
+                f"{self.base}"
+            )
+        return steps
 
     @property
     def base_raw(self) -> dict[str, Any]:
@@ -184,6 +196,7 @@ def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:
     except ValidationError as e:
         raise ConfigError(_one_line(e, ExperimentConfig)) from None
     _check_space(exp)
+    _check_budget(exp)
     return exp
 
 
@@ -265,6 +278,38 @@ def _check_space(exp: ExperimentConfig) -> None:
                     f"initial[{i}].{key}={value!r} lies outside space.{key}; fix: a value inside it"
                 )
     _check_runs(exp, space)
+
+
+def _check_budget(exp: ExperimentConfig) -> None:
+    """Scheduler values that leave a search nothing to do within the budget (trials report at every
+    multiple of scheduler.interval and at the last step)."""
+    sched, steps = exp.scheduler, exp.steps
+    budget = f"budget.steps={steps}" if exp.budget.steps else f"the base run's train.steps={steps} (no budget.steps)"
+    if sched.interval > steps:
+        raise ConfigError(
+            f"scheduler.interval={sched.interval} is larger than {budget}: a trial would report only at its "
+            f"end; fix: set scheduler.interval <= {steps} or raise budget.steps"
+        )
+    if sched.name in ("pbt", "pb2", "asha") and exp.population < 2:
+        raise ConfigError(
+            f"population={exp.population}: {sched.name} compares trials with each other; fix: set population "
+            f">= 2 or scheduler.name=random"
+        )
+    if sched.name in ("pbt", "pb2"):
+        first = max(1, math.ceil(sched.burn_in / sched.interval)) * sched.interval  # PBT's first decision
+        if first >= steps:
+            burn_in = f" and burn_in={sched.burn_in}" if sched.burn_in else ""
+            raise ConfigError(
+                f"scheduler.interval={sched.interval}{burn_in} leave{'' if burn_in else 's'} {sched.name} no decision before the end of "
+                f"{budget} (the first would be at step {first}); fix: a smaller scheduler.interval"
+                f"{' or burn_in' if burn_in else ''}, or raise budget.steps"
+            )
+    grace = sched.grace_period or sched.interval
+    if sched.name == "asha" and grace >= steps:
+        raise ConfigError(
+            f"scheduler.grace_period={grace} (default: interval) is not below {budget}: asha would stop no "
+            f"trial early; fix: a smaller scheduler.grace_period or interval, or raise budget.steps"
+        )
 
 
 def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:

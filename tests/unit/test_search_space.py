@@ -196,6 +196,29 @@ def test_relative_paths_are_fixed_where_the_driver_runs(tmp_path, corpus_dir, mo
         ({"initial": [{}, {}, {}]}, "initial lists 3 members but population=2"),
         ({"base": "nowhere.yaml"}, "nowhere.yaml: run YAML not found"),
         ({"overrides__data.path": "/nonexistent"}, "data.path=/nonexistent: no manifest.json there"),
+        # degenerate schedules: nothing to search within the budget
+        ({"scheduler__interval": 0}, "scheduler.interval=0"),
+        (
+            {"scheduler__interval": 50},
+            "scheduler.interval=50 is larger than budget.steps=40: a trial would report only at its end; "
+            "fix: set scheduler.interval <= 40 or raise budget.steps",
+        ),
+        (
+            {"budget": {}, "scheduler__interval": 100_000},
+            "scheduler.interval=100000 is larger than the base run's train.steps=",
+        ),
+        ({"budget": {}, "overrides__train.steps": "many"}, "train.steps='many' is not a positive integer"),
+        ({"population": 1}, "population=1: pbt compares trials with each other; fix: set population >= 2"),
+        ({"scheduler__interval": 40}, "scheduler.interval=40 leaves pbt no decision before the end of budget.steps=40"),
+        (
+            {"scheduler__burn_in": 35},
+            "scheduler.interval=10 and burn_in=35 leave pbt no decision before the end of budget.steps=40 "
+            "(the first would be at step 40)",
+        ),
+        (
+            {"scheduler": {"name": "asha", "interval": 10, "grace_period": 40}},
+            "scheduler.grace_period=40 (default: interval) is not below budget.steps=40: asha would stop no",
+        ),
     ],
 )
 def test_experiment_errors_are_one_line(tmp_path, corpus_dir, changes, message):
@@ -203,6 +226,20 @@ def test_experiment_errors_are_one_line(tmp_path, corpus_dir, changes, message):
         load_experiment(_experiment(tmp_path, corpus_dir, **changes))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert "fix:" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"scheduler__burn_in": 30},  # pbt's first decision at step 30 of 40
+        {"scheduler": {"name": "asha", "interval": 10, "grace_period": 30}},
+        {"scheduler": {"name": "random", "interval": 40}, "population": 1},  # one report per trial is a search
+    ],
+    ids=["pbt-burn-in", "asha-grace", "random-one-report"],
+)
+def test_schedules_at_the_edge_of_the_budget_are_accepted(tmp_path, corpus_dir, changes):
+    exp = load_experiment(_experiment(tmp_path, corpus_dir, **changes))
+    assert exp.steps == 40
 
 
 @pytest.mark.parametrize(
@@ -224,7 +261,10 @@ def test_pb2_takes_continuous_ranges_only(tmp_path, corpus_dir):
 def test_asha_may_search_the_model(tmp_path, corpus_dir):
     exp = load_experiment(
         _experiment(
-            tmp_path, corpus_dir, scheduler={"name": "asha"}, **{"space__model.n_layers": {"int": [1, 2]}}
+            tmp_path,
+            corpus_dir,
+            scheduler={"name": "asha", "interval": 10},
+            **{"space__model.n_layers": {"int": [1, 2]}},
         )
     )
     assert exp.search_space["model.n_layers"] == IntRange(1, 2)
