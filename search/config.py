@@ -184,7 +184,8 @@ class ExperimentConfig(StrictModel):
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read and validate an experiment YAML (`--set` overrides apply to it). Raises ConfigError."""
     path = Path(path)
-    raw = apply_overrides(read_yaml_mapping(path, "experiment", "name:, base:, space:, ..."), overrides)
+    raw = read_yaml_mapping(path, "experiment", "name:, base:, space:, ...")
+    raw = apply_overrides(raw, overrides, flat=("space",))  # --set space.optimizer.lr=...: one space entry
     if isinstance(raw.get("base"), str) and not Path(raw["base"]).is_absolute():
         raw["base"] = str(path.parent / raw["base"])
     return parse_experiment(raw)

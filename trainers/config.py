@@ -253,6 +253,7 @@ class ScalingConfig(StrictModel):
     cpus_per_worker: PositiveFloat = 1.0
     max_failures: int = Field(3, ge=-1)  # worker-group restarts after a failure (-1 = unlimited)
     resize_check_s: PositiveFloat = 60.0  # how often an elastic run looks for room to grow
+    placement_timeout_s: PositiveFloat = 600.0  # no worker placed within this long: end with what was asked
 
     @model_validator(mode="after")
     def _sizes(self) -> ScalingConfig:
@@ -388,22 +389,42 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(_one_line(e, RunConfig)) from None
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """`--set optimizer.lr=1e-3` -> raw['optimizer']['lr'] = 0.001 (values parsed as YAML)."""
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str] | tuple[str, ...], flat: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """`--set optimizer.lr=1e-3` -> raw['optimizer']['lr'] = 0.001 (values parsed as YAML). Under a section
+    named in `flat` the rest of the key is one key (an experiment's space maps dotted run-config keys):
+    `--set space.optimizer.lr=...` -> raw['space']['optimizer.lr']."""
     out = json.loads(json.dumps(raw, default=str))
     for item in overrides:
         key, sep, value = item.partition("=")
+        parts = key.strip().split(".")
+        if parts[0] in flat and len(parts) > 1:
+            parts = [parts[0], ".".join(parts[1:])]
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r} is not KEY=VALUE; fix: e.g. --set optimizer.lr=1e-3")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: the key has an empty part; fix: a dotted key, e.g. optimizer.lr")
         node = out
-        parts = key.strip().split(".")
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
             if not isinstance(nxt, dict):
                 raise ConfigError(f"--set {key}: {p} is not a section; fix: check the key path")
             node = nxt
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        node[parts[-1]] = _yaml_value(key.strip(), value)
     return out
+
+
+def _yaml_value(key: str, value: str) -> Any:
+    if not value.strip():
+        return None
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"--set {key}={value}: the value is not valid YAML ({str(e).splitlines()[0]}); fix: write a YAML "
+            f"value, e.g. 1e-3, [a, b] or {{loguniform: [1e-4, 1e-2]}}, quoted for the shell"
+        ) from None
 
 
 def _one_line(err: ValidationError, root: type[BaseModel]) -> str:

@@ -64,6 +64,28 @@ def test_overrides_parse_yaml_values_and_create_sections():
         apply_overrides(BASE, ["optimizer.lr"])
 
 
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("optimizer.lr=[1e-3,", "--set optimizer.lr=[1e-3,: the value is not valid YAML"),
+        ("optimizer.betas={0.9", "--set optimizer.betas={0.9: the value is not valid YAML"),
+        ("optimizer..lr=1", "--set 'optimizer..lr=1': the key has an empty part"),
+        ("=1", "--set '=1' is not KEY=VALUE"),
+    ],
+)
+def test_bad_overrides_are_one_line(item, message):
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(BASE, [item])
+    assert str(e.value).startswith(message) and "fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_flat_sections_take_the_rest_of_the_key_as_one_key():
+    raw = {"space": {"optimizer.lr": 1.0}}
+    out = apply_overrides(raw, ["space.optimizer.lr=[1, 2]", "space.schedule.name=constant", "a.b=1"], ("space",))
+    assert out == {"space": {"optimizer.lr": [1, 2], "schedule.name": "constant"}, "a": {"b": 1}}
+    assert raw == {"space": {"optimizer.lr": 1.0}}  # not changed in place
+
+
 def test_activation_checkpointing_yaml_words():
     for value, every in [("off", 0), (False, 0), ("every", 1), (True, 1), (2, 2)]:
         cfg = parse_config({**BASE, "memory": {"activation_checkpointing": value}})

@@ -228,6 +228,44 @@ def test_experiment_errors_are_one_line(tmp_path, corpus_dir, changes, message):
     assert "fix:" in str(e.value), str(e.value)
 
 
+def test_set_overrides_one_space_entry(tmp_path, corpus_dir):
+    path = _experiment(tmp_path, corpus_dir)
+    exp = load_experiment(
+        path,
+        [
+            "space.optimizer.lr={loguniform: [1e-3, 1e-2]}",  # a range (replaced)
+            "space.optimizer.weight_decay=[0.0, 0.1]",  # a list of choices (added)
+            "space.optimizer.grad_clip=0.5",  # a fixed value (added)
+        ],
+    )
+    space = exp.search_space
+    assert space["optimizer.lr"] == Range(1e-3, 1e-2, log=True)
+    assert space["optimizer.weight_decay"] == Choice((0.0, 0.1))
+    assert space["optimizer.grad_clip"] == Fixed(0.5)
+    assert space["schedule.name"] == Choice(("constant", "warmup_linear"))  # untouched
+    cfg = exp.run_config(exp.members()[0], run_dir=str(tmp_path / "r"))
+    assert 1e-3 <= cfg.optimizer.lr <= 1e-2 and cfg.optimizer.grad_clip == 0.5
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("space.optimizer.lr={normal: [0, 1]}", "space.optimizer.lr: unknown distribution (normal)"),
+        ("space.optimizer.lr={loguniform: [1e-2, 1e-3]}", "space.optimizer.lr: loguniform bounds"),
+        ("space.optimizer.lr={loguniform: [1e-3", "--set space.optimizer.lr={loguniform: [1e-3: the value is not"),
+        ("space.optimizer.lr=[]", "space.optimizer.lr: a categorical parameter needs a non-empty list"),
+        ("space.optimizer.lrr=[0.1, 0.2]", "space.optimizer.lrr: the run at optimizer.lrr=0.1 is invalid"),
+        ("space.=[1, 2]", "--set 'space.=[1, 2]': the key has an empty part"),
+        ("space.train.steps=10", "space.train.steps is set by the tune driver"),
+    ],
+)
+def test_a_bad_space_override_is_one_line(tmp_path, corpus_dir, item, message):
+    with pytest.raises(ConfigError) as e:
+        load_experiment(_experiment(tmp_path, corpus_dir), [item])
+    line = str(e.value)
+    assert line.startswith(message) and "fix:" in line and "\n" not in line, line
+
+
 @pytest.mark.parametrize(
     "changes",
     [
