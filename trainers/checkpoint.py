@@ -3,7 +3,9 @@ and a backend that writes and reads the tensors.
 
 Layout under `root/`:
     step_00000040/            a complete checkpoint (only ever created by an atomic rename)
-        .metadata, *.distcp    torch.distributed.checkpoint files: model + optimizer, reshardable
+        .metadata, *.distcp    torch.distributed.checkpoint files: model + optimizer, reshardable; reading
+                               them unpickles (.metadata, non-tensor entries), as reading the deepspeed
+                               engine's *.pt does: load only checkpoints your runs wrote (README: Trust)
         trainer_state.json     step, samples consumed, loss-scaler state, ... (no pickle)
         rng/rank00000.pt       per-rank RNG states (tensors only; loaded with weights_only=True)
         COMMITTED              written last, before the rename
