@@ -8,7 +8,10 @@ raytrain tune replay EXP_DIR [--trial best|TRIAL_ID]
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["add_commands"]
 
@@ -68,26 +71,62 @@ def _replay_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from search.config import load_experiment, save
+    from search.config import load_experiment
 
-    exp = load_experiment(args.experiment, args.overrides)  # fails here, before Ray starts
+    exp = None
+    try:
+        exp = load_experiment(args.experiment, args.overrides)  # fails here, before Ray starts
+        return _run(args, exp)
+    except KeyboardInterrupt:  # outside Tune's loop (starting, a second Ctrl-C while Tune stops its trials)
+        return _interrupted(args, exp)
+
+
+def _run(args: argparse.Namespace, exp: Any) -> int:
     from raytrain_ext.launcher import ensure_ray
-    from search.driver import run_experiment
+    from search.config import EXPERIMENT_FILE, save
+    from search.driver import check_target, run_experiment
 
+    check_target(exp, args.resume)  # a refused command writes nothing: check all, then write
     started = ensure_ray(args.address)
     try:
-        save(exp)
+        if not args.resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
+            save(exp)
         result = run_experiment(exp, resume=args.resume, verbose=0 if args.quiet else 1)
     finally:
         if started:
             import ray
 
             ray.shutdown()
+    if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
+        return _interrupted(args, exp)
+    if result.best_trial is None:
+        print(
+            f"raytrain: error: no trial reported a finite {exp.metric} (all failed); "
+            f"fix: see why in `raytrain tune report {result.exp_dir}`",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"done: best trial {result.best_trial}, {exp.metric} {result.best_metric:.4f}; {len(result.events)} "
         f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
     )
     return 0
+
+
+def _interrupted(args: argparse.Namespace, exp: Any) -> int:
+    """One line on how to go on, and the shell's exit status for SIGINT (128 + 2)."""
+    from search.state import has_tune_state
+
+    again = ["raytrain", "tune", args.experiment, *(x for kv in args.overrides for x in ("--set", kv))]
+    again += ["--address", args.address] if args.address else []
+    if args.resume or (exp is not None and has_tune_state(exp.exp_dir)):
+        print(f"raytrain: interrupted; resume with: {shlex.join([*again, '--resume'])}", file=sys.stderr)
+    else:  # stopped before Tune saved anything: there is nothing to resume yet
+        print(
+            f"raytrain: interrupted before the experiment started; run again: {shlex.join(again)}",
+            file=sys.stderr,
+        )
+    return 130
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -102,7 +141,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from raytrain_ext.launcher import ensure_ray
     from search.replay import replay
+    from search.state import load_experiment_dir
 
+    load_experiment_dir(args.exp_dir)  # a damaged experiment.json is one line, before Ray starts
     started = ensure_ray(args.address)
     try:
         out = replay(Path(args.exp_dir), args.trial)

@@ -5,6 +5,7 @@ the scheduler's state and the checkpoints an exploit needs kept across interrupt
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,14 @@ from ray import tune
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
 from search.config import ExperimentConfig
-from search.lineage import best_trial, collect
+from search.lineage import best_trial, collect, cut_logs, log_sizes
 from search.retention import ProtectedRetention
 from search.schedulers import TIME_ATTR, SchedulerState, build_scheduler, population_space
+from search.state import check_same_experiment, check_tune_state, has_tune_state, read_scheduler_summary
 from search.trial import TrialRun
 from trainers._base import ConfigError
 
-__all__ = ["ExperimentResult", "max_concurrent_trials", "run_experiment"]
+__all__ = ["ExperimentResult", "check_target", "max_concurrent_trials", "run_experiment"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +55,53 @@ def max_concurrent_trials(exp: ExperimentConfig, cluster: dict[str, float]) -> i
 @dataclass
 class ExperimentResult:
     exp_dir: Path
-    best_trial: str
+    finished: bool  # False: interrupted (Ctrl-C: Tune stops the trials and returns); `--resume` continues
+    best_trial: str | None  # None when no trial reported a finite metric (yet)
     best_metric: float
     reports: list[dict[str, Any]]
     events: list[dict[str, Any]]
+
+
+def check_target(exp: ExperimentConfig, resume: bool) -> None:
+    """Whether `exp` may run (or with `resume`, continue) in its folder: ConfigError if not. Reads only,
+    so that a refused command has written nothing (the CLI calls it before it saves anything)."""
+    exp_dir = exp.exp_dir
+    exists = has_tune_state(exp_dir)
+    if resume and not exists:
+        raise ConfigError(f"--resume: no experiment to resume in {exp_dir}; fix: run without --resume first")
+    if not resume and exists:
+        raise ConfigError(
+            f"{exp_dir} already holds an experiment; fix: pass --resume to continue it, or change name/storage"
+        )
+    if resume:
+        check_same_experiment(exp, exp_dir)
+        read_scheduler_summary(exp_dir)
+        check_tune_state(exp_dir)
+
+
+class LineageState(tune.Callback):
+    """Keeps the trials' lineage logs in step with Tune's saved state: each save records the logs' sizes,
+    and a resume cuts them back to those (see `search.lineage`) before any trial starts again. The folder
+    is the one Tune runs in now (a moved experiment folder resumes too)."""
+
+    def __init__(self) -> None:
+        self.exp_dir: Path | None = None
+        self.cut_to: dict[str, int] | None = None
+
+    def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        if trials and self.exp_dir is None:
+            self.exp_dir = Path(trials[0].storage.experiment_fs_path)
+        if self.cut_to is not None and self.exp_dir is not None:  # resumed: no trial has started yet
+            moved = cut_logs(self.exp_dir, self.cut_to)
+            if moved:
+                logger.info("set aside lineage written after Tune's last save: %s", moved)
+            self.cut_to = None
+
+    def get_state(self) -> dict[str, Any]:
+        return {"sizes": log_sizes(self.exp_dir) if self.exp_dir is not None else {}}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.cut_to = state["sizes"]
 
 
 def _tuner_parts(exp: ExperimentConfig) -> tuple[Any, dict[str, Any]]:
@@ -72,18 +117,11 @@ def run_experiment(
     """Run (or with `resume`, continue) the experiment in `exp.exp_dir`; Ray must be initialised.
     `callbacks`: more Tune callbacks (a resumed experiment keeps those it started with)."""
     exp_dir = exp.exp_dir
+    check_target(exp, resume)
     trainable, space = _tuner_parts(exp)
     if resume:
-        if not tune.Tuner.can_restore(str(exp_dir)):
-            raise ConfigError(
-                f"--resume: no experiment to resume in {exp_dir}; fix: run without --resume first"
-            )
         tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=True)
     else:
-        if tune.Tuner.can_restore(str(exp_dir)):
-            raise ConfigError(
-                f"{exp_dir} already holds an experiment; fix: pass --resume to continue it, or change name/storage"
-            )
         scheduler = build_scheduler(exp.scheduler, exp.search_space, exp.steps, seed=exp.seed)
         tuner = tune.Tuner(
             trainable,
@@ -106,7 +144,8 @@ def run_experiment(
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=None, checkpoint_frequency=1),
                 failure_config=tune.FailureConfig(max_failures=0),
                 callbacks=[
-                    SchedulerState(scheduler, str(exp_dir / "scheduler_state.json")),
+                    SchedulerState(scheduler),
+                    LineageState(),
                     ProtectedRetention(exp.keep_checkpoints, scheduler),
                     *callbacks,
                 ],
@@ -114,11 +153,22 @@ def run_experiment(
         )
     before = placement_groups_of_this_job()
     try:
-        tuner.fit()
+        grid = tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
         released = release_stranded_placement_groups(before)
         if released:
-            logger.warning("released %d placement group(s) of Train runs killed while starting", len(released))
+            logger.warning(
+                "released %d placement group(s) of Train runs killed while starting", len(released)
+            )
     reports, events = collect(exp_dir)
-    trial, row = best_trial(reports, exp.mode)
-    return ExperimentResult(exp_dir, trial, row["metric"], reports, events)
+    try:
+        trial, row = best_trial(reports, exp.mode)
+    except ValueError:  # nothing finite reported (interrupted early, or every trial failed)
+        trial, row = None, {"metric": math.nan}
+    return ExperimentResult(exp_dir, _finished(grid, exp), trial, row["metric"], reports, events)
+
+
+def _finished(grid: tune.ResultGrid, exp: ExperimentConfig) -> bool:
+    """Tune catches the first Ctrl-C itself: it stops the trials, saves and returns as if done. Finished
+    means every member's trial exists and ended (an interrupt may even come before Tune made them)."""
+    return len(grid) == exp.population and grid.num_terminated + grid.num_errors == len(grid)

@@ -6,10 +6,16 @@ actor at a time); `collect` merges them into Parquet tables:
 - `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s
 - `EXP_DIR/lineage.parquet`: one row per exploit: time, step (where the trial continues: the donor's
   checkpoint step), trial, donor, donor_time (when the donor reported that checkpoint), old_hparams,
-  new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's)
+  new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's),
+  exploit_id (the scheduler's decision)
 
 An exploit is recorded by the trial that restores a checkpoint another trial wrote - the event as it
-really happened, whichever scheduler (PBT, PB2) decided it. The functions below are pure over these rows.
+really happened, whichever scheduler (PBT, PB2) decided it - once per decision, however often Tune
+restores the trial from that checkpoint. The functions below are pure over these rows.
+
+Across `--resume` the logs follow Tune's saved state: each of Tune's saves records how long every log
+was (`log_sizes`), and a resume moves what was written after that save - reports that the resumed trials
+train again, exploits that the restored scheduler never decided - to `lineage/discarded/` (`cut_logs`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ __all__ = [
     "LineageLog",
     "Schedule",
     "collect",
+    "cut_logs",
+    "log_sizes",
     "read_events",
     "read_reports",
     "schedule_of",
@@ -50,6 +58,14 @@ class LineageLog:
         rows = [r for r in _read_jsonl(self.path) if r["kind"] == "report"]
         return rows[-1] if rows else None
 
+    def has_exploit(self, exploit_id: str | None, donor: str, donor_time: float) -> bool:
+        """Whether this exploit is recorded already: the same decision (its id), or without an id, the
+        same donor checkpoint as the trial's latest exploit."""
+        mine = [r for r in _read_jsonl(self.path) if r["kind"] == "exploit"]
+        if exploit_id is not None:
+            return any(r.get("exploit_id") == exploit_id for r in mine)
+        return bool(mine) and (mine[-1]["donor"], mine[-1]["donor_time"]) == (donor, donor_time)
+
     def report(self, step: int, metric: float, hparams: dict[str, Any], **extra: Any) -> None:
         self._append(kind="report", step=step, metric=metric, hparams=hparams, **extra)
 
@@ -63,7 +79,11 @@ class LineageLog:
         donor_hparams: dict[str, Any],
         score: float | None,
         donor_score: float | None,
-    ) -> None:
+        exploit_id: str | None = None,
+    ) -> bool:
+        """Append the exploit unless it is recorded already; returns whether it was appended."""
+        if self.has_exploit(exploit_id, donor, donor_time):
+            return False
         self._append(
             kind="exploit",
             step=step,
@@ -74,12 +94,41 @@ class LineageLog:
             donor_hparams=donor_hparams,
             score=score,
             donor_score=donor_score,
+            exploit_id=exploit_id,
         )
+        return True
 
     def _append(self, **row: Any) -> None:
         row = {"time": time.time(), "trial": self.trial, **row}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def log_sizes(exp_dir: Path) -> dict[str, int]:
+    """Bytes in each trial's log now (by trial)."""
+    return {p.stem: p.stat().st_size for p in (Path(exp_dir) / "lineage").glob("*.jsonl")}
+
+
+def cut_logs(exp_dir: Path, sizes: dict[str, int]) -> dict[str, int]:
+    """Cut each trial's log back to its size in `sizes` (0 for a log not in it), at a line's end: the rest
+    is appended to `lineage/discarded/<trial>.jsonl`. No trial may be writing. Returns the lines moved."""
+    moved = {}
+    for path in sorted((Path(exp_dir) / "lineage").glob("*.jsonl")):
+        data = path.read_bytes()
+        keep = data[: sizes.get(path.stem, 0)]
+        keep = keep[: keep.rfind(b"\n") + 1]  # a line being written at the save is not part of it
+        rest = data[len(keep) :]
+        if not rest:
+            continue
+        aside = path.parent / "discarded" / path.name
+        aside.parent.mkdir(exist_ok=True)
+        with aside.open("ab") as f:
+            f.write(rest if rest.endswith(b"\n") else rest + b"\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(keep)
+        tmp.replace(path)
+        moved[path.stem] = rest.count(b"\n") + (not rest.endswith(b"\n"))
+    return moved
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -108,6 +157,7 @@ _EVENT_COLUMNS = (
     "donor_hparams",
     "score",
     "donor_score",
+    "exploit_id",
 )
 
 
@@ -115,11 +165,10 @@ def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Merge the trials' logs into `reports.parquet` and `lineage.parquet`; returns (reports, events)."""
     exp_dir = Path(exp_dir)
     rows = [r for p in sorted((exp_dir / "lineage").glob("*.jsonl")) for r in _read_jsonl(p)]
-    # A trial restored again from the same donor checkpoint (an interrupted experiment resumed before it
-    # reported) records the same exploit twice: keep the first.
-    unique: dict[tuple[str, str, float], dict[str, Any]] = {}
+    # Logs written before exploits had ids (or cut by hand) may hold one exploit twice: keep the first.
+    unique: dict[Any, dict[str, Any]] = {}
     for r in sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"]):
-        unique.setdefault((r["trial"], r["donor"], r["donor_time"]), r)
+        unique.setdefault(r.get("exploit_id") or (r["trial"], r["donor"], r["donor_time"]), r)
     events = list(unique.values())
     reports = _without_redone([r for r in rows if r["kind"] == "report"], events)
     _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=("hparams",))
@@ -151,7 +200,7 @@ def _write(
     path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...], json_columns: tuple[str, ...]
 ) -> None:
     data = {c: [json.dumps(r.get(c)) if c in json_columns else r.get(c) for r in rows] for c in columns}
-    types = {"step": pa.int64(), "trial": pa.string(), "donor": pa.string()}
+    types = {"step": pa.int64(), "trial": pa.string(), "donor": pa.string(), "exploit_id": pa.string()}
     fields = [pa.field(c, types.get(c, pa.string() if c in json_columns else pa.float64())) for c in columns]
     if "failed" in columns:
         fields[columns.index("failed")] = pa.field("failed", pa.bool_())

@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from search.config import load_saved
 from search.lineage import Schedule, best_trial, collect, schedule_of
+from search.state import load_experiment_dir
 
 __all__ = ["ReplayResult", "replay"]
 
@@ -40,7 +40,7 @@ def replay(exp_dir: Path, trial: str = "best") -> ReplayResult:
     """Ray must be initialised (the run is a Ray Train run like the trials', same workers)."""
     from raytrain_ext.launcher import train
 
-    exp = load_saved(exp_dir)
+    exp = load_experiment_dir(exp_dir)
     reports, events = collect(exp.exp_dir)
     if trial == "best":
         trial, _ = best_trial(reports, exp.mode)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from search.config import load_saved
 from search.lineage import Schedule, best_trial, collect, schedule_of
+from search.state import load_experiment_dir, read_scheduler_summary
 
 __all__ = ["ReportOutput", "outside_steps_fraction", "write_report"]
 
@@ -41,7 +41,8 @@ def write_report(exp_dir: Path) -> ReportOutput:
 
     matplotlib.use("Agg")
     exp_dir = Path(exp_dir).resolve()
-    exp = load_saved(exp_dir)
+    exp = load_experiment_dir(exp_dir)
+    scheduler = read_scheduler_summary(exp_dir)  # read first: a damaged file is one line, before any plot
     reports, events = collect(exp_dir)
     if not reports:
         from trainers._base import ConfigError
@@ -57,7 +58,7 @@ def write_report(exp_dir: Path) -> ReportOutput:
         _plot_hparams(out / "hparams.png", reports, events, trials, list(exp.search_space.mutable), schedule),
         _plot_lineage(out / "lineage.png", reports, events, trials, winner),
     ]
-    summary = _summary(exp, reports, events, trials, winner, row, schedule)
+    summary = _summary(exp, reports, events, trials, winner, row, schedule, scheduler)
     (out / "summary.txt").write_text(summary + "\n")
     return ReportOutput(summary, plots)
 
@@ -207,13 +208,15 @@ def _fmt(hparams: dict[str, Any]) -> str:
     )
 
 
-def _summary(exp, reports, events, trials, winner, row, schedule: Schedule) -> str:
+def _summary(exp, reports, events, trials, winner, row, schedule: Schedule, scheduler) -> str:
     frac = outside_steps_fraction(reports)
+    # the scheduler's own count, at Tune's last save: equal to the exploits once the experiment ended
+    decided = f" ({exp.scheduler.name} decided {scheduler['perturbations']})" if scheduler else ""
     lines = [
         f"experiment {exp.name}: {exp.scheduler.name}, population {exp.population}, {exp.steps} steps per trial, "
         f"interval {exp.scheduler.interval}, {exp.resources.workers} workers per trial ({exp.trial_runs} runs)",
         f"best: {winner}, {exp.metric} {row['metric']:.4f} at step {row['step']}",
-        f"exploits: {len(events)}; failed reports: {sum(bool(r['failed']) for r in reports)}",
+        f"exploits: {len(events)}{decided}; failed reports: {sum(bool(r['failed']) for r in reports)}",
         "time outside training steps: " + (f"{frac:.1%}" if frac is not None else "n/a"),
         "winning schedule (replay with `raytrain tune replay`):",
         *(f"  from step {s}: {_fmt(h)}" for s, h in schedule.changes),

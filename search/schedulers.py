@@ -7,7 +7,10 @@ PB2 gets the space's bounds; ASHA stops on the same report steps; `random` is Tu
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import uuid
 from functools import partial
 from typing import Any, Literal
 
@@ -18,10 +21,21 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTra
 from search.space import SearchSpace
 from trainers._base import StrictModel
 
-__all__ = ["MEMBER", "TIME_ATTR", "SchedulerConfig", "BoundedExplore", "build_scheduler", "population_space"]
+__all__ = [
+    "EXPLOIT_ID",
+    "MEMBER",
+    "SCHEDULER_FILE",
+    "TIME_ATTR",
+    "SchedulerConfig",
+    "BoundedExplore",
+    "build_scheduler",
+    "population_space",
+]
 
 TIME_ATTR = "step"  # every trial reports its optimizer step; all scheduler intervals are in steps
 MEMBER = "member"  # config key: the trial's index in the population (its starting point)
+EXPLOIT_ID = "exploit_id"  # config key: set at each exploit (see _Resumable._get_new_config)
+SCHEDULER_FILE = "scheduler_state.json"  # in the experiment folder: a summary of the scheduler's state
 
 
 def population_space(members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -151,6 +165,13 @@ class _Resumable:
             self._custom_explore_fn.rng.setstate(state["explore_rng"])
         self._restored = dict(state["trials"])
 
+    def _get_new_config(self, trial: Any, trial_to_clone: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """An id per exploit decision, in the exploited trial's new config (which Tune saves with its
+        experiment state): the trial records the exploit once, however often Tune restores it from the
+        donor's checkpoint (again after each `--resume` until it saved one of its own)."""
+        config, operations = super()._get_new_config(trial, trial_to_clone)
+        return {**config, EXPLOIT_ID: uuid.uuid4().hex}, operations
+
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         super().on_trial_add(tune_controller, trial)
         saved = (self._restored or {}).pop(trial.trial_id, None)
@@ -189,17 +210,26 @@ def __getattr__(name: str) -> Any:  # unpickling a ResumablePB2 finds it by name
 
 
 class SchedulerState(tune.Callback):
-    """Checkpoints the scheduler's state with Tune's callback state (and writes a readable summary to
-    `scheduler_state.json` in the experiment folder), so that `--resume` continues the same population."""
+    """Checkpoints the scheduler's state with Tune's callback state, so that `--resume` continues the same
+    population, and writes a readable summary of it (`scheduler_state.json`) with each of Tune's saves.
 
-    def __init__(self, scheduler: TrialScheduler, summary_path: str | None = None):
-        self.scheduler, self.summary_path = scheduler, summary_path
+    The summary goes to Tune's driver staging folder, which Tune copies over the experiment folder after
+    each save: a resumed Tune first copies the folder's JSON files there, so a summary written straight
+    to the experiment folder was overwritten with the one of the interruption at every later save."""
+
+    def __init__(self, scheduler: TrialScheduler):
+        self.scheduler = scheduler
+        self.staging: str | None = None
+
+    def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        if trials and self.staging is None:
+            self.staging = trials[0].storage.experiment_driver_staging_path
 
     def get_state(self) -> dict[str, Any] | None:
         if not isinstance(self.scheduler, _Resumable):
             return None
-        if self.summary_path:
-            _write_json(self.summary_path, self.scheduler.summary())
+        if self.staging is not None:  # None before Tune made the trials: nothing to summarise yet
+            _write_json(os.path.join(self.staging, SCHEDULER_FILE), self.scheduler.summary())
         return self.scheduler.export_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -208,9 +238,6 @@ class SchedulerState(tune.Callback):
 
 
 def _write_json(path: str, obj: Any) -> None:
-    import json
-    import os
-
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=str)

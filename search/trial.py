@@ -40,7 +40,7 @@ from ray.train import UserCallback
 from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
-from search.schedulers import TIME_ATTR
+from search.schedulers import EXPLOIT_ID, TIME_ATTR
 from trainers.metrics import read_metrics
 
 __all__ = ["META", "Gate", "TrialRun"]
@@ -128,7 +128,7 @@ class TrialRun(tune.Trainable):
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         root = Path(checkpoint_dir)
         meta = json.loads((root / META).read_text())
-        if meta["trial"] != self.trial_id:
+        if meta["trial"] != self.trial_id:  # an exploit (logged once, however often Tune restores it)
             last = self.log.last_report()
             self.log.exploit(
                 step=meta["step"],
@@ -139,6 +139,7 @@ class TrialRun(tune.Trainable):
                 donor_hparams=meta["hparams"],
                 score=last["metric"] if last else None,
                 donor_score=meta["metric"],
+                exploit_id=self.config.get(EXPLOIT_ID),
             )
         self.step_no, self.step_dir, self.error = meta["step"], None, None
         if meta["step_dir"] is not None:  # keep a copy: Tune may clean `checkpoint_dir` up after this call

@@ -64,3 +64,152 @@ def test_tune_command_rejects_bad_input_before_ray(tmp_path, capsys):
     assert err == "raytrain: error: unknown key 'populaton'; fix: did you mean 'population'?"
     assert main(["tune", "report", str(tmp_path)]) == 2
     assert "holds no experiment.json" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ experiment folder state (issue 12)
+
+
+@pytest.fixture
+def demo_cli(tmp_path, corpus_dir):
+    """`raytrain tune` arguments for the demo in tmp_path, and its experiment."""
+    args = [
+        str(EXAMPLES / "pbt-demo.yaml"),
+        "--set",
+        f"overrides.data.path={corpus_dir}",
+        "--set",
+        f"storage={tmp_path}",
+    ]
+    return args, load_experiment(args[0], [args[2], args[4]])
+
+
+def _saved_state(exp) -> Path:
+    """An experiment folder as an interrupted `raytrain tune` leaves it: ours and Tune's files (Tune's are
+    stand-ins: readable, as --resume checks them, but not a real Tune state)."""
+    import ray.cloudpickle as pickle
+
+    save(exp)
+    d = exp.exp_dir
+    (d / "tuner.pkl").write_bytes(pickle.dumps({"stand-in": "tuner"}))
+    (d / "experiment_state-2026-01-01_00-00-00.json").write_text('{"trial_data": []}')
+    (d / "callback-states-2026-01-01_00-00-00.pkl").write_bytes(pickle.dumps({0: {"stand-in": 1}}))
+    (d / "scheduler_state.json").write_text('{"perturbations": 1, "checkpoints": 2, "trials": {}}')
+    return d
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    def refuse(address=None):
+        raise AssertionError("a refused command started Ray")
+
+    monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", refuse)
+
+
+def test_a_refused_tune_command_writes_nothing(demo_cli, no_ray, capsys):
+    args, exp = demo_cli
+    folder = _saved_state(exp)
+    before = _files(folder)
+    # the same name again without --resume: experiment.json must keep describing the experiment that ran
+    assert main(["tune", *args, "--set", "population=2"]) == 2
+    assert "already holds an experiment; fix: pass --resume" in capsys.readouterr().err
+    # --resume with another population than the one Tune restores
+    assert main(["tune", *args, "--set", "population=3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("raytrain: error: --resume: population is 3 here but the experiment in")
+        and "\n" not in err
+    )
+    assert "ran with 4; fix: resume with the YAML and --set values it ran with" in err
+    assert _files(folder) == before
+
+
+DAMAGES = {"truncated": lambda b: b[: len(b) // 2], "empty": lambda b: b""}
+STATE_FILES = [
+    "experiment.json",
+    "scheduler_state.json",
+    "tuner.pkl",
+    "experiment_state-2026-01-01_00-00-00.json",
+    "callback-states-2026-01-01_00-00-00.pkl",
+]
+
+
+def test_the_stand_in_state_resumes(demo_cli):
+    from search.driver import check_target
+
+    _, exp = demo_cli
+    _saved_state(exp)
+    check_target(exp, resume=True)  # the control for the damaged cases below
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("name", STATE_FILES)
+def test_resume_names_a_damaged_state_file(demo_cli, no_ray, capsys, name, damage):
+    args, exp = demo_cli
+    folder = _saved_state(exp)
+    path = folder / name
+    path.write_bytes(DAMAGES[damage](path.read_bytes()))
+    before = _files(folder)
+    assert main(["tune", *args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raytrain: error: ") and "\n" not in err
+    assert f"{path} is damaged" in err and "; fix: " in err
+    assert _files(folder) == before
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_report_and_replay_name_a_damaged_state_file(demo_cli, no_ray, capsys, damage):
+    _, exp = demo_cli
+    folder = _saved_state(exp)
+    summary = folder / "scheduler_state.json"
+    good = summary.read_bytes()
+    summary.write_bytes(DAMAGES[damage](good))
+    assert main(["tune", "report", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{summary} is damaged" in err and "; fix: " in err and "\n" not in err
+    summary.write_bytes(good)
+    config = folder / "experiment.json"
+    config.write_bytes(DAMAGES[damage](config.read_bytes()))
+    for command in (["report"], ["replay", "--trial", "best"]):
+        assert main(["tune", *command, str(folder)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            f"{config} is damaged" in err
+            and "fix: delete it and run `raytrain tune EXP.yaml --resume`" in err
+        )
+        assert "\n" not in err
+
+
+def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, capsys):
+    import search.driver
+    from search.driver import ExperimentResult
+
+    args, exp = demo_cli
+
+    def ctrl_c(address=None):  # while Ray starts: before Tune saved anything
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", ctrl_c)
+    assert main(["tune", *args]) == 130
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == (
+        "raytrain: interrupted before the experiment started; run again: raytrain tune "
+        f"{args[0]} --set {args[2]} --set {args[4]}\n"
+    )
+
+    # Tune caught the Ctrl-C, stopped the trials and returned (before or after their first report)
+    def interrupted(exp, resume, verbose):
+        return ExperimentResult(exp.exp_dir, False, None, float("nan"), [], [])
+
+    monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)
+    monkeypatch.setattr(search.driver, "run_experiment", interrupted)
+    _saved_state(exp)
+    assert main(["tune", *args, "--resume"]) == 130
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == (
+        f"raytrain: interrupted; resume with: raytrain tune {args[0]} --set {args[2]} --set {args[4]} --resume\n"
+    )

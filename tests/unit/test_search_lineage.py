@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
+from search.lineage import LineageLog, best_trial, collect, cut_logs, log_sizes, read_events, schedule_of
 from search.retention import to_delete
 
 
@@ -94,6 +96,48 @@ def test_a_redone_step_replaces_the_old_one_but_an_exploit_starts_a_new_life(tmp
     a.report(30, 2.9, {"lr": 2}, failed=False, steps_s=1.0, wall_s=1.0)
     reports, _ = collect(tmp_path)
     assert [(r["step"], r["metric"]) for r in reports] == [(10, 5.0), (20, 3.9), (30, 3.5), (30, 2.9)]
+
+
+def test_an_exploit_is_recorded_once_however_often_it_is_restored(tmp_path):
+    b = LineageLog(tmp_path, "b")
+    b.report(10, 4.0, {"lr": 0.2}, failed=False, steps_s=1.0, wall_s=2.0)
+    exploit = dict(step=10, donor="a", donor_time=1.0, old_hparams={"lr": 0.2}, new_hparams={"lr": 0.12})
+    exploit.update(donor_hparams={"lr": 0.1}, score=4.0, donor_score=3.0)
+    assert b.exploit(**exploit, exploit_id="d1") is True
+    b.report(20, 2.5, {"lr": 0.12}, failed=False, steps_s=1.0, wall_s=2.0)  # then the driver was killed
+    assert b.exploit(**exploit, exploit_id="d1") is False  # Tune restored b from a's checkpoint again
+    # a second decision that picks the same donor checkpoint (a's next one was not saved yet) is an exploit
+    assert b.exploit(**{**exploit, "new_hparams": {"lr": 0.08}}, exploit_id="d2") is True
+    kinds = [json.loads(line)["kind"] for line in b.path.read_text().splitlines()]
+    assert kinds == ["report", "exploit", "report", "exploit"]
+    assert [e["new_hparams"] for e in collect(tmp_path)[1]] == [{"lr": 0.12}, {"lr": 0.08}]
+
+
+def test_a_resume_sets_aside_the_lineage_written_after_tunes_save(tmp_path):
+    a, b = LineageLog(tmp_path, "a"), LineageLog(tmp_path, "b")
+    a.report(10, 3.0, {"lr": 0.1}, failed=False, steps_s=1.0, wall_s=2.0)
+    b.report(10, 4.0, {"lr": 0.2}, failed=False, steps_s=1.0, wall_s=2.0)
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "lineage").iterdir()}
+    sizes = log_sizes(tmp_path)  # Tune saves its state (and these with it)
+    # after the save, until the driver was killed: a report, an exploit the restored scheduler never
+    # decided, a line cut mid-write, and the first line of a trial that had not written before
+    a.report(20, 2.5, {"lr": 0.1}, failed=False, steps_s=1.0, wall_s=2.0)
+    b.exploit(10, "a", 1.0, {"lr": 0.2}, {"lr": 0.12}, {"lr": 0.1}, 4.0, 3.0, exploit_id="ghost")
+    with b.path.open("a") as f:
+        f.write('{"time": 9, "trial": "b", "kind": "rep')
+    LineageLog(tmp_path, "c").report(10, 5.0, {"lr": 0.3}, failed=False, steps_s=1.0, wall_s=2.0)
+    assert cut_logs(tmp_path, sizes) == {"a": 1, "b": 2, "c": 1}
+    assert {p.name: p.read_bytes() for p in (tmp_path / "lineage").glob("*.jsonl")} == {
+        **saved,
+        "c.jsonl": b"",
+    }
+    aside = tmp_path / "lineage" / "discarded"
+    assert [json.loads(line)["step"] for line in (aside / "a.jsonl").read_text().splitlines()] == [20]
+    ghost, cut = (aside / "b.jsonl").read_text().splitlines()
+    assert json.loads(ghost)["exploit_id"] == "ghost" and cut == '{"time": 9, "trial": "b", "kind": "rep'
+    reports, events = collect(tmp_path)  # the set-aside lines are not lineage
+    assert [(r["trial"], r["step"]) for r in reports] == [("a", 10), ("b", 10)] and events == []
+    assert cut_logs(tmp_path, log_sizes(tmp_path)) == {}  # a second resume from the same save: nothing
 
 
 @pytest.mark.parametrize(
