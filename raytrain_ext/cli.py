@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from trainers._base import ConfigError, NonFiniteLossError
+from trainers.checkpoint import CheckpointError
 from trainers.config import load_config
 
 __all__ = ["main"]
@@ -29,8 +30,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         from raytrain_ext.launcher import train
 
-        result = train(cfg, address=args.address, progress=not args.no_progress, callbacks=args.callbacks,
-                       ray_log_level=args.ray_log_level)
+        result = train(
+            cfg,
+            address=args.address,
+            progress=not args.no_progress,
+            callbacks=args.callbacks,
+            ray_log_level=args.ray_log_level,
+        )
         sizes = f", workers per attempt {result.world_sizes}"
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
@@ -112,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from raytrain_ext.cli_plan import add_commands as add_plan_commands  # plan, cluster check
 
     add_plan_commands(sub)
-    __import__("search.cli", fromlist=["add_commands"]).add_commands(sub)  # `tune`: search/ is the layer above
+    __import__("search.cli", fromlist=["add_commands"]).add_commands(
+        sub
+    )  # `tune`: search/ is the layer above
     return parser
 
 
@@ -123,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"raytrain: error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as e:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what was committed stays; the same command continues
+        hint = str(e) or "interrupted; run the same command again to continue from the newest checkpoint"
+        print(f"raytrain: {hint}", file=sys.stderr)
+        return 130
+    except (NonFiniteLossError, CheckpointError) as e:
         print(f"raytrain: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:

@@ -16,8 +16,11 @@ must be on a filesystem every node mounts at the same path (NFS, EFS, Filestore)
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -25,13 +28,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, train_fn
+from raytrain_ext.reaper import Reaper
+from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train_fn
 from trainers._base import ConfigError, NonFiniteLossError
+from trainers.checkpoint import CheckpointError, is_complete
 from trainers.config import RunConfig, check_inputs
 from trainers.metrics import read_metrics
 from trainers.parallel.layout import ParallelLayout
+from trainers.resume import check_resume
+from trainers.run_lock import RunDirLock
 
-__all__ = ["RayRunResult", "RunFailedError", "build_trainer", "check_run", "ensure_ray", "run_config_for_workers", "train"]
+__all__ = [
+    "RayRunResult",
+    "RunFailedError",
+    "build_trainer",
+    "check_run",
+    "ensure_ray",
+    "run_config_for_workers",
+    "train",
+]
 
 
 class RunFailedError(RuntimeError):
@@ -54,10 +69,13 @@ def run_config_for_workers(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"run_dir": cfg.out_dir.resolve(), "data": data})
 
 
-def check_run(cfg: RunConfig) -> None:
-    """Everything that can be checked before a worker starts: inputs on disk, and that every world size
-    the run may take keeps the global batch (micro x accumulation x dp)."""
-    check_inputs(cfg)
+def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
+    """Everything that can be checked before a worker starts: inputs on disk, that the checkpoint it would
+    resume from fits this config, that the callbacks import, and that every world size the run may take
+    keeps the global batch (micro x accumulation x dp)."""
+    check_resume(cfg, check_inputs(cfg))
+    for spec in callbacks:
+        _check_callback(spec)
     if cfg.parallel.engine == "none" and max(cfg.scaling.sizes) > 1:
         raise ConfigError(
             f"parallel.engine=none with up to {max(cfg.scaling.sizes)} workers; fix: set parallel.engine to "
@@ -70,6 +88,33 @@ def check_run(cfg: RunConfig) -> None:
             cfg.train.accumulation(world // pp)
         except ConfigError as e:
             raise ConfigError(f"at {world} workers (scaling allows {_sizes_text(cfg)}): {e}") from None
+
+
+def _check_callback(spec: str) -> None:
+    """The module of a `--callback` spec must be importable here (the workers import it again)."""
+    module = spec.partition("(")[0].partition(":")[0].strip()
+    if not module or ":" not in spec:
+        load_callback(spec)  # its one-line refusal of the form
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None and not (Path.cwd() / top).exists():
+        raise ConfigError(
+            f"callback {spec!r}: no module named {top!r}; fix: install it or put it on PYTHONPATH on every node"
+        )
+
+
+def check_fits_local(cfg: RunConfig, cpus: float, gpus: int) -> None:
+    """A local Ray never grows: refuse, before it starts, a run whose smallest size it cannot hold."""
+    s, fewest = cfg.scaling, cfg.scaling.sizes.start
+    need_cpu, need_gpu = fewest * s.cpus_per_worker, fewest if s.use_gpu else 0
+    if need_cpu <= cpus and need_gpu <= gpus:
+        return
+    have = f"{cpus:g} CPUs" + (f" and {gpus} GPUs" if s.use_gpu else "")
+    raise ConfigError(
+        f"scaling: {fewest} workers x {s.cpus_per_worker:g} CPUs"
+        + (" and 1 GPU" if s.use_gpu else "")
+        + f" do not fit this machine's local Ray ({have}); fix: lower scaling.num_workers (or min_workers) "
+        f"or scaling.cpus_per_worker, or join a cluster with --address"
+    )
 
 
 def _sizes_text(cfg: RunConfig) -> str:
@@ -143,36 +188,174 @@ def train(
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
 ) -> RayRunResult:
-    """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError with the workers' cause
-    when the run ended on an error that a restart cannot fix."""
-    check_run(cfg)  # before Ray starts
+    """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError/CheckpointError with the
+    workers' cause when the run ended on an error that a restart cannot fix, and KeyboardInterrupt
+    (naming where the run will continue) on Ctrl-C or SIGTERM."""
+    import ray
+
+    check_run(cfg, callbacks)  # before Ray starts
     cfg = run_config_for_workers(cfg)
     run_dir = cfg.out_dir
-    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a new invocation: an old failure is history
-    started = ensure_ray(address)
-    watcher = _ProgressWatcher(run_dir / "metrics.jsonl", cfg.train.steps, cfg.name) if progress else None
-    try:
-        trainer = build_trainer(cfg, callbacks, ray_callbacks, ray_log_level)
-        if watcher:
-            watcher.start()
+    local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
+    if local:
+        check_fits_local(cfg, os.cpu_count() or 1, _local_gpus())
+    with RunDirLock(run_dir), _interrupts_raise():
+        (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a new invocation: an old failure is history
+        reconcile_ray_snapshot(run_dir, fresh=cfg.checkpoint.resume == "none")
+        started = ensure_ray(address)
+        reaper = Reaper.start(Reaper.local_ray_roots()) if started and local else None
+        watcher = _ProgressWatcher(run_dir / "metrics.jsonl", cfg.train.steps, cfg.name) if progress else None
         try:
-            result = trainer.fit()
-        except Exception as e:
-            failed = _read_failed(run_dir)
-            if failed is not None:
-                raise _as_error(failed) from e
-            raise
-    finally:
-        if watcher:
-            watcher.stop()
-        if started:
-            import ray
-
-            ray.shutdown()
+            trainer = build_trainer(cfg, callbacks, ray_callbacks, ray_log_level)
+            if watcher:
+                watcher.start()
+            result = _fit(trainer, run_dir, cfg)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(_continue_hint(run_dir)) from None
+        finally:
+            if watcher:
+                watcher.stop()
+            if started:
+                ray.shutdown()
+            if reaper:
+                reaper.stop()
     failed = _read_failed(run_dir)
     if failed is not None:
         raise _as_error(failed)
     return summarize(run_dir, result.checkpoint.path if result.checkpoint else None)
+
+
+def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
+    """`trainer.fit()` in a thread, so that this one stays free for Ctrl-C/SIGTERM (Ray's own SIGINT
+    handler waits on a controller busy placing workers: it ignored Ctrl-C for minutes) and for the
+    placement timeout: no worker started within `scaling.placement_timeout_s` ends the wait."""
+    box: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:
+            box["error"] = e
+
+    since, placed = time.time(), False
+    thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        placed = placed or _started_since(run_dir, since)
+        if not placed and time.time() - since > cfg.scaling.placement_timeout_s:
+            raise ConfigError(_unplaced_message(cfg))
+    if "error" in box:
+        failed = _read_failed(run_dir)
+        if failed is not None:
+            raise _as_error(failed) from box["error"]
+        raise box["error"]
+    return box["result"]
+
+
+def _started_since(run_dir: Path, since: float) -> bool:
+    """A worker group of this invocation got as far as the Trainer's start or resume event."""
+    rows = read_metrics(run_dir / "metrics.jsonl", "event")
+    since -= 2.0  # the workers' clocks may lag the driver's a little
+    return any(r.get("event") in ("start", "resume") and r.get("time", 0) >= since for r in rows)
+
+
+def _unplaced_message(cfg: RunConfig) -> str:
+    import ray
+
+    s = cfg.scaling
+    have = ray.cluster_resources()
+    return (
+        f"scaling: no worker started within scaling.placement_timeout_s={s.placement_timeout_s:g}: asked for "
+        f"{s.sizes.start} workers x {{CPU: {s.cpus_per_worker:g}{', GPU: 1' if s.use_gpu else ''}}}, the "
+        f"cluster has CPU {have.get('CPU', 0):g}, GPU {have.get('GPU', 0):g} in all; fix: fewer or smaller "
+        f"workers, more nodes (or an autoscaler that can add them), or a longer placement_timeout_s"
+    )
+
+
+def _continue_hint(run_dir: Path) -> str:
+    from trainers.checkpoint import Checkpointer
+
+    latest = Checkpointer(run_dir / "checkpoints", 1).latest()
+    where = f"from step {int(latest.name.split('_')[-1])}" if latest else "from the start (no checkpoint yet)"
+    return f"interrupted; run the same command again to continue {where} ({run_dir})"
+
+
+@contextlib.contextmanager
+def _interrupts_raise():
+    """SIGTERM (`ray job stop`, a scheduler) ends the driver as Ctrl-C does (in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def reconcile_ray_snapshot(run_dir: Path, fresh: bool = False) -> None:
+    """Make Ray's record of the run's checkpoints true to the disk before Ray reads it: our retention
+    deletes checkpoints Ray registered, and Ray refuses to start a run whose snapshot names a missing
+    one ("delete the existing folder"). Entries without a complete checkpoint go; a snapshot that cannot
+    be read as Ray 2.60 wrote it is removed (our committed checkpoints are the truth: the workers resume
+    from them). `fresh` (checkpoint.resume=none): no snapshot, so Ray hands over no old checkpoint."""
+    path = run_dir / RAY_SNAPSHOT
+    if not path.is_file():
+        return
+    try:
+        if fresh:
+            raise ValueError("a fresh run")
+        state = json.loads(path.read_text())
+        state = _snapshot_on_disk(state, run_dir)
+    except (ValueError, KeyError, TypeError):
+        path.unlink()
+        return
+    tmp = path.with_name(f".{RAY_SNAPSHOT}.{os.getpid()}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def _snapshot_on_disk(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    def here(result: dict[str, Any] | None) -> bool:
+        return result is not None and is_complete(run_dir / result["checkpoint_dir_name"])
+
+    import ray
+
+    if state["ray_version"] != ray.__version__:
+        raise ValueError(f"written by Ray {state['ray_version']}")
+    kept = [
+        (r, i) for r, i in zip(state["checkpoint_results"], state["checkpoint_report_indices"]) if here(r)
+    ]
+    names = {r["checkpoint_dir_name"] for r, _ in kept}
+    pending = [
+        (r, v)
+        for r, v in zip(state["pending_training_results"], state["pending_validation_specs"])
+        if here(r)
+    ]
+    state["checkpoint_results"] = [r for r, _ in kept]
+    state["checkpoint_report_indices"] = [i for _, i in kept]
+    state["pending_training_results"] = [r for r, _ in pending]
+    state["pending_validation_specs"] = [v for _, v in pending]
+    if not here(state["latest_checkpoint_result"]):
+        state["latest_checkpoint_result"] = kept[-1][0] if kept else None
+    for key in ("validated", "timed_out_validation", "failed_validation"):
+        field = f"{key}_checkpoint_dir_names"
+        state[field] = [n for n in state[field] if n in names]
+    return state
 
 
 def summarize(run_dir: Path, checkpoint: str | None = None) -> RayRunResult:
@@ -197,10 +380,13 @@ def _read_failed(run_dir: Path) -> dict[str, Any] | None:
 
 def _as_error(failed: dict[str, Any]) -> Exception:
     message = failed["message"]
-    if failed["type"] == "ConfigError":
-        return ConfigError(message)
-    if failed["type"] == "NonFiniteLossError":
-        return NonFiniteLossError(message)
+    known = {
+        "ConfigError": ConfigError,
+        "NonFiniteLossError": NonFiniteLossError,
+        "CheckpointError": CheckpointError,
+    }
+    if failed["type"] in known:
+        return known[failed["type"]](message)
     where = "before the first checkpoint" if failed["kind"] == "early" else ""
     return RunFailedError(
         f"rank {failed['rank']} failed {where}: {failed['type']}: {message} (not retried: a restart would "

@@ -9,6 +9,8 @@ the metrics reported with a checkpoint.
 Failures that retrying cannot fix end the run instead of burning `max_failures` restarts:
 - a `ConfigError` or `NonFiniteLossError` raised inside the workers (every rank reaches it at the same
   point, so they all return together) is written to `FAILED.json` and the run ends;
+- a `CheckpointError` (no readable checkpoint left; a file one rank could not read) is written to
+  `FAILED.json` and re-raised: it may hold on some ranks only, so the attempt must fail as a whole;
 - any other error before the run's first checkpoint is written to `FAILED.json` and re-raised; the restart
   that follows sees the file and ends the run at once, with the cause.
 The launcher reads `FAILED.json` and raises the error in the driver.
@@ -28,6 +30,7 @@ import ray.train
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from trainers._base import ConfigError, NonFiniteLossError
+from trainers.checkpoint import CheckpointError
 from trainers.config import RunConfig, parse_config
 from trainers.launch import run_local
 from trainers.trainer import Trainer, TrainerCallback
@@ -35,6 +38,9 @@ from trainers.trainer import Trainer, TrainerCallback
 __all__ = ["FAILED_FILE", "ReportToRay", "StopRun", "load_callback", "train_fn"]
 
 FAILED_FILE = "FAILED.json"
+
+# Errors every rank meets at the same point, which a restart would only meet again: they end the run.
+FATAL_ERRORS = (ConfigError, NonFiniteLossError)
 
 
 class StopRun(Exception):
@@ -70,7 +76,13 @@ def load_callback(spec: str) -> TrainerCallback:
     module, sep, name = target.partition(":")
     if not sep:
         raise ConfigError(f"callback {spec!r} is not module:Name; fix: e.g. mypkg.hooks:MyCallback")
-    factory = getattr(importlib.import_module(module.strip()), name.strip())
+    try:
+        factory = getattr(importlib.import_module(module.strip()), name.strip())
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"callback {spec!r}: {e}; fix: make {module.strip()} importable on every node (installed, or "
+            f"on PYTHONPATH) and check the name"
+        ) from None
     kwargs: dict[str, Any] = {}
     if args.strip(")").strip():
         import ast
@@ -117,21 +129,23 @@ def train_fn(config: dict[str, Any]) -> None:
     failed = run_dir / FAILED_FILE
     if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause
         return
-    resume = resume_point(cfg, ray.train.get_checkpoint())
-    if resume is not None:
-        cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": str(resume)})})
-    had_checkpoint = resume is not None
-    report = ReportToRay()
-    callbacks = [report, *(load_callback(spec) for spec in config.get("callbacks", []))]
+    given = ray.train.get_checkpoint()
+    resume = resume_point(cfg, given)
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": resume})})
+    had_checkpoint = given is not None or _has_checkpoint(cfg)
     try:
-        run_local(cfg, callbacks=callbacks, progress=False)
+        callbacks = [ReportToRay(), *(load_callback(spec) for spec in config.get("callbacks", []))]
+        run_local(cfg, callbacks=callbacks, progress=False, hold_lock=False)
     except StopRun:
         return
-    except (ConfigError, NonFiniteLossError) as e:
+    except FATAL_ERRORS as e:
         # Deterministic, reached by every rank at the same point: retrying cannot help.
         if ray.train.get_context().get_world_rank() == 0:
             _write_failed(run_dir, e, "fatal")
         return
+    except CheckpointError as e:
+        _write_failed(run_dir, e, "fatal")
+        raise
     except Exception as e:
         if not had_checkpoint and not _has_checkpoint(cfg):
             # Failed before the run's first checkpoint: a restart would repeat the same steps from scratch.
@@ -139,36 +153,22 @@ def train_fn(config: dict[str, Any]) -> None:
         raise
 
 
-def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> Path | None:
-    """Where this attempt starts from.
+def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> str:
+    """`checkpoint.resume` for this attempt.
 
     - A checkpoint Ray hands over from outside this run's folder (a Tune exploit cloning another trial)
-      wins: the run continues from the donor.
-    - Otherwise the newer of Ray's latest registered checkpoint and our own newest committed one: a
-      worker lost right after a commit may die before Ray's controller has registered that report, and
-      a committed checkpoint is never thrown away.
-    - No checkpoint anywhere: `checkpoint.resume` from the run YAML decides (auto: none yet; or a path)."""
-    own = _latest_checkpoint(cfg)
-    if ray_checkpoint is not None:
-        given = Path(ray_checkpoint.path).resolve()
-        if not given.is_relative_to(cfg.out_dir.resolve()):
-            return given
-        if own is None or _step_of(given) >= _step_of(own):
-            return given
-    if own is not None and cfg.checkpoint.resume != "none":
-        return own
-    return None
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.rsplit("_", 1)[-1])
-
-
-def _latest_checkpoint(cfg: RunConfig) -> Path | None:
-    from trainers.checkpoint import Checkpointer
-
-    return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest()
+      wins: the run continues from the donor (that one only: its siblings are not ours to fall back to).
+    - One of this run's own: `auto`, so the Trainer restores our newest committed one whose checksums
+      hold (a worker lost right after a commit may die before Ray's controller registered that report,
+      and a committed checkpoint is never thrown away; a corrupt one is skipped for the one before).
+    - No checkpoint from Ray: `checkpoint.resume` from the run YAML decides."""
+    if ray_checkpoint is None:
+        return cfg.checkpoint.resume
+    given = Path(ray_checkpoint.path).resolve()
+    return "auto" if given.is_relative_to(cfg.out_dir.resolve()) else str(given)
 
 
 def _has_checkpoint(cfg: RunConfig) -> bool:
-    return _latest_checkpoint(cfg) is not None
+    from trainers.checkpoint import Checkpointer
+
+    return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest() is not None

@@ -7,6 +7,7 @@ import os
 import sys
 
 from trainers._base import ConfigError, NonFiniteLossError
+from trainers.checkpoint import CheckpointError
 from trainers.config import load_config
 from trainers.launch import run_local
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:

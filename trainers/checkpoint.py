@@ -8,12 +8,16 @@ Layout under `root/`:
                                engine's *.pt does: load only checkpoints your runs wrote (README: Trust)
         trainer_state.json     step, samples consumed, loss-scaler state, ... (no pickle)
         rng/rank00000.pt       per-rank RNG states (tensors only; loaded with weights_only=True)
-        COMMITTED              written last, before the rename
+        COMMITTED              written last, before the rename: the step and every file's size and sha256
     step_00000060.partial/     a save in progress or one interrupted by a crash: never loaded
+
+A restore verifies the files against COMMITTED (each rank hashes a slice of them); `candidates` lists the
+complete checkpoints newest first, so that a caller can fall back past a corrupt one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -29,7 +33,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["Checkpointer", "CheckpointBackend", "DCPBackend", "ModelOptimizerState", "is_complete"]
+from trainers._base import ConfigError
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CheckpointBackend",
+    "DCPBackend",
+    "ModelOptimizerState",
+    "is_complete",
+]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMMITTED = "COMMITTED"
@@ -39,13 +52,66 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
+def _gather(value: Any) -> list[Any]:
+    """Every rank's `value` (a small picklable object), on every rank."""
+    if _world() == 1:
+        return [value]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def is_complete(path: Path) -> bool:
     return _STEP_DIR.match(path.name) is not None and (path / COMMITTED).is_file()
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read: missing or changed files, or none left to fall back to."""
+
+
+_SUMS = ".sums"  # per-rank checksum lists of a save in progress, merged into COMMITTED
+
+
+def _files(root: Path) -> list[str]:
+    """The checkpoint's files (relative, sorted), but the marker and checksum lists."""
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and p.name != COMMITTED and _SUMS not in p.relative_to(root).parts
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _my_share(names: list[str]) -> list[str]:
+    # Each rank hashes every world-th file: a big model's checkpoint is hashed in parallel.
+    return names[_rank() :: _world()]
+
+
+def _check_file(root: Path, name: str, expected: dict[str, Any]) -> str | None:
+    path = root / name
+    if not path.is_file():
+        return f"{name} is missing"
+    if path.stat().st_size != expected["size"]:
+        return f"{name} has {path.stat().st_size} bytes, {expected['size']} were written"
+    if _sha256(path) != expected["sha256"]:
+        return f"{name} does not match its sha256"
+    return None
 
 
 class ModelOptimizerState(Stateful):
@@ -91,8 +157,30 @@ class Checkpointer:
         self.backend = backend or DCPBackend()
 
     def latest(self) -> Path | None:
+        done = self.candidates()
+        return done[0] if done else None
+
+    def candidates(self) -> list[Path]:
+        """Complete (committed) checkpoints, newest first: the order a restore tries them in."""
         done = sorted(p for p in self.root.glob("step_*") if is_complete(p)) if self.root.is_dir() else []
-        return done[-1] if done else None
+        return done[::-1]
+
+    @staticmethod
+    def verify(path: Path) -> str | None:
+        """Collective: None when every file matches its size and sha256 in COMMITTED, else why not (the
+        same answer on every rank). Checkpoints committed without checksums pass on their marker alone."""
+        path = Path(path)
+        try:
+            expected = json.loads((path / COMMITTED).read_text()).get("files")
+        except (OSError, ValueError) as e:
+            expected, problem = None, f"{COMMITTED} is unreadable ({e})"
+        else:
+            problem = None
+        if problem is None and expected is not None:
+            problems = (_check_file(path, name, expected[name]) for name in _my_share(sorted(expected)))
+            problem = next((p for p in problems if p is not None), None)
+        found = [p for p in _gather(problem) if p is not None]
+        return found[0] if found else None
 
     def save(
         self,
@@ -114,12 +202,15 @@ class Checkpointer:
         if rng is not None:
             (partial / "rng").mkdir(exist_ok=True)
             torch.save(rng, partial / "rng" / f"rank{rank:05d}.pt")
-        _barrier()
         if rank == 0:
             _write_json(partial / "trainer_state.json", trainer_state)
+        _barrier()
+        self._write_sums(partial)
+        _barrier()
+        if rank == 0:
             if before_commit is not None:  # a test hook: simulate a crash before the commit
                 before_commit(partial)
-            _write_json(partial / COMMITTED, {"step": step})
+            _write_json(partial / COMMITTED, {"step": step, "files": self._merged_sums(partial)})
             _fsync_dir(partial)
             if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
                 shutil.rmtree(final)
@@ -128,6 +219,26 @@ class Checkpointer:
             self._retain()
         _barrier()
         return final
+
+    @staticmethod
+    def _write_sums(partial: Path) -> None:
+        sums = {
+            name: {"size": (partial / name).stat().st_size, "sha256": _sha256(partial / name)}
+            for name in _my_share(_files(partial))
+        }
+        (partial / _SUMS).mkdir(exist_ok=True)
+        _write_json(partial / _SUMS / f"rank{_rank():05d}.json", sums)
+
+    @staticmethod
+    def _merged_sums(partial: Path) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in sorted((partial / _SUMS).glob("rank*.json")):
+            merged.update(json.loads(part.read_text()))
+        shutil.rmtree(partial / _SUMS)
+        missing = set(_files(partial)) - set(merged)
+        if missing:  # a rank listed the folder before another's files appeared: never commit unsummed
+            raise CheckpointError(f"{partial}: no checksum for {sorted(missing)[:3]}")
+        return merged
 
     @staticmethod
     def trainer_state(path: Path) -> dict[str, Any]:
@@ -142,9 +253,14 @@ class Checkpointer:
         """Loads tensors into `state`; returns (trainer_state, this rank's RNG state or None)."""
         path = Path(path)
         trainer_state = self.trainer_state(path)
-        self.backend.load(path, state)
-        rng_file = path / "rng" / f"rank{_rank():05d}.pt"
-        rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+        try:
+            self.backend.load(path, state)
+            rng_file = path / "rng" / f"rank{_rank():05d}.pt"
+            rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+        except (OSError, RuntimeError, ValueError, EOFError) as e:
+            if isinstance(e, ConfigError):
+                raise  # the backend's own one-line refusal (e.g. another engine wrote it)
+            raise CheckpointError(f"{path} could not be read: {type(e).__name__}: {_first_line(e)}") from e
         return trainer_state, rng
 
     def _retain(self) -> None:
@@ -153,6 +269,10 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob("step_*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import os
+
 from trainers.config import RunConfig
 from trainers.parallel import build_engine
 from trainers.parallel.distributed import init_from_env
+from trainers.run_lock import RunDirLock
 from trainers.trainer import FitResult, Trainer, TrainerCallback
 
 __all__ = ["run_local"]
 
 
 def run_local(
-    cfg: RunConfig, callbacks: list[TrainerCallback] | tuple = (), progress: bool = True
+    cfg: RunConfig,
+    callbacks: list[TrainerCallback] | tuple = (),
+    progress: bool = True,
+    hold_lock: bool = True,
 ) -> FitResult:
     """Under torchrun (WORLD_SIZE > 1 in the environment) this joins the process group first and leaves
-    it at the end; a group that already exists (Ray Train's) is used and left alone."""
+    it at the end; a group that already exists (Ray Train's) is used and left alone.
+
+    `hold_lock`: rank 0 holds the run dir's lock (`RunDirLock`); Ray Train's workers pass False, their
+    driver holds it for them."""
     import torch.distributed as dist
 
+    lock = None
+    if hold_lock and int(os.environ.get("RANK", "0")) == 0:
+        lock = RunDirLock(cfg.out_dir)
+        lock.acquire()  # before joining a group: a refused rank 0 fails fast, torchrun ends the others
     owns_group = not dist.is_initialized() and init_from_env()
     engine = None
     try:
@@ -27,3 +40,5 @@ def run_local(
             engine.close()
         if owns_group:
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()

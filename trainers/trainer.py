@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from trainers._base import NonFiniteLossError
-from trainers.checkpoint import Checkpointer, is_complete
+from trainers.checkpoint import Checkpointer, CheckpointError, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.metrics import MetricsLog, peak_memory_bytes
@@ -27,6 +27,7 @@ from trainers.optim import LRSchedule
 from trainers.parallel import build_engine
 from trainers.parallel.ac import apply_activation_checkpointing
 from trainers.parallel.engine import Engine
+from trainers.resume import check_compatible, compat_of
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_loss"]
 
@@ -92,28 +93,45 @@ class Trainer:
         apply_activation_checkpointing(model, self.cfg.memory.ac_every)
         return model
 
-    def _resume_path(self) -> Path | None:
+    def _resume_candidates(self) -> list[Path]:
         resume = self.cfg.checkpoint.resume
         if resume == "none":
-            return None
+            return []
         if resume == "auto":
-            return self.checkpointer.latest()
+            return self.checkpointer.candidates()
         path = Path(resume)
         if not is_complete(path):
             raise ConfigError(
                 f"checkpoint.resume={resume} is not a complete checkpoint; fix: point it at a step_XXXXXXXX "
                 f"folder with a COMMITTED file, or use auto/none"
             )
-        return path
+        return [path]  # a given checkpoint (e.g. a PBT donor's): no fallback to others
+
+    def _resume_path(self) -> tuple[Path | None, list[dict[str, str]]]:
+        """The newest checkpoint whose files match their checksums, and those skipped on the way (why)."""
+        candidates, skipped = self._resume_candidates(), []
+        for path in candidates:
+            problem = self.checkpointer.verify(path)
+            if problem is None:
+                return path, skipped
+            skipped.append({"checkpoint": str(path), "reason": problem})
+        if skipped:
+            told = "; ".join(f"{Path(s['checkpoint']).name}: {s['reason']}" for s in skipped)
+            raise CheckpointError(
+                f"no readable checkpoint to resume from in {candidates[0].parent} ({told}); fix: restore "
+                f"those files, or start over with --set checkpoint.resume=none or a new run_dir"
+            )
+        return None, skipped
 
     def _restore(self) -> None:
-        path = self._resume_path()
+        path, skipped = self._resume_path()
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
             self._emit("event", event="start", world_size=self.engine.world_size, accumulation=self.accum)
             return
-        saved_optimizer = self.checkpointer.trainer_state(path).get("optimizer")
-        same_optimizer = saved_optimizer == self.cfg.optimizer.name
+        saved = self.checkpointer.trainer_state(path)
+        check_compatible(saved.get("compat"), compat_of(self.cfg, self.manifest), path)
+        same_optimizer = saved.get("optimizer") == self.cfg.optimizer.name
         state = self.engine.checkpoint_state(with_optimizer=same_optimizer)
         trainer_state, rng = self.checkpointer.load(path, state)
         self.engine.apply_hparams(self.cfg.optimizer)  # hyperparameters may differ from the saved run
@@ -130,6 +148,7 @@ class Trainer:
             checkpoint=str(path),
             world_size=self.engine.world_size,
             saved_world_size=trainer_state.get("world_size"),
+            **({"skipped": skipped} if skipped else {}),
         )
         saved_world = trainer_state.get("world_size")
         if saved_world is not None and saved_world != self.engine.world_size:
@@ -188,9 +207,12 @@ class Trainer:
         lr = self.schedule.apply(step)
         self.engine.zero_grad()
         batches = (
-            tuple(t.to(self.device, non_blocking=True) for t in self.train_data.get(ids)) for ids in micro_batches
+            tuple(t.to(self.device, non_blocking=True) for t in self.train_data.get(ids))
+            for ids in micro_batches
         )
-        loss_value = float(self.engine.reduce_mean(self.engine.forward_backward(batches, self.accum, lm_loss)))
+        loss_value = float(
+            self.engine.reduce_mean(self.engine.forward_backward(batches, self.accum, lm_loss))
+        )
         grad_norm, bad = math.nan, True
         if math.isfinite(loss_value):
             grad_norm, bad = self.engine.step(cfg.optimizer.grad_clip)
@@ -261,6 +283,7 @@ class Trainer:
             "world_size": self.engine.world_size,
             "engine": self.engine.extra_state(),
             "optimizer": self.cfg.optimizer.name,
+            "compat": compat_of(self.cfg, self.manifest),
         }
         path = self.checkpointer.save(
             self.step, self.engine.checkpoint_state(), trainer_state, rng={"torch": torch.get_rng_state()}

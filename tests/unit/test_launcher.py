@@ -77,16 +77,18 @@ def _commit(root, step):
 
 def test_resume_point(corpus_dir, tmp_path):
     cfg = parse_config(tiny_raw(corpus_dir, tmp_path / "run"))
-    assert resume_point(cfg, None) is None
+    assert resume_point(cfg, None) == "auto"  # the run YAML decides when Ray hands nothing over
+    none = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": "none"})})
+    assert resume_point(none, None) == "none"
     s10, s20 = _commit(cfg.out_dir, 10), _commit(cfg.out_dir, 20)
-    assert Checkpointer(cfg.out_dir / "checkpoints", 3).latest() == s20
-    # Ray registered step 10 only (the worker died before step 20's report reached the controller).
-    assert resume_point(cfg, Checkpoint.from_directory(str(s10))) == s20.resolve()
-    assert resume_point(cfg, Checkpoint.from_directory(str(s20))) == s20.resolve()
-    assert resume_point(cfg, None) == s20
+    assert Checkpointer(cfg.out_dir / "checkpoints", 3).candidates() == [s20, s10]
+    # Ray registered step 10 only (the worker died before step 20's report reached the controller): the
+    # Trainer restores our newest committed one (auto), whichever Ray names, even when resume was none.
+    assert resume_point(cfg, Checkpoint.from_directory(str(s10))) == "auto"
+    assert resume_point(none, Checkpoint.from_directory(str(s10))) == "auto"
     # A checkpoint from outside this run (a Tune exploit's donor) wins even when older.
     donor = _commit(tmp_path / "donor", 5)
-    assert resume_point(cfg, Checkpoint.from_directory(str(donor))) == donor.resolve()
+    assert resume_point(cfg, Checkpoint.from_directory(str(donor))) == str(donor.resolve())
 
 
 def test_callback_specs():

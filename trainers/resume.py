@@ -1,0 +1,91 @@
+"""What a resume may change: the keys that fix the shapes of the saved state must match the checkpoint.
+
+A checkpoint records them (`trainer_state.json` -> `compat`): the whole `model` section, the window length
+and the tokenizer. Everything else may change on purpose between a save and a resume: optimizer and
+schedule (PBT), world size, engine and layout (elastic runs, resharding), steps. The driver checks before
+any worker starts (`check_resume`); the Trainer checks the checkpoint it actually restores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainers._base import ConfigError
+from trainers.config import RunConfig
+
+__all__ = ["check_compatible", "check_resume", "compat_of", "resume_candidate"]
+
+# Model keys that only weigh losses or drop tokens (or matter at init only): tuning them on a resume is fine.
+_MAY_CHANGE = {
+    "model.init_std",
+    "model.moe.aux_loss_coef",
+    "model.moe.z_loss_coef",
+    "model.moe.capacity_factor",
+}
+
+_FIX = (
+    "fix: keep the saved value, start a new run with a new run_dir or --set checkpoint.resume=none "
+    "(that run starts from scratch)"
+)
+
+
+def compat_of(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The saved state's shape-defining keys, flat: `model.dim`, `data.seq_len`, `tokenizer.kind`, ..."""
+    tokenizer = manifest.get("tokenizer", {})
+    model = _flat(cfg.model.model_dump(mode="json"), "model.")
+    keys = {k: v for k, v in model.items() if k not in _MAY_CHANGE}
+    keys["data.seq_len"] = cfg.data.seq_len
+    keys.update({f"tokenizer.{k}": tokenizer.get(k) for k in ("kind", "vocab_size", "eos_id")})
+    return keys
+
+
+def check_compatible(saved: dict[str, Any] | None, now: dict[str, Any], checkpoint: Path) -> None:
+    """ConfigError naming the first key whose value differs. `saved` None: a checkpoint from before
+    these records, nothing to compare."""
+    if not saved:
+        return
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            source = "data.path's manifest" if key.startswith("tokenizer.") else "the run"
+            raise ConfigError(
+                f"{key}={now.get(key)!r} (from {source}) but checkpoint {checkpoint} was saved with "
+                f"{key}={saved.get(key)!r}; a resume cannot change the model's shape, window or tokenizer; {_FIX}"
+            )
+
+
+def resume_candidate(cfg: RunConfig) -> Path | None:
+    """The checkpoint a start of `cfg` would restore first (its newest complete one, or the given one)."""
+    from trainers.checkpoint import Checkpointer, is_complete
+
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest()
+    return Path(resume) if is_complete(Path(resume)) else None
+
+
+def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
+    """Before any worker starts: the checkpoint this run would resume from was saved with the same
+    shape-defining keys. An unreadable record is left for the restore to report (it falls back)."""
+    from trainers.checkpoint import Checkpointer
+
+    path = resume_candidate(cfg)
+    if path is None:
+        return
+    try:
+        saved = Checkpointer.trainer_state(path).get("compat")
+    except (OSError, ValueError):
+        return
+    check_compatible(saved, compat_of(cfg, manifest), path)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
