@@ -1,0 +1,143 @@
+"""The driver of a run on its own local Ray, interrupted (Ctrl-C) or SIGKILLed mid-run: its workers and
+everything its Ray started end within seconds, and the same command continues the run with each step
+once and the losses of the attempts before it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from raytrain_ext.launcher import wait_for
+from tests.conftest import tiny_raw
+from tests.ray.test_train_on_ray import _sample_lines, assert_each_sample_once
+from trainers.metrics import read_metrics
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, EVERY = 24, 4
+
+
+def _start(run: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "raytrain_ext.cli",
+        "train",
+        str(run),
+        "--no-progress",
+        "--callback",
+        "tests.ray.hooks:RecordSamples",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Its own session, as a terminal gives a command: its Ray's processes are in it, and only them.
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _alive_in_session(sid: int) -> list[psutil.Process]:
+    alive = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return alive
+
+
+def _driver_lines(err: str) -> str:
+    """The driver's own lines (Ray forwards its actors' lines prefixed with `(Name pid=N)`)."""
+    return "\n".join(line for line in err.splitlines() if not re.match(r"(\x1b\[\d+m)?\(\w+ pid=\d+", line))
+
+
+def _steps_done(run_dir: Path) -> int:
+    rows = read_metrics(run_dir / "metrics.jsonl", "train")
+    return rows[-1]["step"] if rows else 0
+
+
+@pytest.fixture
+def sessions():
+    """Sessions this test started; whatever is left in them at the end is ended (and fails the test)."""
+    started: list[int] = []
+    yield started
+    leftovers = [p for sid in started for p in _alive_in_session(sid)]
+    for sid in started:
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not leftovers, f"processes outlived their driver: {[p.pid for p in leftovers]}"
+
+
+def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continues(
+    corpus_dir, tmp_path, sessions
+):
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        corpus_dir,
+        run_dir,
+        parallel={"engine": "ddp"},
+        scaling={"num_workers": 2, "max_failures": 1},
+        train={"steps": STEPS, "eval_every": 0},
+        checkpoint={"every": EVERY, "keep": 2},
+    )
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(raw))
+
+    # Ctrl-C in a terminal: SIGINT to the whole foreground group, Ray's processes included.
+    first = _start(run)
+    sessions.append(first.pid)
+    wait_for(lambda: _steps_done(run_dir) >= EVERY + 2 or first.poll() is not None, 240, "a few steps")
+    os.killpg(first.pid, signal.SIGINT)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err[-3000:]
+    assert "Traceback" not in _driver_lines(err), err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("raytrain: interrupted; run the same command again to continue from step "), last
+    wait_for(lambda: not _alive_in_session(first.pid), 30, "the interrupted run's processes to end")
+
+    # SIGKILL: the driver cannot clean up; its reaper ends the workers and what its Ray started.
+    second = _start(run)
+    sessions.append(second.pid)
+    resumed_at = _steps_done(run_dir)
+    wait_for(
+        lambda: _steps_done(run_dir) >= resumed_at + EVERY + 2 or second.poll() is not None, 240, "steps"
+    )
+    assert second.poll() is None, second.communicate()[1][-3000:]
+    second.kill()
+    second.wait(timeout=10)
+    wait_for(lambda: not _alive_in_session(second.pid), 15, "the killed driver's workers and Ray to end")
+    killed_at = _steps_done(run_dir)
+    assert killed_at < STEPS
+
+    third = _start(run)
+    sessions.append(third.pid)
+    _, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step exactly once"
+    assert_each_sample_once(run_dir, corpus_dir, STEPS, batch=8)
+    # Steps recomputed after an interruption give the losses their first run gave (fp32, exact).
+    first_loss: dict[int, float] = {}
+    for r in _sample_lines(run_dir):
+        if r["rank"] == 0:
+            first_loss.setdefault(r["step"], r["loss"])
+    assert all(first_loss[r["step"]] == r["loss"] for r in rows)
+    resumes = [e["step"] for e in read_metrics(run_dir / "metrics.jsonl", "event") if e["event"] == "resume"]
+    assert len(resumes) == 2 and resumes[0] >= EVERY and resumes[1] >= resumes[0]
