@@ -18,7 +18,13 @@ from search.config import ExperimentConfig
 from search.lineage import best_trial, collect, cut_logs, log_sizes
 from search.retention import ProtectedRetention
 from search.schedulers import TIME_ATTR, SchedulerState, build_scheduler, population_space
-from search.state import check_same_experiment, check_tune_state, has_tune_state, read_scheduler_summary
+from search.state import (
+    check_same_experiment,
+    check_tune_state,
+    has_tune_state,
+    read_scheduler_summary,
+    saved_trial_statuses,
+)
 from search.trial import TrialRun
 from trainers._base import ConfigError
 
@@ -153,7 +159,7 @@ def run_experiment(
         )
     before = placement_groups_of_this_job()
     try:
-        grid = tuner.fit()
+        tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
         released = release_stranded_placement_groups(before)
         if released:
@@ -165,10 +171,12 @@ def run_experiment(
         trial, row = best_trial(reports, exp.mode)
     except ValueError:  # nothing finite reported (interrupted early, or every trial failed)
         trial, row = None, {"metric": math.nan}
-    return ExperimentResult(exp_dir, _finished(grid, exp), trial, row["metric"], reports, events)
+    return ExperimentResult(exp_dir, _finished(exp), trial, row["metric"], reports, events)
 
 
-def _finished(grid: tune.ResultGrid, exp: ExperimentConfig) -> bool:
-    """Tune catches the first Ctrl-C itself: it stops the trials, saves and returns as if done. Finished
-    means every member's trial exists and ended (an interrupt may even come before Tune made them)."""
-    return len(grid) == exp.population and grid.num_terminated + grid.num_errors == len(grid)
+def _finished(exp: ExperimentConfig) -> bool:
+    """Tune catches the first Ctrl-C itself: it saves its state, stops the trials and returns as from a
+    finished run (the trials it stopped even read TERMINATED in the ResultGrid). Its last save tells
+    them apart, as `--resume` will read it: finished when every member's trial had ended there."""
+    statuses = saved_trial_statuses(exp.exp_dir)
+    return len(statuses) == exp.population and all(s in ("TERMINATED", "ERROR") for s in statuses)

@@ -149,8 +149,9 @@ class _Resumable:
     def export_state(self) -> dict[str, Any]:
         trials = {}
         for trial, state in self._trial_state.items():
+            _settle_donor_checkpoint(state)
             fields = {f: getattr(state, f) for f in _TRIAL_FIELDS}
-            if not isinstance(fields["last_checkpoint"], tune.Checkpoint):  # a pending save: not picklable
+            if not isinstance(fields["last_checkpoint"], tune.Checkpoint):  # a save still running
                 fields["last_checkpoint"] = None
             trials[trial.trial_id] = fields
         own = {f: getattr(self, f) for f in (*_SCHEDULER_FIELDS, *_PB2_FIELDS) if hasattr(self, f)}
@@ -188,6 +189,19 @@ class _Resumable:
                 for t, s in self._trial_state.items()
             },
         }
+
+
+def _settle_donor_checkpoint(state: Any) -> None:
+    """The checkpoint PBT asks a top trial to save stays a future until an exploit needs it (PBT resolves
+    it then). Take the saved checkpoint as that resolve would, once the save is done: exported as a
+    future, it was lost, and a resumed scheduler skipped every exploit of that donor until its next
+    perturbation. A save still running at Tune's save is lost still (the trial donates its next one)."""
+    pending = state.last_checkpoint
+    if pending is None or isinstance(pending, tune.Checkpoint) or not hasattr(pending, "resolve"):
+        return
+    result = pending.resolve(block=False)
+    if result is not None and result.checkpoint is not None:
+        state.last_checkpoint, state.last_result = result.checkpoint, result.metrics
 
 
 class ResumablePBT(_Resumable, PopulationBasedTraining):

@@ -23,6 +23,7 @@ __all__ = [
     "has_tune_state",
     "load_experiment_dir",
     "read_scheduler_summary",
+    "saved_trial_statuses",
 ]
 
 _REWRITE = "fix: delete it and run `raytrain tune EXP.yaml --resume` with the experiment's YAML, which writes it again"
@@ -92,6 +93,15 @@ def has_tune_state(exp_dir: Path) -> bool:
     starts and its first state at its first step: a folder with `tuner.pkl` alone was stopped at once and
     may be started again."""
     return (exp_dir / "tuner.pkl").is_file() and any(exp_dir.glob("experiment_state-*.json"))
+
+
+def saved_trial_statuses(exp_dir: Path) -> list[str]:
+    """Each trial's status in Tune's newest saved state (PENDING, RUNNING, PAUSED, TERMINATED, ERROR)."""
+    states = sorted(exp_dir.glob("experiment_state-*.json"))
+    if not states:
+        return []
+    trials = json.loads(states[-1].read_text())["trial_data"]
+    return [json.loads(state)["status"] for state, _ in trials]
 
 
 def check_tune_state(exp_dir: Path) -> None:
