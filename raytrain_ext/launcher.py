@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import signal
 import threading
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train_fn
 from trainers._base import ConfigError, NonFiniteLossError
@@ -47,6 +49,9 @@ __all__ = [
     "run_config_for_workers",
     "train",
 ]
+
+
+logger = logging.getLogger(__name__)
 
 
 class RunFailedError(RuntimeError):
@@ -206,10 +211,11 @@ def train(
         reaper = Reaper.start(Reaper.local_ray_roots()) if started and local else None
         watcher = _ProgressWatcher(run_dir / "metrics.jsonl", cfg.train.steps, cfg.name) if progress else None
         try:
-            trainer = build_trainer(cfg, callbacks, ray_callbacks, ray_log_level)
             if watcher:
                 watcher.start()
-            result = _fit(trainer, run_dir, cfg)
+            result = _fit_restarting_controller(
+                lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
+            )
         except KeyboardInterrupt:
             raise KeyboardInterrupt(_continue_hint(run_dir)) from None
         finally:
@@ -223,6 +229,31 @@ def train(
     if failed is not None:
         raise _as_error(failed)
     return summarize(run_dir, result.checkpoint.path if result.checkpoint else None)
+
+
+def _fit_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any:
+    """Fit; when Ray Train's controller actor dies (its workers die with it), start the run again from
+    its committed checkpoints, as re-running the command would (counted against scaling.max_failures)."""
+    import ray
+
+    restarts = 0
+    while True:
+        before = placement_groups_of_this_job()
+        try:
+            return _fit(build(), run_dir, cfg)
+        except ray.exceptions.RayActorError as e:
+            limit = cfg.scaling.max_failures
+            if limit != -1 and restarts >= limit:
+                raise
+            restarts += 1
+            logger.warning(
+                "the run's controller died (%s); restarting the run from its newest checkpoint",
+                type(e).__name__,
+            )
+            # Its workers' placement group outlives it until Ray's cleaner notices (or for good, when that
+            # cleaner cannot reach the State API): the new run would wait for those CPUs.
+            release_stranded_placement_groups(before)
+            reconcile_ray_snapshot(run_dir)
 
 
 def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
