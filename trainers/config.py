@@ -475,11 +475,12 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
 # ------------------------------------------------------------------------------------ file-system checks
 
 
-def check_inputs(cfg: RunConfig) -> dict[str, Any]:
+def check_inputs(cfg: RunConfig, shards: bool = True) -> dict[str, Any]:
     """Checks that need the disk, done before any worker starts: the data manifest (the same reader as the
-    dataset's) and every shard it lists. Returns the manifest."""
+    dataset's) and every shard it lists (`shards=False`: the caller's dataset checks them as it reads
+    them, so each byte is hashed once). Returns the manifest."""
     manifest = read_manifest(cfg.data.path)
-    for split in SPLITS:
+    for split in SPLITS if shards else ():
         for shard in manifest["splits"][split]["shards"]:
             check_shard(cfg.data.path, shard)
     vocab = manifest["tokenizer"]["vocab_size"]

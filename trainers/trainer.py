@@ -67,7 +67,7 @@ class Trainer:
         self.engine = engine or build_engine(cfg)
         self.device = self.engine.device
         self.run_dir = cfg.out_dir
-        self.manifest = check_inputs(cfg)
+        self.manifest = check_inputs(cfg, shards=False)  # TokenWindows checks each shard as it reads it
         self.accum = cfg.train.accumulation(self.engine.dp_size)
         self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len)
         self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len)
