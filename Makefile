@@ -32,6 +32,7 @@ bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/run.py --data $(DATA)
 	$(PY) bench/zero_memory.py --data $(DATA)
 	$(PY) bench/ray_recovery.py --data $(DATA)
+	$(PY) bench/chaos.py --data $(DATA)
 	$(PY) bench/plan_vs_measured.py --data $(DATA)
 	$(PY) bench/pipeline.py --data $(DATA)
 	$(PY) bench/pbt_toy.py
