@@ -147,8 +147,10 @@ def chaos(data: str, out: Path, steps: int, kills: int, seed: int) -> dict[str, 
     cmd = _command(data, run_dir, steps)
     driver, sessions, records = _start(cmd, log), [], []
     sessions.append(driver.pid)
-    # Kill k lands in the k-th of `kills` equal stretches of the run, at a random step inside it.
-    bounds = [round(steps * k / (kills + 1)) for k in range(1, kills + 2)]
+    # Kill k lands in the k-th of `kills` equal stretches of the run, at a random step inside it, all before
+    # the last checkpoint interval: a kill after the last step would leave the next attempt nothing to do.
+    last = steps - EVERY
+    bounds = [round(last * k / (kills + 1)) for k in range(1, kills + 2)]
     # Targets in shuffled rounds of all three: any 3 kills in a row hit each kind once.
     order = [t for _ in range(0, kills, len(TARGETS)) for t in rng.sample(TARGETS, len(TARGETS))]
     try:
