@@ -91,7 +91,8 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     try:
         if not args.resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
             save(exp)
-        result = run_experiment(exp, resume=args.resume, verbose=0 if args.quiet else 1)
+        # this process ends next: Ray frees what Ctrl-C'd trials hold with the job, no sweep to wait for
+        result = run_experiment(exp, resume=args.resume, verbose=0 if args.quiet else 1, driver_goes_on=False)
     finally:
         if started:
             import ray

@@ -118,10 +118,17 @@ def _tuner_parts(exp: ExperimentConfig) -> tuple[Any, dict[str, Any]]:
 
 
 def run_experiment(
-    exp: ExperimentConfig, resume: bool = False, verbose: int = 1, callbacks: list[tune.Callback] = ()
+    exp: ExperimentConfig,
+    resume: bool = False,
+    verbose: int = 1,
+    callbacks: list[tune.Callback] = (),
+    driver_goes_on: bool = True,
 ) -> ExperimentResult:
     """Run (or with `resume`, continue) the experiment in `exp.exp_dir`; Ray must be initialised.
-    `callbacks`: more Tune callbacks (a resumed experiment keeps those it started with)."""
+    `callbacks`: more Tune callbacks (a resumed experiment keeps those it started with).
+    `driver_goes_on`: this Python process runs more on this Ray afterwards (a notebook, tests): release
+    what interrupted trials left (see below). A driver that exits next leaves that to Ray, which removes
+    a job's placement groups when the job ends; the sweep waits up to 30 s for Train controllers."""
     exp_dir = exp.exp_dir
     check_target(exp, resume)
     trainable, space = _tuner_parts(exp)
@@ -161,7 +168,7 @@ def run_experiment(
     try:
         tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
-        released = release_stranded_placement_groups(before)
+        released = release_stranded_placement_groups(before) if driver_goes_on else []
         if released:
             logger.warning(
                 "released %d placement group(s) of Train runs killed while starting", len(released)

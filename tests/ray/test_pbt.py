@@ -183,7 +183,7 @@ def nan_resumed(ray_pbt, corpus_dir, tmp_path_factory):
     exp = load_experiment(path)
     save(exp)
     first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
-    before = {"reports": list(first.reports), "events": list(first.events)}
+    before = {"reports": list(first.reports), "events": list(first.events), "finished": first.finished}
     resumed = run_experiment(exp, resume=True, verbose=0)
     return exp, before, resumed
 
@@ -214,7 +214,9 @@ def test_nan_trial_is_replaced_through_exploit(nan_resumed):
 def test_interrupted_driver_resumes_with_scheduler_state(nan_resumed):
     exp, before, result = nan_resumed
     bad = _trial_of(exp.exp_dir, 1e6)
-    # The interrupt came after the exploit, before the exploited trial finished.
+    # The interrupt came after the exploit, before the exploited trial finished: Tune returned as from a
+    # finished run, the driver tells it apart (`raytrain tune` exits 130 then).
+    assert not before["finished"] and result.finished
     assert [e["trial"] for e in before["events"]] == [bad]
     assert not [r for r in before["reports"] if r["trial"] == bad and r["step"] == STEPS]
     # After --resume: the same two trials, each at the end of the budget; the exploited one trained on

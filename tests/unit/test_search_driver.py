@@ -201,7 +201,7 @@ def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, cap
     )
 
     # Tune caught the Ctrl-C, stopped the trials and returned (before or after their first report)
-    def interrupted(exp, resume, verbose):
+    def interrupted(exp, resume, verbose, **more):
         return ExperimentResult(exp.exp_dir, False, None, float("nan"), [], [])
 
     monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)

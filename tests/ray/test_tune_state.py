@@ -1,0 +1,283 @@
+"""`raytrain tune` state across interruptions (issue 12):
+
+- (slow) a `raytrain tune` driver SIGKILLed twice continues with `--resume` each time, a Ctrl-C exits 130
+  with the resume command and no traceback, and the finished experiment's lineage and scheduler state
+  hold each report and each exploit once (done-when 3);
+- the scheduler summary (`scheduler_state.json`) is the state Tune saved last, after any number of
+  resumes (a resumed Tune copied the interruption's summary over every later one);
+- Ctrl-C before the first report ends the run as interrupted, without a best trial, not with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ray import tune
+
+from raytrain_ext.launcher import wait_for
+from search.config import load_experiment, save
+from search.driver import run_experiment
+from search.schedulers import TIME_ATTR, SchedulerConfig, SchedulerState, build_scheduler, population_space
+from search.toy import TOY_MEMBERS, TOY_SPACE, toy_trainable
+from tests.ray.test_pbt import _experiment, ray_pbt  # noqa: F401  (the module-scoped local Ray)
+
+pytestmark = pytest.mark.ray
+
+
+def _saved_scheduler(exp_dir: Path) -> dict:
+    """The scheduler state a `--resume` restores: Tune's newest callback state (ours is the first)."""
+    import ray.cloudpickle as pickle
+
+    newest = max(exp_dir.glob("callback-states-*.pkl"))
+    return pickle.loads(newest.read_bytes())[0]["scheduler"]
+
+
+# ------------------------------------------------------- a driver killed twice, then Ctrl-C (slow)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lines(exp_dir: Path, kind: str) -> list[dict]:
+    """The raw lineage rows of one kind (a line cut by a kill mid-write is skipped, as collect does)."""
+    rows = []
+    for path in sorted((exp_dir / "lineage").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows += [row] if row["kind"] == kind else []
+    return rows
+
+
+class _Driver:
+    """`raytrain tune` in its own session (so that what its local Ray started can be ended with it)."""
+
+    def __init__(self, tmp: Path, exp_yaml: Path, *args: str):
+        self.out, self.err = tmp / f"out-{id(self)}.txt", tmp / f"err-{id(self)}.txt"
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a new local Ray, never another
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "raytrain_ext.cli",
+                    "tune",
+                    str(exp_yaml),
+                    "--address",
+                    "local",
+                    *args,
+                ],
+                stdout=out,
+                stderr=err,
+                cwd=ROOT,
+                env={**env, "PYTHONPATH": str(ROOT)},
+                start_new_session=True,
+            )
+
+    def wait_for(self, predicate, what: str, timeout_s: float = 300) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, (
+                f"raytrain tune ended ({self.proc.returncode}): {self.err.read_text()[-3000:]}"
+            )
+            return predicate()
+
+        wait_for(ready, timeout_s, what, poll_s=0.5)
+
+    def kill(self, sig: int) -> int:
+        """Signal the driver (SIGKILL), or its whole group as a terminal's Ctrl-C does (SIGINT); wait for
+        it, then end what is left of its session (the local Ray's GCS, raylet and workers)."""
+        if sig == signal.SIGINT:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=120)
+        self.end()
+        return rc
+
+    def end(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # only this driver's session
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        wait_for(lambda: not _group(self.proc.pid), 60, f"the processes of session {self.proc.pid} to end")
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+@pytest.mark.slow
+def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_dir, tmp_path):
+    steps = 40
+    path = _experiment(
+        tmp_path,
+        corpus_dir,
+        "killed",
+        {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        budget={"steps": steps},
+        # asynchronous: a trial pauses only to be exploited (synchronous PBT restarts every run each interval)
+        scheduler={"name": "pbt", "interval": 10, "quantile_fraction": 0.5, "resample_probability": 0.0},
+    )
+    exp_dir = load_experiment(path).exp_dir
+    drivers: list[_Driver] = []
+    try:
+        _kill_twice_then_ctrl_c(tmp_path, path, exp_dir, drivers)
+    finally:  # a failed wait leaves its driver running
+        for driver in drivers:
+            driver.end()
+    from search.lineage import collect
+
+    reports, events = collect(exp_dir)
+    exploits = _lines(exp_dir, "exploit")
+    # each exploit once: in the raw logs, in lineage.parquet, and in the scheduler's own count
+    ids = [e["exploit_id"] for e in exploits]
+    assert ids and len(set(ids)) == len(ids)
+    assert sorted(e["exploit_id"] for e in events) == sorted(ids)
+    summary = json.loads((exp_dir / "scheduler_state.json").read_text())
+    assert summary["perturbations"] == len(ids) == _saved_scheduler(exp_dir)["_num_perturbations"]
+    # each report once: per trial, each life (from its start or an exploit to the next) reports every
+    # interval once, and the last life reaches the budget
+    for trial in {r["trial"] for r in reports}:
+        starts = sorted((e["time"], e["step"]) for e in events if e["trial"] == trial)
+        lives = [(float("-inf"), 0), *starts, (float("inf"), None)]
+        for (since, first_step), (until, _) in zip(lives, lives[1:]):
+            life = sorted(r["step"] for r in reports if r["trial"] == trial and since < r["time"] < until)
+            assert life == list(range(first_step + 10, first_step + 10 * (len(life) + 1), 10)), (trial, life)
+        assert max(r["step"] for r in reports if r["trial"] == trial and r["time"] > lives[-2][0]) == steps
+
+
+def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: list) -> None:
+    def start(*args: str) -> _Driver:
+        drivers.append(_Driver(tmp_path, path, "--quiet", *args))
+        return drivers[-1]
+
+    def reported_since(t: float) -> bool:
+        return any(r["time"] > t for r in _lines(exp_dir, "report"))
+
+    # 1. killed once the weak trial has exploited the strong one (Tune may or may not have saved since)
+    first = start()
+    first.wait_for(lambda: _lines(exp_dir, "exploit"), "a first exploit")
+    assert first.kill(signal.SIGKILL) == -signal.SIGKILL
+    # 2. resumed, killed again mid-run, once it reported
+    second, since = start("--resume"), time.time()
+    second.wait_for(lambda: reported_since(since), "a report of the resumed run")
+    assert second.kill(signal.SIGKILL) == -signal.SIGKILL
+    # 3. resumed, Ctrl-C: one line on how to go on, exit 130, no traceback of the driver's (Ray's actors
+    # may log theirs, prefixed with their name)
+    third, since = start("--resume"), time.time()
+    third.wait_for(lambda: reported_since(since), "a report of the resumed run")
+    assert third.kill(signal.SIGINT) == 130
+    err = third.err.read_text().splitlines()
+    assert not [line for line in err if line.startswith("Traceback")]
+    assert f"raytrain: interrupted; resume with: raytrain tune {path} --address local --resume" in err
+    # 4. resumed to the end
+    last = start("--resume")
+    assert last.proc.wait(timeout=600) == 0, last.err.read_text()[-3000:]
+    assert "done: best trial" in last.out.read_text()
+
+
+# ------------------------------------------------------------------------ the scheduler's summary
+
+
+class InterruptAtPerturbation(tune.Callback):
+    """Ctrl-C (SIGINT to this process) once the scheduler has made `at` perturbations, once per count."""
+
+    def __init__(self, scheduler, at: list[int]):
+        self.scheduler, self.at = scheduler, list(at)
+
+    def get_state(self):  # a resumed experiment goes on to the next count
+        return {"at": self.at}
+
+    def set_state(self, state):
+        self.at = state["at"]
+
+    def on_step_end(self, iteration, trials, **info):
+        if self.at and self.scheduler._num_perturbations >= self.at[0]:
+            self.at.pop(0)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_scheduler_summary_is_tunes_last_save_across_resumes(ray_pbt, tmp_path):  # noqa: F811
+    # the PBT paper's toy (Tune function trials, no Train runs): synchronous PBT, the worse of two
+    # copies the better at every interval, so exploits go on after each resume
+    steps, interval = 40, 4
+    scheduler = build_scheduler(
+        SchedulerConfig(name="pbt", interval=interval, quantile_fraction=0.5, synch=True), TOY_SPACE, steps
+    )
+    tuner = tune.Tuner(
+        toy_trainable,
+        param_space={**population_space(TOY_MEMBERS), "steps": steps, "interval": interval},
+        tune_config=tune.TuneConfig(scheduler=scheduler, metric="Q", mode="max", reuse_actors=True),
+        run_config=tune.RunConfig(
+            name="toy",
+            storage_path=str(tmp_path),
+            verbose=0,
+            stop={TIME_ATTR: steps},
+            callbacks=[SchedulerState(scheduler), InterruptAtPerturbation(scheduler, at=[2, 4])],
+        ),
+    )
+    exp_dir = tmp_path / "toy"
+    counts = []
+    for _ in range(3):  # interrupted at 2 and at 4 perturbations, then to the end
+        tuner.fit()
+        summary = json.loads((exp_dir / "scheduler_state.json").read_text())
+        saved = _saved_scheduler(exp_dir)
+        assert (summary["perturbations"], summary["checkpoints"]) == (
+            saved["_num_perturbations"],
+            saved["_num_checkpoints"],
+        )
+        counts.append(summary["perturbations"])
+        tuner = tune.Tuner.restore(str(exp_dir), toy_trainable, resume_unfinished=True)
+    # each resume continued from the saved state (no count went back) and exploited again
+    assert counts[0] >= 2 and counts[1] >= 4 and counts[2] > counts[1]
+
+
+# ------------------------------------------------------------------ Ctrl-C before the first report
+
+
+class InterruptAtFirstStart(tune.Callback):
+    def __init__(self):
+        self.sent = False
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_before_the_first_report_is_an_interruption(ray_pbt, corpus_dir, tmp_path):  # noqa: F811
+    path = _experiment(
+        tmp_path,
+        corpus_dir,
+        "early",
+        {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+    )
+    exp = load_experiment(path)
+    save(exp)
+    result = run_experiment(exp, verbose=0, callbacks=[InterruptAtFirstStart()])
+    # Tune caught the SIGINT and returned; no trial had reported, so there is no best trial (this was
+    # a ValueError from best_trial) and the run is not finished (it printed "done")
+    assert not result.finished
+    assert (result.best_trial, result.reports) == (None, [])
