@@ -231,9 +231,10 @@ class SchedulerState(tune.Callback):
     each save: a resumed Tune first copies the folder's JSON files there, so a summary written straight
     to the experiment folder was overwritten with the one of the interruption at every later save."""
 
+    staging: str | None = None  # Tune's driver staging folder (a class default: older pickles lack it)
+
     def __init__(self, scheduler: TrialScheduler):
         self.scheduler = scheduler
-        self.staging: str | None = None
 
     def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
         if trials and self.staging is None:
