@@ -66,6 +66,27 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """Write a run's newest checkpoint (or the given one) as a Hugging Face folder that
+    transformers.AutoModelForCausalLM loads: LlamaForCausalLM, or MixtralForCausalLM for MoE models."""
+    from trainers.hf.export import export, parse_size
+
+    result = export(
+        args.source,
+        args.out_dir,
+        dtype=args.dtype,
+        max_shard_size=parse_size(args.max_shard_size),
+        allow_inexact=args.allow_inexact,
+    )
+    for note in result.notes:
+        print(f"raytrain export: note: {note}", file=sys.stderr)
+    print(
+        f"wrote {result.out_dir}: {result.architecture}, {result.tensors} tensors in {len(result.files)} "
+        f"safetensors file(s), {result.bytes / 2**20:.1f} MiB, from {result.checkpoint}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain", description="Sharded, elastic LM training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -107,7 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep = data.add_parser("prepare", help="text files or folders to token shards (Parquet + manifest)")
     prep.add_argument("--input", nargs="+", help="files or folders (default: the Python standard library)")
     prep.add_argument("--output", required=True, help="folder to write (manifest.json + shards)")
-    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    prep.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="byte|bpe|HF_DIR",
+        help="byte, bpe (trained here), or a Hugging Face model folder whose tokenizer.json to use",
+    )
     prep.add_argument("--vocab-size", type=int, default=4096, help="bpe vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.05)
     prep.add_argument("--include", default="*.py,*.txt,*.md,*.rst", help="comma-separated file globs")
@@ -115,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--no-progress", action="store_true")
     prep.set_defaults(func=_cmd_data_prepare)
+
+    exp = sub.add_parser("export", help="a checkpoint as a Hugging Face folder", description=_cmd_export.__doc__)
+    exp.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT", help="a run dir (newest checkpoint) or step_* folder")
+    exp.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (must not exist, or be empty)")
+    exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights' dtype (fp32: exact)")
+    exp.add_argument("--max-shard-size", default="5GB", help="weights in files of at most this (default 5GB)")
+    exp.add_argument("--allow-inexact", action="store_true", help="write a model the HF class computes differently")
+    exp.set_defaults(func=_cmd_export)
     from raytrain_ext.cli_plan import add_commands as add_plan_commands  # plan, cluster check
 
     add_plan_commands(sub)

@@ -489,6 +489,10 @@ def check_inputs(cfg: RunConfig, shards: bool = True) -> dict[str, Any]:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
             f"fix: --set model.vocab_size={vocab}"
         )
+    if cfg.model.init_from is not None:
+        from trainers.hf.pretrained import check_init_from  # safetensors headers, tokenizer.json
+
+        check_init_from(cfg.model, cfg.data.path)
     for split in SPLITS:
         n = manifest["splits"][split]["tokens"]
         if n < cfg.data.seq_len + 1:

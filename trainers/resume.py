@@ -22,11 +22,13 @@ _MAY_CHANGE = {
     "model.moe.aux_loss_coef",
     "model.moe.z_loss_coef",
     "model.moe.capacity_factor",
+    "model.init_from",  # where a new run's weights came from: a resume loads the checkpoint's
 }
 
 _FIX = (
     "fix: keep the saved value, start a new run with a new run_dir or --set checkpoint.resume=none "
-    "(that run starts from scratch)"
+    "(that run starts from scratch, or from model.init_from: a Hugging Face folder, e.g. this run exported "
+    "with `raytrain export`)"
 )
 
 

@@ -21,6 +21,7 @@ from trainers._base import NonFiniteLossError
 from trainers.checkpoint import Checkpointer, CheckpointError, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
+from trainers.hf.pretrained import load_pretrained, materialize
 from trainers.metrics import MetricsLog, peak_memory_bytes
 from trainers.models import build_model, flops_per_token
 from trainers.optim import LRSchedule
@@ -72,24 +73,35 @@ class Trainer:
         self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len)
         self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len)
         self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
-        self.engine.setup(self._build_model(), cfg)
-        self.model = self.engine.model
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint.keep, self.engine.checkpoint_backend
         )
+        resume = self._resume_path()  # before the model: a resume wins over model.init_from
+        pretrained = cfg.model.init_from if resume[0] is None else None
+        self.engine.setup(self._build_model(pretrained), cfg)
+        if pretrained is not None and self.engine.shards_meta_models:
+            self.engine.materialize()  # this rank's shards only, then each reads its part
+            load_pretrained(self.engine.model, pretrained)
+        self.model = self.engine.model
         self.log = MetricsLog(self.run_dir, enabled=self.engine.is_main, tensorboard=cfg.train.tensorboard)
         self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
-        self._restore()
+        self._restore(*resume)
         self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     # ------------------------------------------------------------------------------------------ build
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self, pretrained: Path | None) -> torch.nn.Module:
         # Same seed, same init, whatever the world size; parallelism is applied from outside, in order:
         # activation checkpointing here, then the engine's sharding in engine.setup.
         torch.manual_seed(self.cfg.seed)
-        model = build_model(self.cfg.model)
+        if pretrained is None:
+            model = build_model(self.cfg.model)
+        else:  # meta first: an engine that shards allocates only its shards (see trainers/hf/pretrained.py)
+            model = build_model(self.cfg.model, device="meta")
+            if not self.engine.shards_meta_models:
+                materialize([model], torch.get_default_device())
+                load_pretrained(model, pretrained)
         apply_activation_checkpointing(model, self.cfg.memory.ac_every)
         return model
 
@@ -123,11 +135,13 @@ class Trainer:
             )
         return None, skipped
 
-    def _restore(self) -> None:
-        path, skipped = self._resume_path()
+    def _restore(self, path: Path | None, skipped: list[dict[str, str]]) -> None:
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
-            self._emit("event", event="start", world_size=self.engine.world_size, accumulation=self.accum)
+            start = {"init_from": str(self.cfg.model.init_from)} if self.cfg.model.init_from else {}
+            self._emit(
+                "event", event="start", world_size=self.engine.world_size, accumulation=self.accum, **start
+            )
             return
         saved = self.checkpointer.trainer_state(path)
         check_compatible(saved.get("compat"), compat_of(self.cfg, self.manifest), path)
@@ -284,6 +298,8 @@ class Trainer:
             "engine": self.engine.extra_state(),
             "optimizer": self.cfg.optimizer.name,
             "compat": compat_of(self.cfg, self.manifest),
+            "model": self.cfg.model.model_dump(mode="json"),  # what `raytrain export` describes,
+            "data_path": str(self.cfg.data.path),  # and where it finds the tokenizer
         }
         path = self.checkpointer.save(
             self.step, self.engine.checkpoint_state(), trainer_state, rng={"torch": torch.get_rng_state()}

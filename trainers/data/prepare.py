@@ -2,7 +2,7 @@
 
 Layout of the output folder (written to a temp folder, then renamed into place):
     manifest.json          format, tokenizer, splits (shards with token counts, bytes and sha256), source stats
-    tokenizer.json         bpe only
+    tokenizer.json         bpe, or a model folder's (--tokenizer HF_DIR)
     train-00000.parquet    one row per document, column `tokens` list<uint16|uint32>, each row ends in eos
     val-00000.parquet
 A document goes to val when a hash of (seed, its relative path) falls below val_fraction, so adding a
@@ -38,7 +38,13 @@ from trainers.data.manifest import (
     SPLITS,
     file_sha256,
 )
-from trainers.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer
+from trainers.data.tokenizer import (
+    TOKENIZER_FILE,
+    BPETokenizer,
+    ByteTokenizer,
+    PretrainedTokenizer,
+    Tokenizer,
+)
 
 __all__ = ["default_corpus", "prepare_corpus"]
 
@@ -184,8 +190,11 @@ def _check_args(
     for p in inputs:
         if not p.exists():
             raise ConfigError(f"--input {p} does not exist; fix: pass an existing file or folder")
-    if tokenizer not in ("byte", "bpe"):
-        raise ConfigError(f"--tokenizer={tokenizer!r} is unknown; fix: use byte or bpe")
+    if tokenizer not in ("byte", "bpe") and not Path(tokenizer).is_dir():
+        raise ConfigError(
+            f"--tokenizer={tokenizer!r} is neither byte, bpe nor a folder; fix: use byte or bpe, or the "
+            f"folder of a Hugging Face model (its tokenizer.json)"
+        )
     if tokenizer == "bpe" and not 257 <= vocab_size < 1 << 32:
         raise ConfigError(
             f"--vocab-size={vocab_size} is too small for bpe; fix: use at least 257 (256 bytes + eos)"
@@ -289,6 +298,8 @@ def _read_text(path: Path) -> tuple[str, int] | None:
 def _build_tokenizer(kind: str, vocab_size: int, plan: _Plan) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
+    if kind != "bpe":  # a model folder: its tokenizer.json as it is
+        return PretrainedTokenizer.from_folder(Path(kind))
     # Merges are learnt from the train split only, so val stays unseen text.
     docs = plan.documents(_SourceStats(), "train bpe")
     return BPETokenizer.train((text for key, text in docs if not plan.is_val(key)), vocab_size)

@@ -1,23 +1,36 @@
-"""Tokenizers: raw bytes (no training, 257 ids) or a byte-level BPE trained locally with `tokenizers`.
+"""Tokenizers: raw bytes (no training, 257 ids), a byte-level BPE trained locally with `tokenizers`, or
+the tokenizer.json of a Hugging Face model folder (`raytrain data prepare --tokenizer HF_DIR`).
 
-Both share one small interface (`encode`, `encode_batch`, `decode`, `vocab_size`, `eos_id`, `save`);
-`load_tokenizer(data_dir)` rebuilds the one a prepared-data folder was written with.
+All share one small interface (`encode`, `encode_batch`, `decode`, `vocab_size`, `eos_id`, `save`,
+`to_hf`); `load_tokenizer(data_dir)` rebuilds the one a prepared-data folder was written with, and
+`save_hf` writes any of them as a folder that `transformers.AutoTokenizer` loads and that encodes text to
+the same ids (the byte tokenizer as a 257-entry byte-level BPE without merges).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from trainers._base import ConfigError
 from trainers.data.manifest import read_manifest
 
-__all__ = ["EOS_TOKEN", "TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = [
+    "EOS_TOKEN",
+    "TOKENIZER_FILE",
+    "BPETokenizer",
+    "ByteTokenizer",
+    "PretrainedTokenizer",
+    "Tokenizer",
+    "load_tokenizer",
+    "save_hf",
+]
 
 EOS_TOKEN = "<eos>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -35,6 +48,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def save(self, folder: Path) -> dict[str, Any]: ...
+
+    def to_hf(self) -> HFTokenizer: ...
 
 
 class ByteTokenizer:
@@ -56,6 +71,16 @@ class ByteTokenizer:
 
     def save(self, folder: Path) -> dict[str, Any]:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+    def to_hf(self) -> HFTokenizer:
+        """A byte-level BPE with no merges whose ids are the bytes themselves, and `<eos>` = 256."""
+        byte_chars = _bytes_to_unicode()
+        tok = HFTokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True)])
+        tok.encode_special_tokens = True
+        return tok
 
 
 class BPETokenizer:
@@ -90,9 +115,7 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: Path) -> BPETokenizer:
-        if not path.is_file():
-            raise ConfigError(f"{path} not found; fix: prepare the data folder again (raytrain data prepare)")
-        return cls(HFTokenizer.from_file(str(path)))
+        return cls(_from_file(path))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -113,6 +136,97 @@ class BPETokenizer:
             "file": TOKENIZER_FILE,
         }
 
+    def to_hf(self) -> HFTokenizer:
+        return self._tok
+
+
+class PretrainedTokenizer(BPETokenizer):
+    """The tokenizer.json of a Hugging Face model folder, used as it is (its post-processor may add a BOS
+    token, as AutoTokenizer does); documents end in the folder's eos token."""
+
+    kind = "hf"
+
+    def __init__(self, tok: HFTokenizer, eos_token: str, split_special_tokens: bool) -> None:
+        tok.encode_special_tokens = split_special_tokens  # as AutoTokenizer on that folder does
+        self._tok, self.eos_token = tok, eos_token
+        eos = tok.token_to_id(eos_token)
+        if eos is None:
+            raise ConfigError(f"tokenizer.json has no eos token {eos_token!r}; fix: use the model's own folder")
+        self.eos_id, self.vocab_size = eos, tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> PretrainedTokenizer:
+        """From an HF folder: tokenizer.json, with the eos token named by tokenizer_config.json (or
+        config.json's eos_token_id)."""
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            raise ConfigError(
+                f"--tokenizer {folder}: no {TOKENIZER_FILE} there; fix: use the model folder that holds it "
+                f"(a fast tokenizer, as save_pretrained or `raytrain export` write it)"
+            )
+        tok = HFTokenizer.from_file(str(path))
+        settings = _read_json(folder / "tokenizer_config.json")
+        eos = settings.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos is None and isinstance(_read_json(folder / "config.json").get("eos_token_id"), int):
+            eos = tok.id_to_token(_read_json(folder / "config.json")["eos_token_id"])
+        if eos is None:
+            raise ConfigError(
+                f"--tokenizer {folder}: no eos token in tokenizer_config.json or config.json; fix: add "
+                f'"eos_token" to tokenizer_config.json (documents are separated by it)'
+            )
+        return cls(tok, eos, bool(settings.get("split_special_tokens", False)))
+
+    def save(self, folder: Path) -> dict[str, Any]:
+        return {
+            **super().save(folder),
+            "eos_token": self.eos_token,
+            "split_special_tokens": self._tok.encode_special_tokens,
+        }
+
+
+def save_hf(tok: Tokenizer, folder: Path, model_max_length: int) -> None:
+    """`tok` as a folder `AutoTokenizer.from_pretrained` loads: tokenizer.json, tokenizer_config.json and
+    special_tokens_map.json. Ours keep special-token text as text (split_special_tokens), as in prepare."""
+    hf = tok.to_hf()
+    hf.save(str(folder / TOKENIZER_FILE))
+    eos = hf.id_to_token(tok.eos_id)
+    split = hf.encode_special_tokens
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "model_max_length": model_max_length,
+        "split_special_tokens": split,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos}, indent=2) + "\n")
+
+
+def _from_file(path: Path) -> HFTokenizer:
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; fix: prepare the data folder again (raytrain data prepare)")
+    return HFTokenizer.from_file(str(path))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as e:
+        raise ConfigError(f"{path} is not JSON ({e}); fix: save the model folder again") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of `pre_tokenizers.ByteLevel`."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
 
 def load_tokenizer(data_dir: str | Path) -> Tokenizer:
     """The tokenizer a prepared-data folder was written with (from its manifest)."""
@@ -122,6 +236,9 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
         return ByteTokenizer()
     if entry["kind"] == BPETokenizer.kind:
         return BPETokenizer.from_file(data_dir / entry["file"])
+    if entry["kind"] == PretrainedTokenizer.kind:
+        tok = _from_file(data_dir / entry["file"])
+        return PretrainedTokenizer(tok, entry["eos_token"], entry["split_special_tokens"])
     raise ConfigError(
         f"data.path={data_dir}: unknown tokenizer kind {entry['kind']!r}; fix: prepare it again"
     )

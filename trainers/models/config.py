@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from pydantic import Field, PositiveInt, model_validator
 
 from trainers._base import StrictModel
@@ -40,6 +43,18 @@ class ModelConfig(StrictModel):
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig | None = None
+    # A Hugging Face Llama/Mixtral folder (config.json + *.safetensors) to start a new run from: the keys
+    # above that config.json fixes are read from it (a key the YAML also gives must agree). A resume wins.
+    init_from: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("init_from") is not None:
+            from trainers.hf.format import model_section_from_hf  # reads config.json
+
+            return model_section_from_hf(data)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

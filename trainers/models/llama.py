@@ -146,6 +146,12 @@ class Transformer(nn.Module):
                     param, 0.0, out_std if name.endswith(_OUTPUT_PROJECTIONS) else self.cfg.init_std
                 )
 
+    def init_rope(self, device: torch.device | str) -> None:
+        """New RoPE tables on `device` (for a model whose buffers are still on the meta device)."""
+        self.rope_cos, self.rope_sin = rope_cos_sin(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device
+        )
+
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         seq = h.shape[1]

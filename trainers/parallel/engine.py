@@ -45,6 +45,13 @@ class Engine:
     def is_main(self) -> bool:
         return self.dp_rank == 0
 
+    # True: `setup` takes a meta-device model and shards it; `materialize` then allocates this rank's
+    # part (model.init_from). False: the model must be whole and materialised before `setup`.
+    shards_meta_models = False
+
+    def materialize(self) -> None:
+        raise NotImplementedError(f"engine {self.name} needs a materialised model before setup")
+
     # ---------------------------------------------------------------------------------------- setup
 
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:

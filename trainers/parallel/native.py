@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainers._base import ConfigError
 from trainers.config import ModelConfig, PrecisionConfig, RunConfig
+from trainers.models import Transformer
 from trainers.models.moe import moe_totals, stats_from_totals
 from trainers.optim import build_optimizer
 from trainers.parallel.engine import Engine
@@ -30,7 +31,7 @@ from trainers.parallel.expert import apply_expert_parallel, expert_params, sync_
 from trainers.parallel.layout import ParallelLayout
 from trainers.precision import Precision
 
-__all__ = ["DDPEngine", "FSDPEngine", "ShardedPrecision", "apply_fsdp"]
+__all__ = ["DDPEngine", "FSDPEngine", "ShardedPrecision", "apply_fsdp", "on_meta"]
 
 
 class _DataParallelEngine(Engine):
@@ -115,11 +116,26 @@ class FSDPEngine(_DataParallelEngine):
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        # With CPU offload the shards live on the CPU: leave the model there (FSDP2 moves it).
-        model = model if self.offload else model.to(self.device)
+        # With CPU offload the shards live on the CPU: leave the model there (FSDP2 moves it). A meta-device
+        # model (model.init_from) is sharded as it is; `materialize` then allocates the shards.
+        model = model if self.offload or on_meta(model) else model.to(self.device)
         if self.layout.ep > 1:  # experts first: FSDP then leaves the expert shards alone
             apply_expert_parallel(model, self.layout.ep_mesh())
         return apply_fsdp(model, **self.fsdp_options)
+
+    shards_meta_models = True
+
+    def materialize(self) -> None:
+        """After `setup` of a meta-device model: allocate this rank's shards, uninitialised (the caller
+        loads them), through the FSDP roots so that FSDP2 re-registers its sharded parameters."""
+        from trainers.hf.pretrained import materialize
+
+        materialize(self.fsdp_roots(), torch.device("cpu") if self.offload else self.device)
+        if isinstance(self.model, Transformer):
+            self.model.init_rope(self.device)
+
+    def fsdp_roots(self) -> list[nn.Module]:
+        return [self.model]
 
     def backward(self, loss: torch.Tensor, final_micro_batch: bool) -> None:
         super().backward(loss, final_micro_batch)
@@ -141,6 +157,10 @@ class FSDPEngine(_DataParallelEngine):
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def fsdp_options(cfg: RunConfig, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> dict:

@@ -43,7 +43,7 @@ from trainers.optim import build_optimizer
 from trainers.parallel.engine import Batch, LossFn
 from trainers.parallel.expert import apply_expert_parallel, expert_params
 from trainers.parallel.layout import ParallelLayout
-from trainers.parallel.native import FSDPEngine, ShardedPrecision, _ignoring, fsdp_options
+from trainers.parallel.native import FSDPEngine, ShardedPrecision, _ignoring, fsdp_options, on_meta
 
 __all__ = ["PipelineEngine", "PartitionedState", "block_costs", "split_stages"]
 
@@ -156,7 +156,7 @@ class PipelineEngine(FSDPEngine):
             # Their backward runs in two passes (input, then weight gradients) over the autograd graph of
             # the gathered parameters: resharding after forward would take them out of it (ZeRO-2 here).
             options["reshard_after_forward"] = False
-        model = model if self.offload else model.to(self.device)
+        model = model if self.offload or on_meta(model) else model.to(self.device)
         if self.layout.ep > 1:
             apply_expert_parallel(model, self.layout.ep_mesh())
         parts = [
@@ -171,6 +171,9 @@ class PipelineEngine(FSDPEngine):
         self.n_microbatches = self._n_microbatches(cfg)
         self.stages = [self._stage(part, s, cfg) for part, s in zip(parts, self.stage_ids)]
         self.schedule = self._schedule(par.pipeline_schedule)
+
+    def fsdp_roots(self) -> list[nn.Module]:
+        return self.parts  # the stage roots: together they hold every module this rank keeps
 
     def _n_microbatches(self, cfg: RunConfig) -> int:
         local_batch = cfg.train.global_batch_size // self.dp_size

@@ -1,0 +1,4 @@
+"""Hugging Face formats at the edges: `export` writes a checkpoint as a Llama/Mixtral folder that
+transformers' Auto classes load (trainers/hf/export.py); `model.init_from` starts a run from such a folder
+(trainers/hf/pretrained.py); trainers/hf/format.py maps config.json and tensor names both ways. Only
+safetensors and JSON cross the edge: nothing from outside a run is read with pickle."""

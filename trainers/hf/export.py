@@ -1,0 +1,354 @@
+"""`raytrain export`: a checkpoint of any engine and layout -> a folder that transformers'
+`AutoModelForCausalLM` loads as LlamaForCausalLM or MixtralForCausalLM, on one CPU process.
+
+Tensors go one at a time: a DCP checkpoint (fsdp, ddp, none; any pp x dp x ep) is read one parameter per
+`dcp.load` (DCP reassembles it from the shards that every rank wrote), and the safetensors files are
+written by streaming each tensor after a header planned from the shapes, so memory holds one parameter
+(a stacked expert weight is one parameter: all experts of one layer). A DeepSpeed checkpoint's fp32
+weights live in flat ZeRO partitions: DeepSpeed's own `zero_to_fp32` reassembles them (stage 3 lazily,
+per parameter; stages 1-2 concatenate the partitions, i.e. one copy of the fp32 weights in memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import struct
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from trainers._base import ConfigError
+from trainers.checkpoint import Checkpointer, is_complete
+from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
+from trainers.hf.pretrained import INDEX_FILE, SINGLE_FILE, clean_fqn
+from trainers.models.config import ModelConfig
+
+__all__ = ["DTYPES", "ExportResult", "export", "parse_size", "resolve_checkpoint"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16"}
+_HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+DEFAULT_MAX_SHARD = 5 * 10**9  # transformers' save_pretrained default max_shard_size, "5GB"
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    checkpoint: Path
+    architecture: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    notes: list[str] = field(default_factory=list)  # what is not exact, what was not written
+
+
+def export(
+    source: str | Path,
+    out_dir: str | Path,
+    dtype: str = "fp32",
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    allow_inexact: bool = False,
+) -> ExportResult:
+    """Write the newest complete checkpoint of run dir `source` (or the checkpoint `source`) to `out_dir`
+    (created; atomically, via a temp folder beside it)."""
+    out_dir, torch_dtype = Path(out_dir), DTYPES[dtype]
+    _check_out_dir(out_dir)
+    checkpoint = resolve_checkpoint(Path(source))
+    cfg, data_path = _run_model(checkpoint)
+    refused, differs = inexact(cfg)
+    if refused:
+        raise ConfigError(f"cannot export {checkpoint}: {refused[0]}")
+    if differs and not allow_inexact:
+        raise ConfigError(
+            f"export of {checkpoint} would not be exact: {differs[0]}; fix: --allow-inexact writes it anyway"
+        )
+    reader = open_checkpoint(checkpoint)
+    _check_tensors(reader.shapes(), cfg, checkpoint)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        files, total = _write_weights(tmp, reader, cfg, torch_dtype, max_shard_size)
+        tokenizer, notes = _write_tokenizer(tmp, data_path, checkpoint, cfg)
+        eos = tokenizer.eos_id if tokenizer is not None else None
+        _write_json(tmp / CONFIG_FILE, hf_config(cfg, _HF_DTYPE[torch_dtype], eos, None))
+        _write_json(tmp / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos})
+        if out_dir.exists():
+            out_dir.rmdir()  # _check_out_dir: empty
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    arch = hf_config(cfg, "float32", None, None)["architectures"][0]
+    return ExportResult(out_dir, checkpoint, arch, files, total, _bytes(out_dir, files), differs + notes)
+
+
+def _bytes(folder: Path, files: list[str]) -> int:
+    return sum((folder / f).stat().st_size for f in files)
+
+
+# ------------------------------------------------------------------------------------------ sources
+
+
+def resolve_checkpoint(source: Path) -> Path:
+    """`source` if it is a complete checkpoint, else the newest complete one of run dir `source`."""
+    if is_complete(source):
+        return source
+    latest = Checkpointer(source / "checkpoints", keep=1).latest()
+    if latest is None:
+        raise ConfigError(
+            f"{source} is neither a complete checkpoint (step_XXXXXXXX with COMMITTED) nor a run dir holding "
+            f"one; fix: pass a run dir or one of its checkpoints/step_XXXXXXXX folders"
+        )
+    return latest
+
+
+def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
+    """The model section the checkpoint was saved with (its trainer_state.json; older checkpoints: the run
+    dir's config.yaml, checked against the shape-defining keys the checkpoint recorded), and the run's
+    data path (config.yaml's, if there), where the tokenizer is."""
+    from trainers.resume import _flat
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    config = checkpoint.parent.parent / "config.yaml"
+    raw = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+    model = state.get("model") or raw.get("model")
+    if model is None:
+        raise ConfigError(f"{checkpoint} records no model section and {config} is missing; fix: export from a run dir")
+    # Without init_from: the derived keys are all there, and the folder it names may be gone.
+    cfg = ModelConfig.model_validate({k: v for k, v in model.items() if k != "init_from"})
+    ours = _flat(cfg.model_dump(mode="json"), "model.")
+    for key, value in (state.get("compat") or {}).items():
+        if key.startswith("model.") and key in ours and ours[key] != value:
+            raise ConfigError(
+                f"{config} has {key}={ours[key]!r} but {checkpoint} was saved with {value!r}; fix: export a "
+                f"checkpoint of the run that config describes"
+            )
+    data = state.get("data_path") or (raw.get("data") or {}).get("path")
+    return cfg, Path(data) if data else None
+
+
+class _DCPReader:
+    """A torch.distributed.checkpoint folder: the model's tensors under `app.model.`, read one by one."""
+
+    PREFIX = "app.model."
+
+    def __init__(self, path: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = path
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self._keys = {k.removeprefix(self.PREFIX): k for k in meta if k.startswith(self.PREFIX)}
+        self._meta = meta
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {fqn: tuple(self._meta[key].size) for fqn, key in self._keys.items()}
+
+    def read(self, fqn: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        key = self._keys[fqn]
+        meta = self._meta[key]
+        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({key: tensor}, checkpoint_id=str(self.path), no_dist=True)
+        return tensor
+
+
+class _DeepSpeedReader:
+    """The deepspeed engine's checkpoint (`<step>/deepspeed/`): fp32 weights from the ZeRO partitions
+    (DeepSpeed's zero_to_fp32), or the module's own state without ZeRO (stage 0, fp32)."""
+
+    def __init__(self, path: Path):
+        from trainers.parallel.deepspeed_engine import TAG
+
+        tag_dir = path / TAG
+        if any(tag_dir.glob("*_optim_states.pt")):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
+                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG, lazy_mode=True)
+        else:
+            # Our own run's file (a run dir is trusted input, README: Trust); mmap: tensors read on use.
+            state = torch.load(tag_dir / "mp_rank_00_model_states.pt", mmap=True, weights_only=False)["module"]
+        self._state = {clean_fqn(k): v for k, v in state.items()}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self._state.items()}
+
+    def read(self, fqn: str) -> torch.Tensor:
+        return self._state[fqn].contiguous().float()
+
+
+def open_checkpoint(path: Path) -> _DCPReader | _DeepSpeedReader:
+    if (path / ".metadata").is_file():
+        return _DCPReader(path)
+    from trainers.parallel.deepspeed_engine import TAG
+
+    if (path / TAG).is_dir():
+        return _DeepSpeedReader(path)
+    raise ConfigError(f"{path}: neither a DCP (.metadata) nor a deepspeed checkpoint; fix: pass a run's checkpoint")
+
+
+def _check_tensors(found: dict[str, tuple[int, ...]], cfg: ModelConfig, checkpoint: Path) -> None:
+    from trainers.models import build_model
+
+    want = {n: tuple(p.shape) for n, p in build_model(cfg, device="meta").named_parameters()}
+    if found.keys() != want.keys() or any(found[n] != want[n] for n in want):
+        odd = sorted(set(found) ^ set(want)) or [n for n in want if found[n] != want[n]]
+        raise ConfigError(
+            f"{checkpoint}: its tensors do not match the run's model section (e.g. {odd[0]}); fix: export a "
+            f"checkpoint of the run whose config.yaml lies beside it"
+        )
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+@dataclass
+class _Entry:
+    name: str  # HF name
+    fqn: str  # our parameter
+    expert: int | None  # index into a stacked expert weight
+    shape: tuple[int, ...]
+
+
+def _plan(reader: Any, cfg: ModelConfig, max_shard_size: int, itemsize: int) -> list[list[_Entry]]:
+    """HF tensors in the model's parameter order, cut into files of at most `max_shard_size` bytes (a
+    tensor larger than that gets a file of its own, as transformers does)."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for fqn, shape in reader.shapes().items():
+        names = hf_names(fqn, shape[0])
+        for e, name in enumerate(names):
+            expert = e if expert_index(fqn) else None
+            entry = _Entry(name, fqn, expert, shape[1:] if expert is not None else shape)
+            nbytes = itemsize * _numel(entry.shape)
+            if shards[-1] and size + nbytes > max_shard_size:
+                shards.append([])
+                size = 0
+            shards[-1].append(entry)
+            size += nbytes
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _write_weights(
+    folder: Path, reader: Any, cfg: ModelConfig, dtype: torch.dtype, max_shard_size: int
+) -> tuple[list[str], int]:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = _plan(reader, cfg, max_shard_size, itemsize)
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    tensors = _OneAtATime(reader, dtype)
+    for name, entries in zip(names, shards):
+        _write_safetensors(folder / name, entries, dtype, tensors)
+    if len(shards) > 1:
+        total = itemsize * sum(_numel(e.shape) for s in shards for e in s)
+        weight_map = {e.name: n for n, s in zip(names, shards) for e in s}
+        _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names, sum(len(s) for s in shards)
+
+
+class _OneAtATime:
+    """Tensors of HF entries, reading each of our parameters once and keeping only the last one read
+    (an entry of a stacked expert weight is one expert of it)."""
+
+    def __init__(self, reader: Any, dtype: torch.dtype):
+        self.reader, self.dtype = reader, dtype
+        self.fqn: str | None = None
+        self.value: torch.Tensor | None = None
+
+    def get(self, entry: _Entry) -> torch.Tensor:
+        if entry.fqn != self.fqn:
+            self.value = None  # drop the previous parameter before reading the next
+            self.value, self.fqn = self.reader.read(entry.fqn).to(self.dtype), entry.fqn
+        return (self.value if entry.expert is None else self.value[entry.expert]).contiguous()
+
+
+def _write_safetensors(path: Path, entries: list[_Entry], dtype: torch.dtype, tensors: _OneAtATime) -> None:
+    """The safetensors format written tensor by tensor: an 8-byte header length, a JSON header (padded
+    to 8 bytes) of names, dtypes, shapes and byte ranges, then the bytes in that order."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        end = offset + itemsize * _numel(e.shape)
+        header[e.name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(e.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for e in entries:
+            value = tensors.get(e)
+            assert tuple(value.shape) == e.shape and value.dtype == dtype, (e.name, value.shape)
+            f.write(value.view(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+
+
+def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg: ModelConfig):
+    """The run's tokenizer (from its data folder's manifest), if that folder is still there and is the
+    one the checkpoint was trained on. Returns (tokenizer or None, notes)."""
+    from trainers.data.manifest import read_manifest
+    from trainers.data.tokenizer import load_tokenizer, save_hf
+
+    if data_path is None or not (data_path / "manifest.json").is_file():
+        return None, [f"no tokenizer written: the run's data.path={data_path} is not there to read it from"]
+    saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("compat") or {}
+    entry = read_manifest(data_path)["tokenizer"]
+    for key in ("kind", "vocab_size", "eos_id"):
+        if f"tokenizer.{key}" in saved and saved[f"tokenizer.{key}"] != entry.get(key):
+            return None, [
+                f"no tokenizer written: data.path={data_path} now holds another tokenizer ({key} "
+                f"{entry.get(key)!r}, the checkpoint was trained with {saved[f'tokenizer.{key}']!r})"
+            ]
+    tok = load_tokenizer(data_path)
+    save_hf(tok, folder, cfg.max_seq_len)
+    return tok, []
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} exists and is not empty; fix: choose a new OUT_DIR or remove it")
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000' -> bytes (transformers' max_shard_size spelling)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = text.strip().upper()
+    number = s.rstrip("KMGIB")
+    unit = s[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--max-shard-size={text!r} is not a size; fix: e.g. 5GB, 500MB or 2GiB") from None
+    if value < 1:
+        raise ConfigError(f"--max-shard-size={text!r} must be positive; fix: e.g. 5GB")
+    return int(value)
