@@ -137,7 +137,7 @@ def ensure_ray(address: str | None) -> bool:
     if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
         ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
-    ray.init(num_cpus=os.cpu_count(), log_to_driver=True)
+    ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=True)  # never another Ray on this machine
     return True
 
 
