@@ -35,7 +35,7 @@ from pydantic import (
 
 from search.schedulers import SchedulerConfig
 from search.space import Choice, IntRange, Range, SearchSpace, parse_space
-from trainers._base import ConfigError, StrictModel
+from trainers._base import ConfigError, StrictModel, flat_keys
 from trainers.config import (
     RunConfig,
     TrainConfig,
@@ -233,7 +233,7 @@ def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
         raw = read_yaml_mapping(exp.base, "run", "of sections: model:, data:, ...")
     except ConfigError as e:  # "PATH is not valid YAML: ..." -> "base=PATH is not valid YAML: ..."
         raise ConfigError(f"base={e}") from None
-    raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in _flatten(exp.overrides).items()])
+    raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in flat_keys(exp.overrides).items()])
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     if "path" in data:  # trials run in other working directories
         data["path"] = str(Path(data["path"]).resolve())
@@ -329,17 +329,6 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
         except ConfigError as e:
             raise ConfigError(f"{label}: {e}") from None
     check_inputs(cfg)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{data: {path: x}} and {data.path: x} are the same override (`--set overrides.data.path=x` nests)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _yaml(value: Any) -> str:

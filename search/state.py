@@ -15,7 +15,7 @@ from typing import Any
 
 from search.config import EXPERIMENT_FILE, ExperimentConfig, load_saved
 from search.schedulers import SCHEDULER_FILE
-from trainers._base import ConfigError
+from trainers._base import ConfigError, flat_keys
 
 __all__ = [
     "check_same_experiment",
@@ -61,17 +61,7 @@ def _flat_experiment(exp: ExperimentConfig) -> dict[str, Any]:
     # name and storage are the folder itself; base is where the run YAML was (its content is base_raw)
     dump = exp.model_dump(mode="json", exclude={"name", "storage", "base"})
     base = json.loads(json.dumps(exp.base_raw))  # as experiment.json holds it (e.g. no int keys)
-    return {**_flat(dump), **_flat(base, "base run: ")}
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+    return {**flat_keys(dump), **flat_keys(base, "base run: ")}
 
 
 def read_scheduler_summary(exp_dir: str | Path) -> dict[str, Any] | None:

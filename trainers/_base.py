@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -17,3 +19,15 @@ class StrictModel(BaseModel):
 
 class NonFiniteLossError(RuntimeError):
     """Too many NaN/inf steps in a row; the last good checkpoint is left as it was. The CLI exits 1."""
+
+
+def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: the dotted keys `--set` and one-line errors use (an empty mapping
+    stays a value)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

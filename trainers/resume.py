@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainers._base import ConfigError
+from trainers._base import ConfigError, flat_keys
 from trainers.config import RunConfig
 
 __all__ = ["check_compatible", "check_resume", "compat_of", "resume_candidate"]
@@ -35,7 +35,7 @@ _FIX = (
 def compat_of(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]:
     """The saved state's shape-defining keys, flat: `model.dim`, `data.seq_len`, `tokenizer.kind`, ..."""
     tokenizer = manifest.get("tokenizer", {})
-    model = _flat(cfg.model.model_dump(mode="json"), "model.")
+    model = flat_keys(cfg.model.model_dump(mode="json"), "model.")
     keys = {k: v for k, v in model.items() if k not in _MAY_CHANGE}
     keys["data.seq_len"] = cfg.data.seq_len
     keys.update({f"tokenizer.{k}": tokenizer.get(k) for k in ("kind", "vocab_size", "eos_id")})
@@ -81,13 +81,3 @@ def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
     except (OSError, ValueError):
         return
     check_compatible(saved, compat_of(cfg, manifest), path)
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
