@@ -46,6 +46,7 @@ __all__ = [
     "build_trainer",
     "check_run",
     "ensure_ray",
+    "stop_ray",
     "run_config_for_workers",
     "train",
 ]
@@ -127,9 +128,13 @@ def _sizes_text(cfg: RunConfig) -> str:
     return f"{sizes.start}" if len(sizes) == 1 else f"{sizes.start}..{sizes.stop - 1}"
 
 
+_REAPERS: list[Reaper] = []
+
+
 def ensure_ray(address: str | None) -> bool:
     """Connect to Ray: an address (`auto`, `ray://...`, `host:port`) joins a cluster; none starts a local
-    Ray in this process, sized to the machine. Returns whether this call started it (and must stop it)."""
+    Ray in this process, sized to the machine, with a reaper that ends that Ray's processes if this one
+    dies. Returns whether this call started it (and must stop it with `stop_ray`)."""
     import ray
 
     if ray.is_initialized():
@@ -137,8 +142,20 @@ def ensure_ray(address: str | None) -> bool:
     if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
         ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
-    ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=True)  # never another Ray on this machine
+    ray.init(
+        address="local", num_cpus=os.cpu_count(), log_to_driver=True
+    )  # never another Ray on this machine
+    _REAPERS.append(Reaper.start(Reaper.local_ray_roots()))
     return True
+
+
+def stop_ray() -> None:
+    """`ray.shutdown()` of a Ray that `ensure_ray` started, and its reaper's release."""
+    import ray
+
+    ray.shutdown()
+    while _REAPERS:
+        _REAPERS.pop().stop()
 
 
 def build_trainer(
@@ -208,7 +225,6 @@ def train(
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a new invocation: an old failure is history
         reconcile_ray_snapshot(run_dir, fresh=cfg.checkpoint.resume == "none")
         started = ensure_ray(address)
-        reaper = Reaper.start(Reaper.local_ray_roots()) if started and local else None
         watcher = _ProgressWatcher(run_dir / "metrics.jsonl", cfg.train.steps, cfg.name) if progress else None
         try:
             if watcher:
@@ -222,9 +238,7 @@ def train(
             if watcher:
                 watcher.stop()
             if started:
-                ray.shutdown()
-            if reaper:
-                reaper.stop()
+                stop_ray()
     failed = _read_failed(run_dir)
     if failed is not None:
         raise _as_error(failed)

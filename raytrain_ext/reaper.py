@@ -3,10 +3,11 @@
 `ray.init()` without an address starts GCS, raylet, dashboard, ... as children of the driver; Ray makes
 those die with it (PDEATHSIG), but not what the raylet started: on a SIGKILL of the driver its Train
 workers trained on for ~10 steps (with no one to observe them) and the dashboard and runtime-env agents
-lived on for good. This process, started by the driver (`Reaper.start`), watches the driver's pid and
+lived on for good; a killed `raytrain tune` left its trials running. This process, started with the local
+Ray (`launcher.ensure_ray`), watches the driver's pid and
 the process trees of Ray's own children (their pids from Ray's node handle, refreshed every 0.25 s);
 when the driver is gone it SIGKILLs every process of those trees, each checked by its start time so a
-reused pid is never hit. A driver that ends cleanly (`ray.shutdown()`) stops the reaper first.
+reused pid is never hit. A driver that ends cleanly (`launcher.stop_ray`) stops the reaper first.
 
 Run as `python -m raytrain_ext.reaper OWNER_PID ROOT_PID...`; imports no Ray (it starts in ~50 ms).
 """

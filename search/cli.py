@@ -82,7 +82,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, exp: Any) -> int:
-    from raytrain_ext.launcher import ensure_ray
+    from raytrain_ext.launcher import ensure_ray, stop_ray
     from search.config import EXPERIMENT_FILE, save
     from search.driver import check_target, run_experiment
 
@@ -95,9 +95,7 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
         result = run_experiment(exp, resume=args.resume, verbose=0 if args.quiet else 1, driver_goes_on=False)
     finally:
         if started:
-            import ray
-
-            ray.shutdown()
+            stop_ray()
     if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
         return _interrupted(args, exp)
     if result.best_trial is None:
@@ -140,7 +138,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from raytrain_ext.launcher import ensure_ray
+    from raytrain_ext.launcher import ensure_ray, stop_ray
     from search.replay import replay
     from search.state import load_experiment_dir
 
@@ -150,8 +148,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         out = replay(Path(args.exp_dir), args.trial)
     finally:
         if started:
-            import ray
-
-            ray.shutdown()
+            stop_ray()
     print(out.describe())
     return 0
