@@ -114,8 +114,6 @@ def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
     """The model section the checkpoint was saved with (its trainer_state.json; older checkpoints: the run
     dir's config.yaml, checked against the shape-defining keys the checkpoint recorded), and the run's
     data path (config.yaml's, if there), where the tokenizer is."""
-    from trainers.resume import _flat
-
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     config = checkpoint.parent.parent / "config.yaml"
     raw = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
@@ -124,15 +122,22 @@ def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
         raise ConfigError(f"{checkpoint} records no model section and {config} is missing; fix: export from a run dir")
     # Without init_from: the derived keys are all there, and the folder it names may be gone.
     cfg = ModelConfig.model_validate({k: v for k, v in model.items() if k != "init_from"})
-    ours = _flat(cfg.model_dump(mode="json"), "model.")
+    dumped = {"model": cfg.model_dump(mode="json")}
     for key, value in (state.get("compat") or {}).items():
-        if key.startswith("model.") and key in ours and ours[key] != value:
+        ours = _lookup(dumped, key)
+        if key.startswith("model.") and ours != value:
             raise ConfigError(
-                f"{config} has {key}={ours[key]!r} but {checkpoint} was saved with {value!r}; fix: export a "
+                f"{config} has {key}={ours!r} but {checkpoint} was saved with {value!r}; fix: export a "
                 f"checkpoint of the run that config describes"
             )
     data = state.get("data_path") or (raw.get("data") or {}).get("path")
     return cfg, Path(data) if data else None
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 class _DCPReader:
