@@ -11,7 +11,8 @@ from pathlib import Path
 
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
-from trainers.config import load_config
+from trainers.config import RunConfig, load_config
+from trainers.tracking import with_trackers
 
 __all__ = ["main"]
 
@@ -19,7 +20,7 @@ __all__ = ["main"]
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train one run from a run YAML: on Ray (a local Ray started in this process unless --address
     names a cluster), or in this process alone with --no-ray."""
-    cfg = load_config(args.config, args.overrides)
+    cfg = train_config(args)
     if args.no_ray:
         from trainers.config import check_inputs
         from trainers.launch import run_local
@@ -40,6 +41,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
         sizes = f", workers per attempt {result.world_sizes}"
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
+    return 0
+
+
+def train_config(args: argparse.Namespace) -> RunConfig:
+    """The run YAML with --set, then --profile/--memory-snapshot and --mlflow/--wandb applied."""
+    overrides = list(args.overrides)
+    if args.profile is not None:
+        step, sep, count = args.profile.partition(":")
+        if not (sep and step.strip().isdigit() and count.strip().isdigit()):
+            raise ConfigError(f"--profile {args.profile} is not STEP:COUNT; fix: e.g. --profile 10:3")
+        overrides += [f"profile.start_step={step.strip()}", f"profile.steps={count.strip()}"]
+    if args.memory_snapshot:
+        overrides.append("profile.memory_snapshot=true")
+    return with_trackers(load_config(args.config, overrides), mlflow=args.mlflow, wandb=args.wandb)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from trainers.report import write_run_report
+
+    out = write_run_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {len(out.plots)} plots and {out.summary_path}")
     return 0
 
 
@@ -122,7 +144,44 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:NAME",
         help="a TrainerCallback built in every worker, e.g. mypkg.hooks:Notify(every=10) (repeatable)",
     )
+    train.add_argument(
+        "--mlflow",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="URI",
+        help="log to MLflow (tracking.mlflow): a tracking URI, or none for a local store in RUN_DIR/mlflow/",
+    )
+    train.add_argument(
+        "--wandb",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PROJECT",
+        help="log to Weights & Biases (tracking.wandb; --set tracking.wandb.mode=offline without network)",
+    )
+    train.add_argument(
+        "--profile",
+        default=None,
+        metavar="STEP:COUNT",
+        help="a torch.profiler Chrome trace per rank of COUNT steps from STEP, in RUN_DIR/profile/",
+    )
+    train.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="with --profile: a CUDA allocator snapshot of the same steps (CUDA only)",
+    )
     train.set_defaults(func=_cmd_train)
+
+    report = sub.add_parser(
+        "report",
+        help="plots and a one-page summary.md of a run",
+        description="Plots of a run's metrics.jsonl (loss, lr, tokens/s and MFU, memory, grad norm, MoE load; "
+        "resizes and resumes marked) and a one-page summary.md.",
+    )
+    report.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="folder to write (default: RUN_DIR/report)")
+    report.set_defaults(func=_cmd_report)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
     prep = data.add_parser("prepare", help="text files or folders to token shards (Parquet + manifest)")

@@ -29,6 +29,8 @@ from trainers._base import ConfigError, StrictModel
 from trainers.data.config import DataConfig
 from trainers.data.manifest import SPLITS, check_shard, read_manifest
 from trainers.models.config import ModelConfig, MoEConfig
+from trainers.profiling import ProfileConfig
+from trainers.tracking.config import TrackingConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -40,10 +42,12 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PrecisionConfig",
+    "ProfileConfig",
     "RunConfig",
     "ScalingConfig",
     "ScheduleConfig",
     "TrainConfig",
+    "TrackingConfig",
     "apply_overrides",
     "check_inputs",
     "load_config",
@@ -299,6 +303,8 @@ class RunConfig(StrictModel):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     scaling: ScalingConfig = ScalingConfig()
+    tracking: TrackingConfig = TrackingConfig()  # MLflow / W&B (trainers/tracking/)
+    profile: ProfileConfig = ProfileConfig()  # torch.profiler traces of chosen steps (trainers/profiling.py)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -316,7 +322,23 @@ class RunConfig(StrictModel):
                 f"schedule.warmup_steps={self.schedule.warmup_steps} >= train.steps={self.train.steps}; "
                 f"fix: shorten the warmup"
             )
+        self._check_profile()
         return self
+
+    def _check_profile(self) -> None:
+        prof = self.profile
+        if prof.start_step is None:
+            if prof.memory_snapshot:
+                raise ValueError(
+                    "profile.memory_snapshot=true needs profiled steps; fix: add --profile STEP:COUNT "
+                    "(or set profile.start_step)"
+                )
+            return
+        if prof.start_step + prof.steps - 1 > self.train.steps:
+            raise ValueError(
+                f"profile.start_step={prof.start_step} with profile.steps={prof.steps} ends past "
+                f"train.steps={self.train.steps}; fix: profile earlier steps, e.g. --profile 2:3"
+            )
 
     def _check_layout(self) -> None:
         """Pipeline and expert degrees against the model (the world size is checked by ParallelLayout)."""
@@ -408,6 +430,8 @@ def apply_overrides(
         node = out
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
+            if nxt is None:  # a section left empty (`wandb:` or `moe: null`) is filled in
+                nxt = node[p] = {}
             if not isinstance(nxt, dict):
                 raise ConfigError(f"--set {key}: {p} is not a section; fix: check the key path")
             node = nxt

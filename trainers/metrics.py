@@ -3,6 +3,8 @@
 Each line is one record: a training step (`"kind": "train"`), an evaluation (`"kind": "eval"`) or an
 event such as a resume (`"kind": "event"`). On resume from step N, records of steps after N are dropped
 first, so that the file holds each step exactly once however often a run restarts.
+
+Sinks (trackers: `trainers.tracking`) get every record too; the defaults are none.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["MetricsLog", "peak_memory_bytes", "read_metrics"]
+__all__ = ["MetricsLog", "MetricsSink", "peak_memory_bytes", "read_metrics"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -34,10 +37,19 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [r for r in rows if kind is None or r.get("kind") == kind]
 
 
+class MetricsSink(Protocol):
+    def start(self, step: int, kept: list[dict[str, Any]]) -> None: ...
+    def write(self, record: dict[str, Any]) -> None: ...
+    def close(self, status: str) -> None: ...
+
+
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(
+        self, run_dir: Path, enabled: bool = True, tensorboard: bool = True, sinks: Sequence[MetricsSink] = ()
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.sinks = list(sinks) if enabled else []
         self._file = None
         self._tb = None
         if enabled:
@@ -48,13 +60,17 @@ class MetricsLog:
                 self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def resume_from(self, step: int) -> None:
-        """Drop records of steps after `step` (they will be recomputed) before appending."""
-        if not self.enabled or not self.path.is_file():
+        """Drop records of steps after `step` (they will be recomputed) before appending; then the sinks
+        start from `step` with the records kept."""
+        if not self.enabled:
             return
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        tmp.replace(self.path)
+        if self.path.is_file():
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
+        for sink in self.sinks:
+            sink.start(step, keep)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -67,11 +83,17 @@ class MetricsLog:
             for key, value in record.items():
                 if key not in ("step", "kind", "time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
+        for sink in self.sinks:
+            sink.write(record)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """`status`: how the run ended, for the sinks (FINISHED, KILLED or FAILED)."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for sink in self.sinks:
+            sink.close(status)
+        self.sinks = []

@@ -28,7 +28,9 @@ from trainers.optim import LRSchedule
 from trainers.parallel import build_engine
 from trainers.parallel.ac import apply_activation_checkpointing
 from trainers.parallel.engine import Engine
+from trainers.profiling import build_profiler, span
 from trainers.resume import check_compatible, compat_of
+from trainers.tracking import build_sinks
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_loss"]
 
@@ -83,7 +85,13 @@ class Trainer:
             self.engine.materialize()  # this rank's shards only, then each reads its part
             load_pretrained(self.engine.model, pretrained)
         self.model = self.engine.model
-        self.log = MetricsLog(self.run_dir, enabled=self.engine.is_main, tensorboard=cfg.train.tensorboard)
+        self.log = MetricsLog(
+            self.run_dir,
+            enabled=self.engine.is_main,
+            tensorboard=cfg.train.tensorboard,
+            sinks=build_sinks(cfg) if self.engine.is_main else (),
+        )
+        self.profiler = build_profiler(cfg.profile, self.run_dir, self.device)
         self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
         self._restore(*resume)
         self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
@@ -186,6 +194,7 @@ class Trainer:
             cb.on_fit_start(self)
         bar = self._progress_bar()
         train_loss = val_loss = None
+        status = "KILLED"  # for trackers: stopped (Ctrl-C, a lost worker, a Tune trial's end), may go on
         try:
             while self.step < cfg.train.steps:
                 record = self.train_step()
@@ -204,14 +213,20 @@ class Trainer:
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             lr=f"{record['lr']:.2e}",
                         )
+            status = "FINISHED"
+        except (NonFiniteLossError, ConfigError, CheckpointError):
+            status = "FAILED"
+            raise
         finally:
             if bar is not None:
                 bar.close()
-            self.log.close()
+            self.profiler.close()
+            self.log.close(status)
         return FitResult(self.run_dir, self.step, train_loss, val_loss, self.last_checkpoint)
 
     def train_step(self) -> dict[str, Any]:
         cfg, step = self.cfg, self.step
+        self.profiler.before_step(step + 1)
         t0 = time.perf_counter()
         batch = cfg.train.global_batch_size
         sample_ids = self.sampler.window_ids(step * batch, batch)  # global batch t = samples [tB, (t+1)B)
@@ -220,16 +235,17 @@ class Trainer:
         )
         lr = self.schedule.apply(step)
         self.engine.zero_grad()
-        batches = (
-            tuple(t.to(self.device, non_blocking=True) for t in self.train_data.get(ids))
-            for ids in micro_batches
-        )
-        loss_value = float(
-            self.engine.reduce_mean(self.engine.forward_backward(batches, self.accum, lm_loss))
-        )
+        data_s = [0.0]  # the engine pulls micro-batches as it goes: their loading is timed one by one
+        t_fb = time.perf_counter()
+        loss = self.engine.forward_backward(self._batches(micro_batches, data_s), self.accum, lm_loss)
+        with span("communication"):
+            loss_value = float(self.engine.reduce_mean(loss))
+        t_opt = time.perf_counter()
         grad_norm, bad = math.nan, True
         if math.isfinite(loss_value):
-            grad_norm, bad = self.engine.step(cfg.optimizer.grad_clip)
+            with span("optimizer"):
+                grad_norm, bad = self.engine.step(cfg.optimizer.grad_clip)
+        t_end = time.perf_counter()
         ok = not bad
         if ok:
             self.bad_steps = 0
@@ -243,6 +259,11 @@ class Trainer:
             lr=lr,
             grad_norm=grad_norm,
             step_time_s=dt,
+            # Host clock only (no added sync): on a GPU a phase ends when its result is read back (the
+            # loss for forward+backward, the grad norm for the optimizer), so each includes queued work.
+            data_s=data_s[0],
+            forward_backward_s=t_opt - t_fb - data_s[0],
+            optimizer_s=t_end - t_opt,
             tokens_per_s=tokens_per_s,
             mfu=self.flops_per_token * tokens_per_s / (cfg.train.peak_tflops * 1e12 * self.engine.world_size),
             peak_mem_bytes=peak_memory_bytes(self.device),
@@ -254,9 +275,20 @@ class Trainer:
             record["loss_scale"] = self.engine.loss_scale
         record.update(self.engine.moe_stats())
         self._emit("train", **record)
+        profiled = self.profiler.after_step(self.step)
+        if profiled is not None:
+            self._emit("event", event="profile", **profiled)
         for cb in self.callbacks:
             cb.after_step(self, record)
         return record
+
+    def _batches(self, micro_batches: list[np.ndarray], data_s: list[float]):
+        for ids in micro_batches:
+            t = time.perf_counter()
+            with span("data"):
+                batch = tuple(x.to(self.device, non_blocking=True) for x in self.train_data.get(ids))
+            data_s[0] += time.perf_counter() - t
+            yield batch
 
     def _bad_step(self, loss_value: float) -> None:
         self.engine.zero_grad()

@@ -21,6 +21,7 @@ from trainers.config import OptimizerConfig, RunConfig
 from trainers.models.moe import moe_stats, reset_moe_stats, set_aux_grad_scale
 from trainers.optim import apply_hparams, build_optimizer
 from trainers.precision import Precision
+from trainers.profiling import span
 
 __all__ = ["Batch", "Engine", "LocalEngine", "LossFn"]
 
@@ -80,10 +81,12 @@ class Engine:
         set_aux_grad_scale(self.model, self.loss_scale / count)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
-            with self.autocast():
-                output = self.model(inputs)
-            loss = loss_fn(output, targets)
-            self.backward(loss / count, final_micro_batch=i == count - 1)
+            with span("forward"):
+                with self.autocast():
+                    output = self.model(inputs)
+                loss = loss_fn(output, targets)
+            with span("backward"):
+                self.backward(loss / count, final_micro_batch=i == count - 1)
             loss_sum += loss.detach()
         return loss_sum / count
 

@@ -1,0 +1,331 @@
+"""`raytrain report RUN_DIR`: plots of a run's `metrics.jsonl` and a one-page `summary.md`.
+
+Writes `RUN_DIR/report/` (or `--out`): one PNG per panel (`loss.png`: train and validation loss; `lr.png`;
+`throughput.png`: tokens/s and MFU; `memory.png`; `grad_norm.png`; `step_time.png`: data, forward+backward
+and optimizer seconds; `moe.png`: expert load, MoE runs only), `overview.png` with every panel, and
+`summary.md`. Resizes (red) and resumes (grey) are marked on every panel at their step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainers._base import ConfigError
+from trainers.metrics import read_metrics
+
+__all__ = ["RunReport", "write_run_report"]
+
+_GIB = 2**30
+
+
+@dataclass
+class RunReport:
+    summary_path: Path
+    plots: list[Path]
+
+
+@dataclass
+class _Run:
+    name: str
+    config: dict[str, Any]
+    train: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+
+    def series(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
+        pts = [(r["step"], r[key]) for r in (self.train if rows is None else rows) if _finite(r.get(key))]
+        return [s for s, _ in pts], [float(v) for _, v in pts]
+
+
+def write_run_report(run_dir: Path, out: Path | None = None) -> RunReport:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run = _read_run(Path(run_dir))
+    out = Path(out) if out is not None else Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    panels = [(name, draw) for name, draw in _PANELS if draw(None, run)]
+    plots = [_save_panel(out / f"{name}.png", draw, run) for name, draw in panels]
+    plots.append(_save_overview(out / "overview.png", panels, run))
+    summary = out / "summary.md"
+    summary.write_text(_summary(run, Path(run_dir), plots))
+    return RunReport(summary, plots)
+
+
+def _read_run(run_dir: Path) -> _Run:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in rows if r.get("kind") == "train"]
+    if not train:
+        raise ConfigError(
+            f"{run_dir}: no training steps in metrics.jsonl; fix: pass a run folder that has trained "
+            f"(raytrain train writes RUN_DIR/metrics.jsonl)"
+        )
+    config_file = run_dir / "config.yaml"
+    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    name = config.get("name") or run_dir.name
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    events = [r for r in rows if r.get("kind") == "event"]
+    return _Run(name, config or {}, train, evals, events)
+
+
+# ---------------------------------------------------------------------------------------------- panels
+# Each draws on `ax`, or with ax=None says whether it has anything to draw.
+
+
+def _loss(ax, run: _Run) -> bool:
+    if ax is None:
+        return True
+    ax.plot(*run.series("loss"), lw=1, label="train")
+    if run.evals:
+        ax.plot(*run.series("val_loss", run.evals), marker="o", ms=3, label="validation")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    return True
+
+
+def _lr(ax, run: _Run) -> bool:
+    if ax is not None:
+        ax.plot(*run.series("lr"), color="C2")
+        ax.set_ylabel("learning rate")
+        ax.set_title("learning rate")
+    return True
+
+
+def _throughput(ax, run: _Run) -> bool:
+    if ax is None:
+        return True
+    ax.plot(*run.series("tokens_per_s"), color="C0", lw=1)
+    ax.set_ylabel("tokens/s", color="C0")
+    mfu = ax.twinx()
+    steps, values = run.series("mfu")
+    mfu.plot(steps, [100 * v for v in values], color="C1", lw=1, alpha=0.7)
+    mfu.set_ylabel("MFU %", color="C1")
+    ax.set_title("throughput")
+    return True
+
+
+def _memory(ax, run: _Run) -> bool:
+    if ax is None:
+        return bool(run.series("peak_mem_bytes")[0])
+    steps, values = run.series("peak_mem_bytes")
+    ax.plot(steps, [v / _GIB for v in values], color="C4")
+    ax.set_ylabel("GiB")
+    ax.set_title("peak memory (rank 0)")
+    return True
+
+
+def _grad_norm(ax, run: _Run) -> bool:
+    if ax is None:
+        return bool(run.series("grad_norm")[0])
+    ax.plot(*run.series("grad_norm"), color="C3", lw=1)
+    ax.set_yscale("log")
+    ax.set_ylabel("global grad norm")
+    ax.set_title("gradient norm")
+    return True
+
+
+_PHASES = (("data_s", "data"), ("forward_backward_s", "forward+backward"), ("optimizer_s", "optimizer"))
+
+
+def _step_time(ax, run: _Run) -> bool:
+    if ax is None:
+        return bool(run.series("step_time_s")[0])
+    ax.plot(*run.series("step_time_s"), color="black", lw=1, label="step")
+    for i, (key, label) in enumerate(_PHASES):
+        if run.series(key)[0]:
+            ax.plot(*run.series(key), lw=1, color=f"C{i + 5}", label=label)
+    ax.set_ylabel("seconds")
+    ax.set_title("step time")
+    return True
+
+
+def _moe(ax, run: _Run) -> bool:
+    if ax is None:
+        return bool(run.series("moe_load_imbalance")[0])
+    ax.plot(*run.series("moe_load_imbalance"), label="load imbalance (mean over layers)")
+    ax.plot(*run.series("moe_load_imbalance_max"), label="worst layer")
+    ax.set_ylabel("max / mean tokens per expert")
+    dropped = run.series("moe_dropped_fraction")
+    if dropped[0] and any(dropped[1]):
+        ax2 = ax.twinx()
+        ax2.plot(dropped[0], [100 * v for v in dropped[1]], color="C3", alpha=0.6)
+        ax2.set_ylabel("tokens dropped %", color="C3")
+    ax.set_title("MoE load")
+    return True
+
+
+_PANELS: list[tuple[str, Callable[[Any, _Run], bool]]] = [
+    ("loss", _loss),
+    ("lr", _lr),
+    ("throughput", _throughput),
+    ("memory", _memory),
+    ("grad_norm", _grad_norm),
+    ("step_time", _step_time),
+    ("moe", _moe),
+]
+
+
+def _mark_events(ax, run: _Run) -> None:
+    """Resizes and resumes as vertical lines at their step (labelled once per panel)."""
+    seen = set()
+    for e in run.events:
+        kind = e.get("event")
+        if kind not in ("resize", "resume"):
+            continue
+        style = {"resize": dict(color="red", ls="--"), "resume": dict(color="grey", ls=":")}[kind]
+        ax.axvline(e["step"], lw=1.2, label=kind if kind not in seen else None, **style)
+        seen.add(kind)
+
+
+def _finish(ax, run: _Run) -> None:
+    _mark_events(ax, run)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
+
+
+def _save_panel(path: Path, draw, run: _Run) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    draw(ax, run)
+    _finish(ax, run)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _save_overview(path: Path, panels, run: _Run) -> Path:
+    import matplotlib.pyplot as plt
+
+    rows = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.2 * rows), squeeze=False)
+    for ax, (_, draw) in zip(axes.flat, panels):
+        draw(ax, run)
+        _finish(ax, run)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(f"{run.name}: {run.train[-1]['step']} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- summary
+
+
+def _summary(run: _Run, run_dir: Path, plots: list[Path]) -> str:
+    cfg, last = run.config, run.train[-1]
+    planned = (cfg.get("train") or {}).get("steps")
+    lines = [f"# Run report: {run.name}", "", f"`{run_dir}`", "", "| | |", "| --- | --- |"]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"| {name} | {value} |")
+
+    row("steps", f"{last['step']}" + (f" of {planned}" if planned else ""))
+    row("model", _model_text(cfg))
+    row("layout", _layout_text(cfg, run))
+    tail = run.train[-max(len(run.train) // 10, 1) :]  # the last tenth: the run's settled values
+    row(
+        "train loss",
+        f"{last['loss']:.4f} at the last step; {_median(tail, 'loss'):.4f} median of the last tenth",
+    )
+    if run.evals:
+        best = min(run.evals, key=lambda r: r["val_loss"] if _finite(r["val_loss"]) else math.inf)
+        row(
+            "validation loss",
+            f"{run.evals[-1]['val_loss']:.4f} last; {best['val_loss']:.4f} best (step {best['step']})",
+        )
+    row("tokens/s", f"{_median(tail, 'tokens_per_s'):,.0f} median of the last tenth")
+    row(
+        "MFU",
+        f"{100 * _median(tail, 'mfu'):.2f}% (train.peak_tflops={(cfg.get('train') or {}).get('peak_tflops')})",
+    )
+    peak = max((r.get("peak_mem_bytes", 0) for r in run.train), default=0)
+    row("peak memory", f"{peak / _GIB:.2f} GiB on rank 0")
+    row("step time", _step_time_text(tail))
+    norms = [r for r in run.train if _finite(r.get("grad_norm"))]
+    if norms:
+        top = max(norms, key=lambda r: r["grad_norm"])
+        row(
+            "grad norm",
+            f"{_median(tail, 'grad_norm'):.3g} median of the last tenth; max {top['grad_norm']:.3g} (step {top['step']})",
+        )
+    skipped = sum(1 for r in run.train if r.get("skipped"))
+    row("skipped steps", str(skipped))
+    if run.series("moe_load_imbalance")[0]:
+        row(
+            "MoE",
+            f"load imbalance {_median(tail, 'moe_load_imbalance'):.2f}, dropped {100 * _median(tail, 'moe_dropped_fraction'):.2f}% (last tenth)",
+        )
+    row("events", _events_text(run))
+    checkpoints = [e for e in run.events if e.get("event") == "checkpoint"]
+    if checkpoints:
+        row("last checkpoint", f"`{checkpoints[-1].get('path')}`")
+    times = [r["time"] for r in run.train + run.evals + run.events if _finite(r.get("time"))]
+    row("wall time", f"{(max(times) - min(times)) / 60:.1f} min from the first record to the last")
+    lines += ["", *(f"![{p.stem}]({p.name})" for p in plots if p.name == "overview.png"), ""]
+    return "\n".join(lines)
+
+
+def _model_text(cfg: dict[str, Any]) -> str:
+    m = cfg.get("model") or {}
+    if not m:
+        return "n/a (no config.yaml)"
+    moe = m.get("moe")
+    kind = f"MoE {moe.get('num_experts')} experts top-{moe.get('top_k')}" if moe else "dense"
+    return f"{kind}, {m.get('n_layers')} layers, dim {m.get('dim')}, {m.get('n_heads')} heads, vocab {m.get('vocab_size')}"
+
+
+def _layout_text(cfg: dict[str, Any], run: _Run) -> str:
+    par, train = cfg.get("parallel") or {}, cfg.get("train") or {}
+    sizes = sorted({r.get("world_size") for r in run.train if r.get("world_size")})
+    workers = "/".join(str(s) for s in sizes) or "?"
+    pp_ep = "".join(f", {k}={par[k]}" for k in ("pp", "ep") if par.get(k, 1) > 1)
+    return (
+        f"engine {par.get('engine', '?')}{pp_ep}, {workers} workers, global batch {train.get('global_batch_size')}"
+        f" x seq {(cfg.get('data') or {}).get('seq_len')}, {(cfg.get('precision') or {}).get('dtype', '?')}"
+    )
+
+
+def _step_time_text(rows: list[dict[str, Any]]) -> str:
+    total = _median(rows, "step_time_s")
+    parts = [
+        f"{label} {_median(rows, key) / total:.0%}" for key, label in _PHASES if _finite(_median(rows, key))
+    ]
+    return f"{total:.3f} s median of the last tenth" + (
+        f" ({', '.join(parts)})" if parts and total > 0 else ""
+    )
+
+
+def _events_text(run: _Run) -> str:
+    out = []
+    for e in run.events:
+        if e.get("event") == "resume":
+            out.append(f"resumed at step {e['step']} on {e.get('world_size')} workers")
+        elif e.get("event") == "resize":
+            out.append(
+                f"resized {e.get('old_world_size')} -> {e.get('new_world_size')} workers at step {e['step']}"
+            )
+        elif e.get("event") == "profile":
+            out.append(f"profiled at step {e['step']}: `{Path(str(e.get('trace'))).parent}`")
+    return "; ".join(out) or "none (one uninterrupted attempt)"
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    values = [float(r[key]) for r in rows if _finite(r.get(key))]
+    return statistics.median(values) if values else math.nan
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,197 @@
+"""A tracker fed by the Trainer's metrics records, off the training step's thread.
+
+`MetricsLog` hands every record it writes to its sinks. A `TrackingSink` only appends the record to a
+buffer (no I/O, no lock held for long); a daemon thread opens the tracker (connect, create or continue its
+run), sends what accumulated every `flush_every_s`, and while the server is down keeps the records and
+tries again with a growing pause, saying so once (and once more when it is back). Training never waits
+on a tracker, except at the end of a run for at most `close_timeout_s`; `metrics.jsonl` holds every
+record whatever happens to the copy.
+
+A resumed run continues the same tracked run (its id is kept in the run dir, with the last step sent),
+and the steps it recomputes after its checkpoint, sent already, are not sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Tracker", "TrackingSink", "flatten", "metric_values"]
+
+_METRIC_KINDS = ("train", "eval")
+_MAX_BUFFER = 200_000  # records kept for a server that is down (a long run's worth); the oldest go first
+
+
+class Tracker:
+    """A tracking backend. Called only from the sink's thread; any method may raise (the sink retries).
+    `state` is kept in the run dir between attempts of the run (e.g. the tracked run's id)."""
+
+    name = "tracker"
+
+    def open(self, state: dict[str, Any]) -> None:
+        """Connect; create the tracked run, or continue the one in `state`."""
+
+    def send(self, records: list[dict[str, Any]]) -> None:
+        """Metrics records (`train`/`eval`: per-step values) and events, in order."""
+
+    def finish(self, status: str) -> None:
+        """The run ended: FINISHED (all steps), KILLED (stopped, may continue) or FAILED."""
+
+
+class TrackingSink:
+    def __init__(
+        self, tracker: Tracker, state_path: Path, flush_every_s: float = 5.0, close_timeout_s: float = 30.0
+    ):
+        self.tracker, self.state_path = tracker, Path(state_path)
+        self.flush_every_s, self.close_timeout_s = flush_every_s, close_timeout_s
+        self.state: dict[str, Any] = {}
+        self.sent_step = 0  # metrics of steps up to here are sent
+        self._buffer: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing: str | None = None
+        self._opened = self._down = False
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"tracking-{tracker.name}", daemon=True)
+
+    # -------------------------------------------------------------------------- the training thread
+
+    def start(self, step: int, kept: list[dict[str, Any]]) -> None:
+        """The run starts at `step` (0: from scratch, a new tracked run) with `kept`, the records of
+        metrics.jsonl up to there: those the tracker never got (a worker lost before it sent them) go
+        first. Then the thread starts."""
+        self.state = _read_state(self.state_path) if step > 0 else {}
+        self.sent_step = int(self.state.get("sent_step", 0))
+        with self._lock:
+            self._buffer[:0] = [r for r in kept if r.get("step", 0) > self.sent_step]
+        self._thread.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("kind") in _METRIC_KINDS and record.get("step", 0) <= self.sent_step:
+            return  # recomputed after a resume: the tracker has this step already
+        with self._lock:
+            self._buffer.append(record)
+            if len(self._buffer) > _MAX_BUFFER:
+                del self._buffer[0]
+                self._dropped += 1
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Send what is left and end the tracked run, waiting at most `close_timeout_s`."""
+        if not self._thread.is_alive():
+            return  # never started (the Trainer failed before its restore)
+        self._closing = status
+        self._wake.set()
+        self._thread.join(self.close_timeout_s)
+        if self._thread.is_alive():
+            with self._lock:
+                left = len(self._buffer)
+            _say(
+                f"{self.tracker.name}: gave up after close_timeout_s={self.close_timeout_s:g} with {left} "
+                f"records unsent; metrics.jsonl has every record"
+            )
+        elif self._dropped:
+            _say(f"{self.tracker.name}: {self._dropped} early records were dropped while it was unreachable")
+
+    # ----------------------------------------------------------------------------- the sink's thread
+
+    def _run(self) -> None:
+        pause = 0.0  # open at once: a new local store takes seconds to create
+        while self._closing is None:
+            self._wake.wait(pause)
+            if self._closing is not None:
+                break
+            pause = self.flush_every_s if self._attempt() else min(max(pause * 2, 1.0), 60.0)
+        self._drain(self._closing)
+
+    def _drain(self, status: str) -> None:
+        """At the end of the run: send the rest and finish, trying again (a short pause, doubling) until
+        `close_timeout_s` is spent."""
+        deadline, pause = time.monotonic() + self.close_timeout_s, 0.1
+        while not self._attempt():
+            if time.monotonic() + pause > deadline:
+                return
+            time.sleep(pause)  # a retry's back-off, not a wait on another thread
+            pause *= 2
+        self._guard(lambda: self.tracker.finish(status))
+
+    def _attempt(self) -> bool:
+        """Open if needed, then send the buffer; False (and the buffer kept) when the tracker failed."""
+        if not self._opened:
+            self._opened = self._guard(lambda: self.tracker.open(self.state))
+            if not self._opened:
+                return False
+            self._save_state()
+        with self._lock:
+            batch = list(self._buffer)
+        if not batch:
+            return True
+        if not self._guard(lambda: self.tracker.send(batch)):
+            return False
+        with self._lock:
+            del self._buffer[: len(batch)]
+        steps = [r.get("step", 0) for r in batch if r.get("kind") in _METRIC_KINDS]
+        if steps:
+            self.sent_step = max(self.sent_step, max(steps))
+            self._save_state()
+        return True
+
+    def _guard(self, call) -> bool:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - a tracker never stops training
+            if not self._down:
+                what = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                _say(
+                    f"{self.tracker.name} unreachable ({type(e).__name__}: {what}); training goes on, retrying in "
+                    f"the background; metrics.jsonl has every record"
+                )
+            self._down = True
+            return False
+        if self._down:
+            _say(f"{self.tracker.name} reachable again; sending what was kept")
+            self._down = False
+        return True
+
+    def _save_state(self) -> None:
+        self.state["sent_step"] = self.sent_step
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.state_path)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _say(line: str) -> None:
+    print(f"raytrain: tracking: {line}", file=sys.stderr, flush=True)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def metric_values(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a train/eval record (bools as 0/1; lists such as per-expert loads left out)."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in ("kind", "step", "time") and isinstance(v, (int, float))
+    }
