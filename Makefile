@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data/stdlib
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo finetune-demo test bench lint clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,14 @@ demo: $(STAMP) $(DATA)/manifest.json
 	rm -rf runs/tune/pbt-demo
 	$(VENV)/bin/raytrain tune examples/pbt-demo.yaml --set overrides.data.path=$(DATA)
 	$(VENV)/bin/raytrain tune report runs/tune/pbt-demo
+
+finetune-demo: $(STAMP)
+	# PBT over a fine-tune of a Llama-form model that transformers makes and saves (examples/finetune-pbt.yaml)
+	$(PY) examples/make_pretrained.py --output models/tiny-llama
+	$(VENV)/bin/raytrain data prepare --tokenizer models/tiny-llama --output data/stdlib-tiny-llama --max-bytes 2000000
+	rm -rf runs/tune/finetune-pbt
+	$(VENV)/bin/raytrain tune examples/finetune-pbt.yaml --set overrides.model.init_from=$(CURDIR)/models/tiny-llama
+	$(VENV)/bin/raytrain tune report runs/tune/finetune-pbt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)  # the slow tier: make test PYTEST_ARGS="-m slow"

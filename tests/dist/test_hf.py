@@ -1,7 +1,7 @@
 """Hugging Face in and out across layouts (issue 14): a model saved by transformers, imported with
 model.init_from on 2 gloo processes (FSDP, pp=2, FSDP x ep=2), gives the first loss one process gives;
 each rank reads only its part of the weights (the bytes read over all ranks add up to the model once);
-the checkpoints those layouts write export on one process to exactly the weights the ranks held; and
+DDP's ranks each read it all; the checkpoints those layouts write export on one process to exactly the weights the ranks held; and
 the deepspeed engine's checkpoints (ZeRO-2 and ZeRO-3) export to the weights DeepSpeed trained."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.dist
 
 TRAIN = {"steps": 1, "global_batch_size": 4, "micro_batch_size": 2, "eval_every": 0, "tensorboard": False}
 LAYOUTS = {  # name: (model kind, parallel section), each on 2 processes
+    "ddp": ("dense", {"engine": "ddp"}),  # replicated: each rank reads the whole model
     "fsdp": ("dense", {"engine": "fsdp", "zero_stage": 3}),
     "pp2": ("dense", {"engine": "fsdp", "pp": 2}),
     "fsdp-ep2": ("moe", {"engine": "fsdp", "ep": 2}),
@@ -106,8 +107,10 @@ def test_import_on_two_processes_gives_one_process_first_loss(name, pretrained, 
     ranks = run_ranks(_first_step, 2, _raw(corpus_dir, tmp_path / "two", folder, parallel))
     for r in ranks:
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=0), (name, r["loss"], ref_loss)
-    # each rank read its shard (fsdp, ep) or its stage (pp) only: together, the model exactly once
-    assert sum(r["read"] for r in ranks) == model_bytes and all(r["read"] < model_bytes for r in ranks)
+    if parallel["engine"] == "ddp":
+        assert [r["read"] for r in ranks] == [model_bytes] * 2
+    else:  # each rank read its shard (fsdp, ep) or its stage (pp) only: together, the model exactly once
+        assert sum(r["read"] for r in ranks) == model_bytes and all(r["read"] < model_bytes for r in ranks)
     original = {n: PretrainedWeights(folder).read(n) for n in PretrainedWeights(folder).weight_map}
     loaded = {k: v for r in ranks for k, v in _hf_tensors(r["loaded"]).items()}
     assert loaded.keys() == original.keys() and all(torch.equal(loaded[n], original[n]) for n in original)

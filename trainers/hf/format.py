@@ -100,12 +100,12 @@ def unsupported(config: dict[str, Any], source: str) -> list[str]:
 def model_section_from_hf(section: dict[str, Any]) -> dict[str, Any]:
     """The `model` section of a run with `init_from` set: every key that config.json fixes is filled in
     from it; a key the YAML gives must agree (one line per mismatch, naming the fix)."""
-    hf_dir = section["init_from"]
+    hf_dir = Path(section["init_from"]).expanduser().absolute()  # workers may run in other folders
     source = f"model.init_from={hf_dir}"
     config = read_hf_config(hf_dir)
     problems = unsupported(config, f"{source}: {CONFIG_FILE}")
     derived = _derived(config)
-    out = dict(section)
+    out = {**section, "init_from": hf_dir}
     mismatches = [*problems, *_merge(out, derived, "model.", hf_dir)]
     if mismatches:
         raise ValueError("\n".join(mismatches))

@@ -35,7 +35,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def clean_fqn(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
-    return name
+    return name.removeprefix("module.")  # DistributedDataParallel's
 
 
 class PretrainedWeights:
