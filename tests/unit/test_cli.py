@@ -8,13 +8,20 @@ from raytrain_ext.cli import build_parser, main
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["train", "--help"], ["data", "--help"], ["data", "prepare", "--help"]]
+    "argv", [["--help"], ["train", "--help"], ["data", "--help"], ["data", "prepare", "--help"], ["export", "--help"]]
 )
 def test_help_everywhere(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
     assert "usage: raytrain" in capsys.readouterr().out
+
+
+def test_export_flags():
+    args = build_parser().parse_args(["export", "runs/x", "out", "--dtype", "bf16", "--max-shard-size", "2GB"])
+    assert (args.source, args.out_dir, args.dtype, args.max_shard_size, args.allow_inexact) == (
+        "runs/x", "out", "bf16", "2GB", False
+    )
 
 
 def test_train_flags():
