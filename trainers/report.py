@@ -1,5 +1,8 @@
 """`raytrain report RUN_DIR`: plots of a run's `metrics.jsonl` and a one-page `summary.md`.
 
+RUN_DIR may also be a folder of run folders, read as one run in time order: a Tune trial's folder
+(`EXP_DIR/runs/<trial>/`) holds one Train run per life of the trial, each resumed from a checkpoint.
+
 Writes `RUN_DIR/report/` (or `--out`): one PNG per panel (`loss.png`: train and validation loss; `lr.png`;
 `throughput.png`: tokens/s and MFU; `memory.png`; `grad_norm.png`; `step_time.png`: data, forward+backward
 and optimizer seconds; `moe.png`: expert load, MoE runs only), `overview.png` with every panel, and
@@ -38,10 +41,21 @@ class _Run:
     train: list[dict[str, Any]]
     evals: list[dict[str, Any]]
     events: list[dict[str, Any]]
+    attempts: int  # run folders read (a Tune trial's Train runs; 1 for a run folder)
 
-    def series(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
+    def series(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[float], list[float]]:
+        """(steps, values) of `key` in the train records (or `rows`); a gap in the train steps (a trial
+        that continued from another's checkpoint) breaks the line."""
         pts = [(r["step"], r[key]) for r in (self.train if rows is None else rows) if _finite(r.get(key))]
-        return [s for s, _ in pts], [float(v) for _, v in pts]
+        steps: list[float] = []
+        values: list[float] = []
+        for step, value in pts:
+            if rows is None and steps and step > steps[-1] + 1:
+                steps.append(math.nan)
+                values.append(math.nan)
+            steps.append(step)
+            values.append(float(value))
+        return steps, values
 
 
 def write_run_report(run_dir: Path, out: Path | None = None) -> RunReport:
@@ -60,19 +74,35 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> RunReport:
 
 
 def _read_run(run_dir: Path) -> _Run:
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    train = [r for r in rows if r.get("kind") == "train"]
+    """A run folder, or a folder of run folders taken as one run in time order (a Tune trial's Train
+    runs: each continues from a checkpoint; for a step trained twice, the later record is kept)."""
+    runs = [run_dir] if (run_dir / "metrics.jsonl").is_file() else _run_folders(run_dir)
+    rows = sorted(
+        (r for d in runs for r in read_metrics(d / "metrics.jsonl")), key=lambda r: r.get("time", 0)
+    )
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        if r.get("kind") in ("train", "eval"):
+            latest[(r["kind"], r["step"])] = r
+    train = sorted((r for (kind, _), r in latest.items() if kind == "train"), key=lambda r: r["step"])
     if not train:
         raise ConfigError(
             f"{run_dir}: no training steps in metrics.jsonl; fix: pass a run folder that has trained "
-            f"(raytrain train writes RUN_DIR/metrics.jsonl)"
+            f"(raytrain train writes RUN_DIR/metrics.jsonl), or a folder of such run folders"
         )
-    config_file = run_dir / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
-    name = config.get("name") or run_dir.name
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    config_file = runs[-1] / "config.yaml"
+    config = (yaml.safe_load(config_file.read_text()) if config_file.is_file() else None) or {}
+    evals = sorted((r for (kind, _), r in latest.items() if kind == "eval"), key=lambda r: r["step"])
     events = [r for r in rows if r.get("kind") == "event"]
-    return _Run(name, config or {}, train, evals, events)
+    name = config.get("name") if len(runs) == 1 else run_dir.name
+    return _Run(name or run_dir.name, config, train, evals, events, len(runs))
+
+
+def _run_folders(folder: Path) -> list[Path]:
+    """Sub-folders holding a metrics.jsonl, ordered by their first record."""
+    found = [p.parent for p in folder.glob("*/metrics.jsonl")]
+    first = {d: next(iter(read_metrics(d / "metrics.jsonl")), {}).get("time", 0) for d in found}
+    return sorted(found, key=lambda d: first[d])
 
 
 # ---------------------------------------------------------------------------------------------- panels
@@ -99,15 +129,26 @@ def _lr(ax, run: _Run) -> bool:
 
 
 def _throughput(ax, run: _Run) -> bool:
+    """tokens/s; MFU is proportional to it at a fixed world size: a second scale then, else a line."""
     if ax is None:
         return True
     ax.plot(*run.series("tokens_per_s"), color="C0", lw=1)
-    ax.set_ylabel("tokens/s", color="C0")
-    mfu = ax.twinx()
-    steps, values = run.series("mfu")
-    mfu.plot(steps, [100 * v for v in values], color="C1", lw=1, alpha=0.7)
-    mfu.set_ylabel("MFU %", color="C1")
+    ax.set_ylabel("tokens/s")
     ax.set_title("throughput")
+    ratios = {
+        round(r["mfu"] / r["tokens_per_s"], 15)
+        for r in run.train
+        if _finite(r.get("mfu")) and r.get("tokens_per_s")
+    }
+    if len(ratios) == 1:
+        k = 100 * ratios.pop()
+        if k > 0:
+            ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU %")
+    elif ratios:
+        mfu = ax.twinx()
+        steps, values = run.series("mfu")
+        mfu.plot(steps, [100 * v for v in values], color="C1", lw=1, ls="--", alpha=0.8)
+        mfu.set_ylabel("MFU % (dashed)", color="C1")
     return True
 
 
@@ -233,6 +274,8 @@ def _summary(run: _Run, run_dir: Path, plots: list[Path]) -> str:
         lines.append(f"| {name} | {value} |")
 
     row("steps", f"{last['step']}" + (f" of {planned}" if planned else ""))
+    if run.attempts > 1:
+        row("runs", f"{run.attempts} run folders in time order; {len(run.train)} steps recorded")
     row("model", _model_text(cfg))
     row("layout", _layout_text(cfg, run))
     tail = run.train[-max(len(run.train) // 10, 1) :]  # the last tenth: the run's settled values

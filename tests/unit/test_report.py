@@ -69,3 +69,23 @@ def test_report_of_a_folder_without_steps_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no training steps in metrics.jsonl" in err
+
+
+def test_a_folder_of_run_folders_is_read_as_one_run_in_time_order(tiny_config):
+    """A Tune trial's folder: a second Train run continued from the first one's checkpoint at step 3."""
+    first = tiny_config("trial/a", train={"steps": 6, "eval_every": 3}, checkpoint={"every": 3})
+    Trainer(first, progress=False).fit()
+    donor = first.out_dir / "checkpoints" / "step_00000003"
+    second = tiny_config(
+        "trial/b",
+        optimizer={"lr": 1e-3},
+        train={"steps": 9, "eval_every": 3},
+        checkpoint={"every": 3, "resume": str(donor)},
+    )
+    Trainer(second, progress=False).fit()
+    assert main(["report", str(first.out_dir.parent)]) == 0
+    summary = (first.out_dir.parent / "report" / "summary.md").read_text()
+    assert "| runs | 2 run folders in time order; 9 steps recorded |" in summary
+    last = read_metrics(second.out_dir / "metrics.jsonl", "train")[-1]
+    assert f"| train loss | {last['loss']:.4f} at the last step" in summary
+    assert "resumed at step 3 on 1 workers" in summary

@@ -6,10 +6,13 @@ opens its tracker, so a run without a `tracking:` section never loads them.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainers._base import flat_keys
 from trainers.tracking.config import MlflowConfig, TrackingConfig, WandbConfig
-from trainers.tracking.sink import Tracker, TrackingSink, flatten
+from trainers.tracking.sink import Tracker, TrackingSink
 
 if TYPE_CHECKING:
     from trainers.config import RunConfig
@@ -21,6 +24,7 @@ __all__ = [
     "TrackingSink",
     "WandbConfig",
     "build_sinks",
+    "send_unsent",
     "with_trackers",
 ]
 
@@ -50,10 +54,41 @@ def build_sinks(cfg: RunConfig) -> list[TrackingSink]:
     config = {k: v for k, v in cfg.model_dump(mode="json").items() if k != "tracking"}
     trackers = []
     if t.mlflow is not None:
-        trackers.append(MlflowTracker(t.mlflow, cfg.name, run_dir, flatten(config), cfg.to_yaml()))
+        trackers.append(MlflowTracker(t.mlflow, cfg.name, run_dir, flat_keys(config), cfg.to_yaml()))
     if t.wandb is not None:
         trackers.append(WandbTracker(t.wandb, cfg.name, run_dir, config, cfg.to_yaml()))
     return [
         TrackingSink(tr, run_dir / tr.name / "state.json", t.flush_every_s, t.close_timeout_s)
         for tr in trackers
     ]
+
+
+def send_unsent(run_dir: Path, timeout_s: float = 10.0) -> bool:
+    """Send to MLflow what a finished run dir recorded in metrics.jsonl but its tracker did not (its
+    rank 0 ended before the sink was done), continuing its tracked run as a resumed attempt would.
+    Returns False when the tracker failed (nothing else is tried)."""
+    from trainers.config import ConfigError, load_config
+    from trainers.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r["step"] for r in rows if r.get("kind") in ("train", "eval")]
+    if not steps or _sent_step(run_dir / "mlflow" / "state.json") >= max(steps):
+        return True
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except ConfigError:
+        return True  # not a run config we can read: not ours to send
+    if cfg.tracking.mlflow is None:
+        return True
+    tracking = cfg.tracking.model_copy(update={"wandb": None, "close_timeout_s": timeout_s})
+    (sink,) = build_sinks(cfg.model_copy(update={"tracking": tracking}))
+    sink.start(max(steps), rows)
+    sink.close("FINISHED" if max(steps) >= cfg.train.steps else "KILLED")
+    return sink.sent_step >= max(steps)
+
+
+def _sent_step(state: Path) -> int:
+    try:
+        return int(json.loads(state.read_text()).get("sent_step", -1))
+    except (OSError, ValueError, AttributeError):
+        return -1

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tracker", "TrackingSink", "flatten", "metric_values"]
+__all__ = ["Tracker", "TrackingSink", "metric_values"]
 
 _METRIC_KINDS = ("train", "eval")
 _MAX_BUFFER = 200_000  # records kept for a server that is down (a long run's worth); the oldest go first
@@ -95,7 +95,7 @@ class TrackingSink:
                 f"records unsent; metrics.jsonl has every record"
             )
         elif self._dropped:
-            _say(f"{self.tracker.name}: {self._dropped} early records were dropped while it was unreachable")
+            _say(f"{self.tracker.name}: {self._dropped} early records were dropped while it failed")
 
     # ----------------------------------------------------------------------------- the sink's thread
 
@@ -147,13 +147,13 @@ class TrackingSink:
             if not self._down:
                 what = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
                 _say(
-                    f"{self.tracker.name} unreachable ({type(e).__name__}: {what}); training goes on, retrying in "
+                    f"{self.tracker.name} failed ({type(e).__name__}: {what}); training goes on, retrying in "
                     f"the background; metrics.jsonl has every record"
                 )
             self._down = True
             return False
         if self._down:
-            _say(f"{self.tracker.name} reachable again; sending what was kept")
+            _say(f"{self.tracker.name} works again; sending what was kept")
             self._down = False
         return True
 
@@ -175,17 +175,6 @@ def _read_state(path: Path) -> dict[str, Any]:
 
 def _say(line: str) -> None:
     print(f"raytrain: tracking: {line}", file=sys.stderr, flush=True)
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def metric_values(record: dict[str, Any]) -> dict[str, float]:
