@@ -1,7 +1,7 @@
 """Hugging Face in and out, on one process (issue 14): an exported run loads in transformers' Auto classes
 and computes our logits; a model saved by transformers comes back bit for bit through init_from and
 export; the exported tokenizer encodes held-out text to our pipeline's ids; bad input is one line.
-The multi-process imports (FSDP, pp=2) and DeepSpeed checkpoints are in tests/dist/test_hf.py."""
+The multi-process imports (FSDP, pp=2) and DeepSpeed checkpoints are in tests/dist/test_hf_layouts.py."""
 
 from __future__ import annotations
 
