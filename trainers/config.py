@@ -509,9 +509,13 @@ def check_inputs(cfg: RunConfig, shards: bool = True) -> dict[str, Any]:
             check_shard(cfg.data.path, shard)
     vocab = manifest["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size:
+        fix = (
+            f"tokenize the data with the model's tokenizer: raytrain data prepare --tokenizer {cfg.model.init_from}"
+            if cfg.model.init_from is not None  # its vocab_size comes from config.json
+            else f"--set model.vocab_size={vocab}"
+        )
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
-            f"fix: --set model.vocab_size={vocab}"
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; fix: {fix}"
         )
     if cfg.model.init_from is not None:
         from trainers.hf.pretrained import check_init_from  # safetensors headers, tokenizer.json

@@ -205,6 +205,11 @@ def test_folder_tensors_and_vocabulary_are_checked_before_training(corpus_dir, t
     save_file(state, tmp_path / "pretrained" / "model.safetensors")
     with pytest.raises(ConfigError, match=r"missing 1: model.norm.weight"):
         check_inputs(cfg)
+    # a model whose vocabulary is smaller than the data's: the fix is the model's tokenizer, not vocab_size
+    _hf_model("dense", vocab=200).save_pretrained(tmp_path / "small")
+    raw["model"] = {"init_from": str(tmp_path / "small")}
+    with pytest.raises(ConfigError, match=r"smaller than the tokenizer's 257; fix: tokenize the data with the model"):
+        check_inputs(parse_config(raw))
 
 
 def test_export_refuses_what_the_hf_classes_cannot_hold(corpus_dir, tmp_path, capsys):
