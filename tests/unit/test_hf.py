@@ -226,6 +226,10 @@ def test_export_refuses_what_the_hf_classes_cannot_hold(corpus_dir, tmp_path, ca
     out = capsys.readouterr()
     assert "note: model.moe.capacity_factor=1.0: Mixtral has no expert capacity" in out.err
     assert f"wrote {tmp_path / 'out'}: MixtralForCausalLM" in out.out
+    # a damaged checkpoint is named, not exported
+    (next((tmp_path / "cf" / "checkpoints").glob("step_*")) / "trainer_state.json").write_text("{}")
+    assert main(["export", str(tmp_path / "cf"), str(tmp_path / "out2"), "--allow-inexact"]) == 2
+    assert "is damaged: trainer_state.json has 2 bytes" in capsys.readouterr().err
     # an existing, non-empty folder is never overwritten
     assert main(["export", str(tmp_path / "cf"), str(tmp_path / "out"), "--allow-inexact"]) == 2
     assert "exists and is not empty; fix: choose a new OUT_DIR" in capsys.readouterr().err

@@ -63,6 +63,9 @@ def export(
     out_dir, torch_dtype = Path(out_dir), DTYPES[dtype]
     _check_out_dir(out_dir)
     checkpoint = resolve_checkpoint(Path(source))
+    problem = Checkpointer.verify(checkpoint)  # the sizes and sha256 its COMMITTED lists
+    if problem is not None:
+        raise ConfigError(f"{checkpoint} is damaged: {problem}; fix: export an earlier checkpoints/step_* folder")
     cfg, data_path = _run_model(checkpoint)
     refused, differs = inexact(cfg)
     if refused:
