@@ -237,6 +237,9 @@ def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     if "path" in data:  # trials run in other working directories
         data["path"] = str(Path(data["path"]).resolve())
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    if model.get("init_from"):  # the same for the pretrained model's folder
+        model["init_from"] = str(Path(model["init_from"]).resolve())
     return raw
 
 
