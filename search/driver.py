@@ -25,6 +25,7 @@ from search.state import (
     read_scheduler_summary,
     saved_trial_statuses,
 )
+from search.tracking import finish_experiment_run, start_experiment_run
 from search.trial import TrialRun
 from trainers._base import ConfigError
 
@@ -131,6 +132,7 @@ def run_experiment(
     a job's placement groups when the job ends; the sweep waits up to 30 s for Train controllers."""
     exp_dir = exp.exp_dir
     check_target(exp, resume)
+    start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
     trainable, space = _tuner_parts(exp)
     if resume:
         tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=True)
@@ -178,7 +180,9 @@ def run_experiment(
         trial, row = best_trial(reports, exp.mode)
     except ValueError:  # nothing finite reported (interrupted early, or every trial failed)
         trial, row = None, {"metric": math.nan}
-    return ExperimentResult(exp_dir, _finished(exp), trial, row["metric"], reports, events)
+    result = ExperimentResult(exp_dir, _finished(exp), trial, row["metric"], reports, events)
+    finish_experiment_run(exp, result)
+    return result
 
 
 def _finished(exp: ExperimentConfig) -> bool:

@@ -41,6 +41,7 @@ from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, TIME_ATTR
+from search.tracking import trial_tracking
 from trainers.metrics import read_metrics
 
 __all__ = ["META", "Gate", "TrialRun"]
@@ -320,6 +321,7 @@ def _run_config(
         name=run_dir.name,
         run_dir=str(run_dir),
         **{"checkpoint.resume": str(resume) if resume else "none", "checkpoint.keep": keep},
+        **trial_tracking(exp, run_dir.parent.name),  # run_dir = EXP_DIR/runs/<trial>/<run>
     )
 
 
