@@ -14,7 +14,7 @@ from search.driver import run_experiment
 from search.lineage import read_events, read_reports
 from tests.ray.test_pbt import STEPS, _experiment, _train_rows, ray_pbt  # noqa: F401  (ray_pbt: a fixture)
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 83 s on a quiet 2-core machine: the slow tier
 
 
 @pytest.fixture(scope="module")
