@@ -181,9 +181,9 @@ class _BaselinedTrainer(Trainer):
         self.probe = probe
         super().__init__(cfg, **kwargs)
 
-    def _build_model(self) -> nn.Module:
+    def _build_model(self, pretrained) -> nn.Module:
         self.probe.baseline()
-        return super()._build_model()
+        return super()._build_model(pretrained)
 
 
 # --------------------------------------------------------------------------------------------- main

@@ -265,8 +265,8 @@ class Census(TrainerCallback):
 
 
 class _CountingTrainer(_BaselinedTrainer):
-    def _build_model(self) -> torch.nn.Module:
-        model = super()._build_model()
+    def _build_model(self, pretrained) -> torch.nn.Module:
+        model = super()._build_model(pretrained)
         self.n_params = sum(p.numel() for p in model.parameters())  # before any engine shards it
         return model
 

@@ -70,8 +70,8 @@ class _FixedRouter:
 
 
 class _FixedRoutingTrainer(Trainer):
-    def _build_model(self) -> nn.Module:
-        model = super()._build_model()
+    def _build_model(self, pretrained) -> nn.Module:
+        model = super()._build_model(pretrained)
         for moe in moe_layers(model):
             moe.gate.register_forward_hook(_FixedRouter())
         return model
