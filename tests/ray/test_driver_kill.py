@@ -20,7 +20,7 @@ from tests.conftest import tiny_raw
 from tests.ray.test_train_on_ray import _sample_lines, assert_each_sample_once
 from trainers.metrics import read_metrics
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 131 s on 2 cores: three Ray starts
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 24, 4

@@ -37,6 +37,7 @@ def _losses(run_dir):
     return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
+@pytest.mark.slow  # 76 s on 2 cores (three Ray runs); the reconcile itself is unit-tested
 def test_run_again_after_retention_and_past_a_corrupt_newest_checkpoint(ray_local, corpus_dir, tmp_path):
     ref_dir, run_dir = tmp_path / "straight", tmp_path / "again"
     assert main(["train", _run(corpus_dir, ref_dir), "--no-progress"]) == 0
