@@ -16,7 +16,12 @@ from collections.abc import Iterable
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-__all__ = ["placement_groups_of_this_job", "release_stranded_placement_groups"]
+__all__ = [
+    "abort_train_controllers",
+    "placement_groups_of_this_job",
+    "release_stranded_placement_groups",
+    "train_controllers_of_this_job",
+]
 
 _HELD = ("PENDING", "PREPARED", "CREATED", "RESCHEDULING")
 
@@ -27,17 +32,39 @@ def placement_groups_of_this_job() -> set[str]:
     return {pg for pg, info in placement_group_table().items() if pg.endswith(job) and info["state"] in _HELD}
 
 
-def _alive_train_controllers() -> int | None:
-    """Train controllers of this job still alive; None where the State API (the dashboard) is not served."""
-    try:
-        from ray.util.state import list_actors
+def train_controllers_of_this_job() -> set[str]:
+    """Ids (hex) of this job's Ray Train controller actors not yet dead (being created, alive or
+    restarting), from the GCS's actor table (no State API or dashboard needed)."""
+    from ray._private.state import state
 
-        context = ray.get_runtime_context()
-        filters = [("class_name", "=", "TrainController"), ("state", "=", "ALIVE"), ("job_id", "=", context.get_job_id())]
-        # this driver's Ray by its address: another Ray on the machine would make the lookup ambiguous
-        return len(list_actors(address=context.gcs_address, filters=filters, raise_on_missing_output=False))
-    except Exception:  # noqa: BLE001 - no State API: one sweep is all we can do
-        return None
+    job = ray._raylet.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    table = state.actor_table(None, job_id=job)
+    return {
+        aid for aid, info in table.items() if info["ActorClassName"] == "TrainController" and info["State"] != "DEAD"
+    }
+
+
+def abort_train_controllers(ids: Iterable[str], timeout_s: float = 10.0) -> None:
+    """Abort these Train controllers as Ray's own Ctrl-C handler does (`controller.abort`: its workers are
+    stopped and the actor exits), so that a `fit()` waiting on one returns before Ray shuts down. One that
+    does not answer within `timeout_s` is killed: a controller placing workers blocks its event loop for up
+    to RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), and one still being created cannot answer at all;
+    `release_stranded_placement_groups` then frees what it had reserved."""
+    core = ray._private.worker.global_worker.core_worker
+    handles = [core.get_actor_handle(ray._raylet.ActorID.from_hex(aid)) for aid in ids]
+    pending = {h.abort.remote(): h for h in handles}
+    done, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            pass  # abort ends with the actor's exit
+    for ref in late:
+        ray.kill(pending[ref], no_restart=True)
+
+
+def _alive_train_controllers() -> int:
+    return len(train_controllers_of_this_job())
 
 
 def release_stranded_placement_groups(before: Iterable[str], timeout_s: float = 30.0) -> list[str]:

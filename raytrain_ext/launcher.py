@@ -29,7 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
+from raytrain_ext.cleanup import (
+    abort_train_controllers,
+    placement_groups_of_this_job,
+    release_stranded_placement_groups,
+    train_controllers_of_this_job,
+)
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train_fn
 from trainers._base import ConfigError, NonFiniteLossError
@@ -283,13 +288,22 @@ def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
             box["error"] = e
 
     since, placed = time.time(), False
+    controllers, groups = train_controllers_of_this_job(), placement_groups_of_this_job()
     thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(0.5)
-        placed = placed or _started_since(run_dir, since)
-        if not placed and time.time() - since > cfg.scaling.placement_timeout_s:
-            raise ConfigError(_unplaced_message(cfg))
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+            placed = placed or _started_since(run_dir, since)
+            if not placed and time.time() - since > cfg.scaling.placement_timeout_s:
+                raise ConfigError(_unplaced_message(cfg))
+    except BaseException:
+        # Ctrl-C, SIGTERM or the placement timeout: end this run's controller and wait for `fit()` to
+        # return. A thread left inside Ray's client while Ray shuts down crashes the process (SIGSEGV).
+        abort_train_controllers(train_controllers_of_this_job() - controllers)
+        thread.join(60)
+        release_stranded_placement_groups(groups)
+        raise
     if "error" in box:
         failed = _read_failed(run_dir)
         if failed is not None:

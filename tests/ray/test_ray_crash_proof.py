@@ -5,10 +5,12 @@ a run the cluster cannot place ends after `scaling.placement_timeout_s` with one
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import yaml
 
+from raytrain_ext.cleanup import placement_groups_of_this_job, train_controllers_of_this_job
 from raytrain_ext.cli import main
 from raytrain_ext.launcher import RAY_SNAPSHOT
 from tests.conftest import tiny_raw
@@ -72,8 +74,8 @@ def test_run_again_after_retention_and_past_a_corrupt_newest_checkpoint(ray_loca
 def test_a_run_the_cluster_cannot_place_ends_after_its_placement_timeout(
     ray_local, corpus_dir, tmp_path, capsys
 ):
-    # This module's Ray has 2 CPUs and no autoscaler; 3 workers never fit. (Last in the module: Ray Train's
-    # controller keeps asking for the workers until the module's Ray shuts down.)
+    # This module's Ray has 2 CPUs and no autoscaler; 3 workers never fit.
+    groups = placement_groups_of_this_job()
     run = _run(
         corpus_dir, tmp_path / "big", train={"steps": 6, "global_batch_size": 6, "micro_batch_size": 2}
     )
@@ -92,3 +94,8 @@ def test_a_run_the_cluster_cannot_place_ends_after_its_placement_timeout(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "scaling.placement_timeout_s=3" in line and "3 workers x {CPU: 1}" in line
     assert "the cluster has CPU 2" in line and "fix:" in line
+    # The run is over, not left asking for workers: its controller is gone and no thread of it waits inside
+    # Ray's client (Ray shutting down under such a thread crashed the process with SIGSEGV).
+    assert train_controllers_of_this_job() == set()
+    assert not [t for t in threading.enumerate() if t.name == "raytrain-fit"]
+    assert placement_groups_of_this_job() == groups, "the CPUs it reserved are free again"
