@@ -18,6 +18,8 @@ from ray.util.placement_group import PlacementGroup, placement_group_table, remo
 
 __all__ = [
     "abort_train_controllers",
+    "end_train_runs",
+    "placement_groups_created_by",
     "placement_groups_of_this_job",
     "release_stranded_placement_groups",
     "train_controllers_of_this_job",
@@ -32,16 +34,31 @@ def placement_groups_of_this_job() -> set[str]:
     return {pg for pg, info in placement_group_table().items() if pg.endswith(job) and info["state"] in _HELD}
 
 
-def train_controllers_of_this_job() -> set[str]:
+def train_controllers_of_this_job(own: bool = False) -> set[str]:
     """Ids (hex) of this job's Ray Train controller actors not yet dead (being created, alive or
-    restarting), from the GCS's actor table (no State API or dashboard needed)."""
+    restarting), from the GCS's actor table (no State API or dashboard needed). `own`: only those this
+    process created (a Tune trial's, not its sibling trials')."""
     from ray._private.state import state
 
     job = ray._raylet.JobID.from_hex(ray.get_runtime_context().get_job_id())
     table = state.actor_table(None, job_id=job)
+    me = _own_address() if own else None
     return {
-        aid for aid, info in table.items() if info["ActorClassName"] == "TrainController" and info["State"] != "DEAD"
+        aid
+        for aid, info in table.items()
+        if info["ActorClassName"] == "TrainController"
+        and info["State"] != "DEAD"
+        and (me is None or (info["OwnerAddress"]["IPAddress"], info["OwnerAddress"]["Port"]) == me)
     }
+
+
+def _own_address() -> tuple[str, int]:
+    """This process's Ray worker address (the owner address the GCS records for the actors it creates)."""
+    from ray.core.generated.common_pb2 import Address
+
+    core = ray._private.worker.global_worker.core_worker
+    address = Address.FromString(core.get_owner_address(ray.put(None)))
+    return address.ip_address, address.port
 
 
 def abort_train_controllers(ids: Iterable[str], timeout_s: float = 10.0) -> None:
@@ -49,7 +66,7 @@ def abort_train_controllers(ids: Iterable[str], timeout_s: float = 10.0) -> None
     stopped and the actor exits), so that a `fit()` waiting on one returns before Ray shuts down. One that
     does not answer within `timeout_s` is killed: a controller placing workers blocks its event loop for up
     to RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), and one still being created cannot answer at all;
-    `release_stranded_placement_groups` then frees what it had reserved."""
+    `end_train_runs` also frees what it had reserved."""
     core = ray._private.worker.global_worker.core_worker
     handles = [core.get_actor_handle(ray._raylet.ActorID.from_hex(aid)) for aid in ids]
     pending = {h.abort.remote(): h for h in handles}
@@ -61,6 +78,28 @@ def abort_train_controllers(ids: Iterable[str], timeout_s: float = 10.0) -> None
             pass  # abort ends with the actor's exit
     for ref in late:
         ray.kill(pending[ref], no_restart=True)
+
+
+def placement_groups_created_by(actor_ids: Iterable[str]) -> set[str]:
+    """Ids (hex) of the placement groups not removed whose creator is one of these actors."""
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+
+    actor_ids, held = set(actor_ids), set()
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        info = PlacementGroupTableData.FromString(raw)
+        if info.creator_actor_id.hex() in actor_ids and info.state != PlacementGroupTableData.REMOVED:
+            held.add(info.placement_group_id.hex())
+    return held
+
+
+def end_train_runs(controller_ids: Iterable[str], timeout_s: float = 10.0) -> None:
+    """End the Train runs of these controllers: abort them (see `abort_train_controllers`) and remove the
+    placement groups they created, which a controller killed while placing workers leaves reserved."""
+    controller_ids = set(controller_ids)
+    abort_train_controllers(controller_ids, timeout_s)
+    for pg in placement_groups_created_by(controller_ids):
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg))))
 
 
 def _alive_train_controllers() -> int:

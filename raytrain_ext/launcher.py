@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ext.cleanup import (
-    abort_train_controllers,
+    end_train_runs,
     placement_groups_of_this_job,
     release_stranded_placement_groups,
     train_controllers_of_this_job,
@@ -288,7 +288,7 @@ def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
             box["error"] = e
 
     since, placed = time.time(), False
-    controllers, groups = train_controllers_of_this_job(), placement_groups_of_this_job()
+    controllers = train_controllers_of_this_job(own=True)
     thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
     thread.start()
     try:
@@ -300,9 +300,8 @@ def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
     except BaseException:
         # Ctrl-C, SIGTERM or the placement timeout: end this run's controller and wait for `fit()` to
         # return. A thread left inside Ray's client while Ray shuts down crashes the process (SIGSEGV).
-        abort_train_controllers(train_controllers_of_this_job() - controllers)
+        end_train_runs(train_controllers_of_this_job(own=True) - controllers)
         thread.join(60)
-        release_stranded_placement_groups(groups)
         raise
     if "error" in box:
         failed = _read_failed(run_dir)
