@@ -45,6 +45,7 @@ bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/pipeline.py --data $(DATA)
 	$(PY) bench/pbt_toy.py
 	$(PY) bench/pbt_vs_random.py --data $(DATA)
+	$(PY) bench/pbt_overhead.py --data $(DATA)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

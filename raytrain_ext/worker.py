@@ -31,13 +31,23 @@ from ray.train import Checkpoint, CheckpointUploadMode
 
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
-from trainers.config import RunConfig, parse_config
+from trainers.config import RunConfig, parse_config, with_values
 from trainers.launch import run_local
 from trainers.trainer import Trainer, TrainerCallback
 
-__all__ = ["FAILED_FILE", "ReportToRay", "StopRun", "load_callback", "train_fn"]
+__all__ = [
+    "FAILED_FILE",
+    "LIVE_VALUES",
+    "LatestMetrics",
+    "ReportToRay",
+    "StopRun",
+    "load_callback",
+    "train_fn",
+    "with_live_values",
+]
 
 FAILED_FILE = "FAILED.json"
+LIVE_VALUES = "live_values.json"  # in the run dir: run-config values set while it ran (see with_live_values)
 
 # Errors every rank meets at the same point, which a restart would only meet again: they end the run.
 FATAL_ERRORS = (ConfigError, NonFiniteLossError)
@@ -48,9 +58,8 @@ class StopRun(Exception):
     segment's last step, after its checkpoint was reported): the workers return normally."""
 
 
-class ReportToRay(TrainerCallback):
-    """Hands each committed checkpoint to Ray (no copy), with the latest metrics. Every rank calls
-    `ray.train.report` the same number of times: checkpoints are collective."""
+class LatestMetrics(TrainerCallback):
+    """Keeps the latest value of each train/eval metric, for a report at a checkpoint."""
 
     def __init__(self) -> None:
         self.latest: dict[str, Any] = {}
@@ -61,8 +70,16 @@ class ReportToRay(TrainerCallback):
     def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self.latest.update(record)
 
+    def report(self, trainer: Trainer) -> dict[str, Any]:
+        return {**self.latest, "step": trainer.step, "world_size": trainer.engine.world_size}
+
+
+class ReportToRay(LatestMetrics):
+    """Hands each committed checkpoint to Ray (no copy), with the latest metrics. Every rank calls
+    `ray.train.report` the same number of times: checkpoints are collective."""
+
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        metrics = {**self.latest, "step": trainer.step, "world_size": trainer.engine.world_size}
+        metrics = self.report(trainer)
         ray.train.report(
             metrics,
             checkpoint=Checkpoint.from_directory(str(path)),
@@ -123,7 +140,7 @@ def set_ray_train_log_level(level: str) -> None:
 
 def train_fn(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...]}."""
-    cfg: RunConfig = parse_config(config["run"])
+    cfg: RunConfig = with_live_values(parse_config(config["run"]))
     set_ray_train_log_level(config["ray_log_level"])
     run_dir = cfg.out_dir
     failed = run_dir / FAILED_FILE
@@ -151,6 +168,13 @@ def train_fn(config: dict[str, Any]) -> None:
             # Failed before the run's first checkpoint: a restart would repeat the same steps from scratch.
             _write_failed(run_dir, e, "early")
         raise
+
+
+def with_live_values(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the run-config values its run took on while it ran (`LIVE_VALUES`, written before a PBT
+    exploit is loaded in place): a restarted worker resumes the exploited checkpoint with them."""
+    path = cfg.out_dir / LIVE_VALUES
+    return with_values(cfg, json.loads(path.read_text())["values"]) if path.is_file() else cfg
 
 
 def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> str:

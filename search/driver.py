@@ -17,7 +17,15 @@ from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_
 from search.config import ExperimentConfig
 from search.lineage import best_trial, collect, cut_logs, log_sizes
 from search.retention import ProtectedRetention
-from search.schedulers import TIME_ATTR, SchedulerState, build_scheduler, population_space
+from search.schedulers import (
+    TIME_ATTR,
+    Board,
+    InPlace,
+    SchedulerState,
+    board_name,
+    build_scheduler,
+    population_space,
+)
 from search.state import (
     check_same_experiment,
     check_tune_state,
@@ -111,11 +119,17 @@ class LineageState(tune.Callback):
         self.cut_to = state["sizes"]
 
 
-def _tuner_parts(exp: ExperimentConfig) -> tuple[Any, dict[str, Any]]:
+def _tuner_parts(exp: ExperimentConfig, board: str | None) -> tuple[Any, dict[str, Any]]:
     # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
     # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node.
-    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp), {"memory": 1})
+    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board), {"memory": 1})
     return trainable, population_space(exp.members())
+
+
+def in_place(exp: ExperimentConfig, slots: int) -> bool:
+    """PBT/PB2 exploits in the trials' live runs (search.schedulers.InPlace) when every member runs at
+    once; when members take turns (population > slots) Tune pauses and restores them, so runs restart."""
+    return exp.scheduler.name in ("pbt", "pb2") and exp.trial_runs == "live" and slots >= exp.population
 
 
 def run_experiment(
@@ -133,11 +147,16 @@ def run_experiment(
     exp_dir = exp.exp_dir
     check_target(exp, resume)
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
-    trainable, space = _tuner_parts(exp)
+    slots = max_concurrent_trials(exp, ray.cluster_resources())
+    board = board_name(exp.name) if in_place(exp, slots) else None
+    board_actor = Board.options(name=board).remote() if board else None
+    trainable, space = _tuner_parts(exp, board)
     if resume:
         tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=True)
     else:
         scheduler = build_scheduler(exp.scheduler, exp.search_space, exp.steps, seed=exp.seed)
+        if board and isinstance(scheduler, InPlace):
+            scheduler.attach(board)
         tuner = tune.Tuner(
             trainable,
             param_space=space,
@@ -145,7 +164,7 @@ def run_experiment(
                 scheduler=scheduler,
                 metric=exp.metric,
                 mode=exp.mode,
-                max_concurrent_trials=max_concurrent_trials(exp, ray.cluster_resources()),
+                max_concurrent_trials=slots,
                 reuse_actors=False,
                 time_budget_s=exp.budget.time_s,
             ),
@@ -170,6 +189,8 @@ def run_experiment(
     try:
         tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
+        if board_actor is not None:
+            ray.kill(board_actor)
         released = release_stranded_placement_groups(before) if driver_goes_on else []
         if released:
             logger.warning(

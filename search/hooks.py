@@ -5,10 +5,11 @@ Kept in a light module: every worker imports it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from raytrain_ext.worker import StopRun
-from trainers.config import parse_config
+from raytrain_ext.worker import LatestMetrics, StopRun
+from trainers.config import with_values
 from trainers.trainer import Trainer, TrainerCallback
 
 __all__ = ["ApplySchedule", "StopAtStep", "WaitAtGate", "apply_live"]
@@ -26,25 +27,37 @@ class StopAtStep(TrainerCallback):
             raise StopRun(f"segment ends at step {trainer.step}")
 
 
-class WaitAtGate(TrainerCallback):
-    """After each checkpoint (reported to Ray just before), wait for the trial's answer at the named gate
-    actor: go on, or end the run here. Every rank gets the same answer for the same step."""
+class WaitAtGate(LatestMetrics):
+    """The live run's side of a Tune trial (see `search.trial`). After each checkpoint (reported to Ray
+    just before): rank 0 posts the report to the trial's gate actor at once (not through Ray Train's
+    controller, which polls its workers every 2 s); then every rank asks the gate for the trial's answer
+    for this step: go on, stop here, or load a donor's checkpoint in place (a PBT exploit), with new
+    hyperparameters. From step `wait_from` on (PBT decides there) the ranks wait for that answer; before
+    it, or with `wait_from=None` (ASHA, random search: nothing to load), they only look whether the trial
+    has said stop, and train on without waiting for Tune's round trip."""
 
-    def __init__(self, gate: str) -> None:
-        self.gate_name = gate
+    def __init__(self, gate: str, wait_from: int | None = 0) -> None:
+        super().__init__()
+        self.gate_name, self.wait_from = gate, wait_from
         self.gate = None
 
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
         import ray
 
-        if trainer.step >= trainer.cfg.train.steps:  # the last one: the run ends by itself
-            return
         try:
             self.gate = self.gate or ray.get_actor(self.gate_name)
-            answer = ray.get(self.gate.wait.remote(trainer.step))
+            if trainer.engine.is_main:  # no wait: calls from one caller arrive in order
+                self.gate.post.remote({"metrics": self.report(trainer), "path": str(path)})
+            if trainer.step >= trainer.cfg.train.steps:  # the last one: the run ends by itself
+                return
+            waits = self.wait_from is not None and trainer.step >= self.wait_from
+            answer = ray.get((self.gate.wait if waits else self.gate.peek).remote(trainer.step))
         except (ValueError, ray.exceptions.RayActorError):  # the trial is gone
             answer = "stop"
-        if answer != "go":
+        if isinstance(answer, dict):  # an exploit: the trial installed the donor's checkpoint as our newest
+            cfg = with_values(trainer.cfg, answer["values"])
+            trainer.load_in_place(Path(answer["checkpoint"]), cfg, donor=answer["donor"])
+        elif answer != "go":
             raise StopRun(f"the trial stopped the run at step {trainer.step}")
 
 
@@ -68,13 +81,10 @@ class ApplySchedule(TrainerCallback):
 def apply_live(trainer: Trainer, values: dict[str, Any]) -> None:
     """Set optimizer.* and schedule.* keys on a running Trainer, as a restore with a new config would
     (`Engine.apply_hparams` writes them into the optimizer; the schedule is closed-form)."""
-    raw = trainer.cfg.model_dump(mode="json")
-    for key, value in values.items():
-        section, name = key.split(".", 1)
-        if section not in ("optimizer", "schedule"):
+    for key in values:
+        if not key.startswith(("optimizer.", "schedule.")):
             raise ValueError(f"{key} cannot change during a run (only optimizer.* and schedule.*)")
-        raw[section][name] = value
-    cfg = parse_config(raw)
+    cfg = with_values(trainer.cfg, values)
     trainer.cfg = cfg
     trainer.engine.apply_hparams(cfg.optimizer)
     trainer.schedule.cfg = cfg.schedule

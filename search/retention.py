@@ -1,4 +1,5 @@
-"""Tune checkpoint retention that never deletes a checkpoint a pending exploit needs.
+"""Tune checkpoint retention (and of the pins they point at) that never deletes a checkpoint a pending
+exploit needs.
 
 Tune's own `num_to_keep` deletes a trial's older checkpoints as new ones arrive, also the one PBT has just
 picked for another trial to clone, before that trial restarts (ray #9036: `num_to_keep <= 2` breaks PBT;
@@ -9,6 +10,7 @@ exploited trial at the donor's) or by the scheduler as a donor candidate.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +29,9 @@ def to_delete(checkpoints: list[str], keep: int, protected: Iterable[str]) -> li
 
 
 class ProtectedRetention(tune.Callback):
+    """Prunes Tune's checkpoints (metadata only, see search/trial.py) and the pins they point at: each
+    trial keeps its newest `keep` of each, plus whatever a restore or a pending exploit still needs."""
+
     def __init__(self, keep: int, scheduler: Any = None):
         self.keep, self.scheduler = keep, scheduler
 
@@ -47,6 +52,19 @@ class ProtectedRetention(tune.Callback):
             manager._checkpoint_results = [r for r in results if r.checkpoint.path not in doomed]
             for path in doomed:
                 shutil.rmtree(Path(path), ignore_errors=True)
+        self._prune_pins(trials, protected | {checkpoint.path})
+
+    def _prune_pins(self, trials: list[Any], protected: set[str]) -> None:
+        """A pin goes once no Tune checkpoint left points at it, nothing protects it, and it is not among
+        its trial's newest `keep` (the newest may be about to be saved)."""
+        needed = {_pin_of(p) for p in protected} | {
+            _pin_of(r.checkpoint.path) for t in trials for r in t.run_metadata.checkpoint_manager._checkpoint_results
+        }
+        roots = {Path(p).parent for p in needed if p is not None}
+        for root in roots:
+            pins = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
+            for pin in to_delete([str(p) for p in pins], self.keep, needed):
+                shutil.rmtree(pin, ignore_errors=True)
 
     def _protected(self, trials: list[Any]) -> set[str] | None:
         """Paths a restore may still need, or None while the scheduler waits on a save in flight."""
@@ -62,6 +80,17 @@ class ProtectedRetention(tune.Callback):
             if path is not None:
                 paths.add(path)
         return paths
+
+
+def _pin_of(path: str) -> str | None:
+    """The pin a checkpoint's metadata points at (a pin is its own), None for an older full checkpoint."""
+    try:
+        meta = json.loads((Path(path) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "pin" in meta:
+        return meta["pin"]
+    return str(path) if Path(path).parent.name == "pins" else None
 
 
 _PENDING = object()

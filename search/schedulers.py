@@ -7,13 +7,18 @@ PB2 gets the space's bounds; ASHA stops on the same report steps; `random` is Tu
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import logging
 import os
 import random
+import time
 import uuid
 from functools import partial
 from typing import Any, Literal
 
+import ray
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
@@ -22,7 +27,10 @@ from search.space import SearchSpace
 from trainers._base import StrictModel
 
 __all__ = [
+    "Board",
     "EXPLOIT_ID",
+    "InPlace",
+    "board_name",
     "MEMBER",
     "SCHEDULER_FILE",
     "TIME_ATTR",
@@ -36,6 +44,8 @@ TIME_ATTR = "step"  # every trial reports its optimizer step; all scheduler inte
 MEMBER = "member"  # config key: the trial's index in the population (its starting point)
 EXPLOIT_ID = "exploit_id"  # config key: set at each exploit (see _Resumable._get_new_config)
 SCHEDULER_FILE = "scheduler_state.json"  # in the experiment folder: a summary of the scheduler's state
+
+logger = logging.getLogger(__name__)
 
 
 def population_space(members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -57,6 +67,7 @@ _ONLY_FOR = {  # settings that only one kind of scheduler reads: an error elsewh
     "resample_probability": ("pbt",),
     "perturbation_factors": ("pbt",),
     "synch": ("pbt",),
+    "sync_timeout_s": ("pbt",),
     "grace_period": ("asha",),
     "reduction_factor": ("asha",),
 }
@@ -70,6 +81,7 @@ class SchedulerConfig(StrictModel):
     resample_probability: float = Field(0.25, ge=0, le=1)  # pbt: chance a value is drawn afresh
     perturbation_factors: tuple[PositiveFloat, PositiveFloat] = (1.2, 0.8)  # pbt
     synch: bool = False  # pbt: decide for the whole population at once (waits for the slowest)
+    sync_timeout_s: PositiveFloat = 900.0  # pbt synch: decide without members not there this long after the first
     grace_period: PositiveInt | None = None  # asha: steps before the first stop (None = interval)
     reduction_factor: float = Field(3.0, gt=1)  # asha
 
@@ -114,6 +126,7 @@ def build_scheduler(
             quantile_fraction=cfg.quantile_fraction,
             custom_explore_fn=BoundedExplore(space, seed, cfg.resample_probability, cfg.perturbation_factors),
             synch=cfg.synch,
+            sync_timeout_s=cfg.sync_timeout_s,
         )
     if cfg.name == "pb2":
         return _resumable_pb2()(
@@ -204,8 +217,198 @@ def _settle_donor_checkpoint(state: Any) -> None:
         state.last_checkpoint, state.last_result = result.checkpoint, result.metrics
 
 
-class ResumablePBT(_Resumable, PopulationBasedTraining):
-    """Ray's PBT whose state survives `Tuner.restore` (with `SchedulerState` among the callbacks)."""
+# ----------------------------------------------------------------------------------- in place
+# Why a scheduler subclass (and not an actor that hosts each trial's Train run beyond Tune's trial actor):
+# Ray's PBT turns an exploit into pause + restore, and synchronous PBT pauses every member at every
+# interval; a pause stops the trial's actor, and with it any run it hosts. Deciding the same way but
+# returning CONTINUE keeps Tune's trial actors (and their runs) alive without a second lifecycle to keep
+# in step with Tune's; the trial actor still owns its run, so Ctrl-C, --resume and failures work as
+# before. The decision reaches the trial through a `Board` actor; the trial loads the donor's checkpoint
+# into its live run (search/trial.py). What this relies on in Ray 2.60's PBT (its fields and helpers
+# named below, `_TrainingResult`, the checkpoint manager's `_latest_checkpoint_result`) is pinned by
+# tests/unit/test_search_schedulers.py.
+
+
+@ray.remote(num_cpus=0)
+class Board:
+    """The scheduler's decisions, per trial and report step: "go" or an exploit order. The scheduler posts
+    (no wait), the trial takes (waits)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple[str, int], Any] = {}
+        self.events: dict[tuple[str, int], asyncio.Event] = {}
+
+    async def post(self, trial: str, step: int, decision: Any) -> None:
+        self.decisions[(trial, step)] = decision
+        self.events.setdefault((trial, step), asyncio.Event()).set()
+
+    async def peek(self, trial: str, step: int) -> Any:
+        """The decision if it is made, without taking it (None if not yet)."""
+        return self.decisions.get((trial, step))
+
+    async def take(self, trial: str, step: int, timeout_s: float) -> Any:
+        key = (trial, step)
+        if key not in self.decisions:
+            try:
+                await asyncio.wait_for(self.events.setdefault(key, asyncio.Event()).wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+        for old in [k for k in self.decisions if k[0] == trial and k[1] < step]:  # never taken: not awaited
+            del self.decisions[old]
+        self.events.pop(key, None)
+        return self.decisions.pop(key)
+
+
+def board_name(exp_dir: Any) -> str:
+    """The board's actor name: one per experiment folder (the same after --resume; the namespace is the
+    driver's job's)."""
+    return f"raytrain-board-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
+
+
+class InPlace:
+    """PBT/PB2 deciding as Ray's, but never pausing a trial whose run can stay live: an exploit is posted
+    to the trial (which loads the donor's checkpoint into its running Train run) instead of a pause and a
+    restore; synchronous PBT holds members at the gate (their runs live) instead of pausing them, until the
+    population is there or `sync_timeout_s` has passed (a member that hung is left out of that round and
+    decided on alone when it reports). Active once `attach`ed to a board (`trial_runs: live`, every member
+    running at once); otherwise Ray's own behaviour. The upper quantile's donor checkpoint is the pin its
+    report names: no extra save per report."""
+
+    board: str | None = None
+    _sync_timeout_s = 900.0
+
+    def attach(self, board: str) -> None:
+        self.board = board
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for runtime in ("_board", "_controller", "_waiting", "_first_wait"):
+            state.pop(runtime, None)
+        return state
+
+    # --------------------------------------------------------------------------------- decisions
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        if self.board is None or TIME_ATTR not in result or self._metric not in result:
+            return super().on_trial_result(tune_controller, trial, result)
+        self._controller = tune_controller
+        time_ = result[TIME_ATTR]
+        state = self._trial_state[trial]
+        if time_ < self._burn_in_period or time_ - state.last_perturbation_time < self._perturbation_interval:
+            self._post(trial, time_, "go")
+            return TrialScheduler.CONTINUE
+        self._save_trial_state(state, time_, result, trial)
+        if not self._synch or time_ < self._next_perturbation_sync - self._perturbation_interval:
+            # async, or a synchronous member late for a round decided without it: on its own, now
+            state.last_perturbation_time = time_
+            lower, upper = self._quantiles()
+            self._decide(trial, upper, lower)
+            return TrialScheduler.CONTINUE
+        waiting = self.__dict__.setdefault("_waiting", {})
+        waiting[trial] = time_
+        self.__dict__.setdefault("_first_wait", time.monotonic())
+        self._maybe_sync()
+        return TrialScheduler.CONTINUE
+
+    def tick(self) -> None:
+        """From Tune's loop (SchedulerState.on_step_end): a synchronous round past its timeout goes on."""
+        if self.__dict__.get("_waiting"):
+            self._maybe_sync()
+
+    def _maybe_sync(self) -> None:
+        waiting = self._waiting
+        absent = [
+            t
+            for t in self._controller.get_live_trials()
+            if t not in waiting and self._trial_state[t].last_train_time < self._next_perturbation_sync
+        ]
+        late = time.monotonic() - self._first_wait > self._sync_timeout_s
+        if absent and not late:
+            return
+        if absent:
+            logger.warning(
+                "synchronous PBT: %s not at step %d after sync_timeout_s=%g; deciding without %s",
+                ", ".join(str(t) for t in absent),
+                self._next_perturbation_sync,
+                self._sync_timeout_s,
+                "it" if len(absent) == 1 else "them",
+            )
+        lower, upper = self._quantiles()
+        middle = [t for t in waiting if t not in upper and t not in lower]
+        for trial in [t for t in upper if t in waiting] + middle + [t for t in lower if t in waiting]:
+            self._trial_state[trial].last_perturbation_time = waiting[trial]
+            self._decide(trial, upper, lower)
+        times = [self._trial_state[t].last_train_time for t in self._controller.get_trials()]
+        self._next_perturbation_sync = max(self._next_perturbation_sync + self._perturbation_interval, max(times))
+        self._waiting = {}
+        self.__dict__.pop("_first_wait", None)
+
+    def _decide(self, trial: Any, upper: list[Any], lower: list[Any]) -> None:
+        """Ray's `_checkpoint_or_exploit`, in place: a top trial's donor checkpoint is its report's pin."""
+        state = self._trial_state[trial]
+        pin = (state.last_result or {}).get("pin")
+        if trial in upper and pin:
+            state.last_checkpoint = tune.Checkpoint.from_directory(pin)
+            self._num_checkpoints += 1
+        else:
+            state.last_checkpoint = None
+        donors = [t for t in upper if self._trial_state[t].last_checkpoint is not None and t is not trial]
+        if trial in lower and donors:
+            self._post(trial, state.last_train_time, self._exploit_in_place(trial, random.choice(donors)))
+        else:
+            self._post(trial, state.last_train_time, "go")
+
+    def _exploit_in_place(self, trial: Any, donor: Any) -> dict[str, Any]:
+        """Ray's `_exploit` without the pause: the trial's config and tag change now (Tune's table shows
+        them), its checkpoint to restore from is the donor's (a restart or --resume before its next save
+        restores the exploit), and the order goes to the trial."""
+        from ray.tune.schedulers.pbt import _make_experiment_tag
+
+        state, donor_state = self._trial_state[trial], self._trial_state[donor]
+        step = donor_state.last_train_time
+        old = {k: trial.config.get(k) for k in self._explored_keys(trial.config)}
+        new_config, _ = self._get_new_config(trial, donor)
+        trial.set_experiment_tag(_make_experiment_tag(state.orig_tag, new_config, self._hyperparam_mutations))
+        trial.set_config(new_config)
+        checkpoint = donor_state.last_checkpoint
+        trial.run_metadata.checkpoint_manager._latest_checkpoint_result = _training_result(
+            checkpoint, donor_state.last_result
+        )
+        self._num_perturbations += 1
+        state.last_perturbation_time = donor_state.last_perturbation_time
+        state.last_train_time = donor_state.last_train_time
+        changes = ", ".join(
+            f"{k} {_short(old[k])} -> {_short(new_config.get(k))}" for k in old if old[k] != new_config.get(k)
+        )
+        logger.info("exploit: %s <- %s at step %d: %s", trial, donor, step, changes or "same values")
+        return {"pin": checkpoint.path, "config": new_config, "exploit_id": new_config.get(EXPLOIT_ID)}
+
+    def _explored_keys(self, config: dict[str, Any]) -> list[str]:
+        return [k for k in config if k not in (MEMBER, EXPLOIT_ID)]
+
+    def _post(self, trial: Any, step: int, decision: Any) -> None:
+        if self.__dict__.get("_board") is None:
+            self._board = ray.get_actor(self.board)
+        self._board.post.remote(trial.trial_id, int(step), decision)
+
+
+def _training_result(checkpoint: Any, metrics: dict[str, Any] | None) -> Any:
+    from ray.train._internal.session import _TrainingResult
+
+    return _TrainingResult(checkpoint=checkpoint, metrics=metrics or {})
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+class ResumablePBT(InPlace, _Resumable, PopulationBasedTraining):
+    """Ray's PBT whose state survives `Tuner.restore` (with `SchedulerState` among the callbacks), exploiting
+    in place once attached to a board."""
+
+    def __init__(self, *args: Any, sync_timeout_s: float = 900.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sync_timeout_s = sync_timeout_s
 
 
 def _resumable_pb2() -> type:
@@ -213,7 +416,7 @@ def _resumable_pb2() -> type:
     if "ResumablePB2" not in globals():
         from ray.tune.schedulers.pb2 import PB2
 
-        globals()["ResumablePB2"] = type("ResumablePB2", (_Resumable, PB2), {"__module__": __name__})
+        globals()["ResumablePB2"] = type("ResumablePB2", (InPlace, _Resumable, PB2), {"__module__": __name__})
     return globals()["ResumablePB2"]
 
 
@@ -239,6 +442,10 @@ class SchedulerState(tune.Callback):
     def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
         if trials and self.staging is None:
             self.staging = trials[0].storage.experiment_driver_staging_path
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        if isinstance(self.scheduler, InPlace):
+            self.scheduler.tick()
 
     def get_state(self) -> dict[str, Any] | None:
         if not isinstance(self.scheduler, _Resumable):

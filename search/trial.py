@@ -2,21 +2,28 @@
 
 Ray's `TuneReportCallback` hands Tune a checkpoint *path* inside the metrics, so PBT finds no checkpoint
 and never exploits. Here the trial is a Tune `Trainable`: each `step()` returns the metrics of one
-interval, and `save_checkpoint` gives Tune a real checkpoint (the Trainer's committed step folder, hard
-linked, plus `meta.json`: which trial wrote it, at which step, with which hyperparameters and metric). A
-trial restored from another trial's checkpoint (an exploit) records the event in the lineage and starts a
-Train run from the donor's weights, optimizer state and data position, with its own new hyperparameters
-(the Trainer re-applies them to the restored optimizer).
+interval, and `save_checkpoint` gives Tune a real checkpoint, of metadata only: which trial wrote it, at
+which step, with which hyperparameters and metric, and the *pin* that holds its tensors. A pin is the
+Trainer's committed step folder hard-linked into the trial's folder (`runs/<trial>/pins/`): no tensor is
+copied for Tune, and the Trainer's own retention cannot delete what Tune still points at
+(`search.retention` deletes pins once nothing needs them).
 
 How a trial trains between reports (`trial_runs` in the experiment YAML):
-- `live`: one Train run for the trial's life. After each checkpoint its workers wait at a gate (an actor)
-  until Tune has taken the report and the trial says go; when Tune stops the trial (PBT exploits or
-  pauses it), `cleanup` says stop and the run ends cleanly, releasing its workers' placement group.
+- `live`: one Train run for the trial's life. Rank 0 posts each report to the trial's gate (an actor) as
+  soon as its checkpoint is committed. Where the scheduler decides (PBT/PB2 past burn-in) the workers wait
+  at the gate for the trial's answer: go on, or load a donor's checkpoint in place. An exploit never
+  restarts the run (see `search.schedulers.InPlace`): the trial installs the donor's pin as the run's
+  newest checkpoint (so a worker lost right after resumes the exploited state), records the new values in
+  the run dir (`live_values.json`, for such a restart), and answers with the checkpoint and the values;
+  every rank loads it as a resume would (`Trainer.load_in_place`). Where the scheduler cannot act (ASHA,
+  random search, burn-in) the workers only look whether the trial said stop and train on.
 - `segments`: a new bounded Train run per interval, restored from the previous one's checkpoint (a new
-  Ray run name each time: a reused name makes Ray hand back the run's own old checkpoint).
+  Ray run name each time: a reused name makes Ray hand back the run's own old checkpoint). The baseline
+  that `bench/pbt_overhead.py` compares against.
 
 A run that fails (NaN loss, a crash Ray could not recover) makes the trial report the worst metric at each
-interval without training, so that PBT replaces it through exploit; under ASHA or random search it ends.
+interval without training, so that PBT replaces it through exploit (a new run from the donor); under ASHA
+or random search it ends.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import shutil
 import threading
 import time
@@ -35,18 +41,20 @@ from typing import Any
 
 import ray
 from ray import tune
-from ray.train import UserCallback
 
-from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, TIME_ATTR
 from search.tracking import trial_tracking
+from trainers.checkpoint_files import install_checkpoint, link_tree
 from trainers.metrics import read_metrics
 
-__all__ = ["META", "Gate", "TrialRun"]
+__all__ = ["META", "PINS", "Gate", "TrialRun"]
 
 META = "meta.json"
+PINS = "pins"  # in the trial's folder: the step folders its Tune checkpoints point at (hard links)
+LIVE_VALUES = "live_values.json"  # raytrain_ext.worker.LIVE_VALUES (not imported: it imports torch)
+_LIVE_KEYS = ("optimizer.", "schedule.")  # what a running Trainer can take on (Trainer.load_in_place)
 
 
 @dataclass
@@ -59,16 +67,21 @@ class _Interval:
 
 
 class TrialRun(tune.Trainable):
-    """Runs in a Tune actor; its Train run's controller and workers are separate actors."""
+    """Runs in a Tune actor; its Train run's controller and workers are separate actors. Imports no torch:
+    the actor only waits on its run and moves files."""
 
-    def setup(self, config: dict[str, Any], exp: ExperimentConfig) -> None:
+    def setup(self, config: dict[str, Any], exp: ExperimentConfig, board: str | None = None) -> None:
+        from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
+
         set_ray_train_log_level(RAY_LOG_LEVEL)  # not a line per checkpoint registered; Tune's table is the view
         self.exp = exp
+        self.board = ray.get_actor(board) if board else None  # the scheduler's decisions (in-place PBT)
         self.hparams = {k: config[k] for k in exp.search_space}
         self.log = LineageLog(exp.exp_dir, self.trial_id)
         self.dir = exp.exp_dir / "runs" / self.trial_id
-        self.step_no, self.step_dir, self.error = 0, None, None
+        self.step_no, self.step_dir, self.pin, self.error = 0, None, None, None
         self.runner: _LiveRun | None = None
+        self.awaiting: int | None = None  # the report step whose decision the next interval follows
         self.clock = time.perf_counter()
 
     # ---------------------------------------------------------------------------- Tune interface
@@ -82,12 +95,18 @@ class TrialRun(tune.Trainable):
                 TIME_ATTR: self.step_no,
                 "done": True,
             }
+        if self.awaiting is not None:  # the scheduler's decision on the last report
+            self._follow_decision(self.awaiting)
+            self.awaiting = None
         if self.error is not None:  # waiting to be replaced: no training, the worst metric
             out = _Interval(self._next_stop(), _worst(exp), None, 0.0, "waiting to be replaced")
         else:
             out = self._train_interval()
         self.error = self.error or out.error
-        self.step_no, self.step_dir = out.step, out.step_dir or self.step_dir
+        self.step_no = out.step
+        if out.step_dir is not None:
+            self.step_dir = out.step_dir
+            self.pin = self._pin(out)
         wall, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         failed = self.error is not None
         self.log.report(
@@ -100,54 +119,47 @@ class TrialRun(tune.Trainable):
             error=out.error,
         )
         done = out.step >= exp.steps or (failed and exp.scheduler.name not in ("pbt", "pb2"))
+        if not done and self._decides_at(out.step):
+            self.awaiting = out.step
         return {
             exp.metric: out.metric,
             TIME_ATTR: out.step,
             "failed": failed,
             "steps_s": out.steps_s,
             "wall_s": wall,
+            "pin": str(self.pin) if self.pin is not None and not failed else None,
             "done": done,
         }
 
     def save_checkpoint(self, checkpoint_dir: str) -> str:
-        """The step folder of the last report (hard links: Tune copies it into the trial's storage)."""
-        root = Path(checkpoint_dir)
-        last = self.log.last_report()
-        meta = {
-            "trial": self.trial_id,
-            "step": self.step_no,
-            "time": time.time(),
-            "hparams": self.hparams,
-            "metric": last["metric"] if last else None,
-            "step_dir": self.step_dir.name if self.step_dir else None,
-        }
-        if self.step_dir is not None:
-            _link_tree(self.step_dir, root / self.step_dir.name)
-        (root / META).write_text(json.dumps(meta))
+        """Metadata only: the pin of the last report holds the tensors (nothing is copied for Tune). Where
+        the scheduler has already decided to exploit at this report, the donor's: Tune registers this save
+        as the trial's newest checkpoint after the exploit, and a restore must find the exploit there."""
+        pin = self.pin
+        if self.awaiting is not None and self.board is not None:
+            decision = ray.get(self.board.peek.remote(self.trial_id, self.awaiting))
+            if isinstance(decision, dict):
+                pin = Path(decision["pin"])
+        meta = _read_meta(pin) if pin is not None else self._meta(None)
+        if pin is not None:
+            meta["pin"] = str(pin)
+        (Path(checkpoint_dir) / META).write_text(json.dumps(meta))
         return checkpoint_dir
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
-        root = Path(checkpoint_dir)
-        meta = json.loads((root / META).read_text())
+        meta = _read_meta(Path(checkpoint_dir))
         if meta["trial"] != self.trial_id:  # an exploit (logged once, however often Tune restores it)
-            last = self.log.last_report()
-            self.log.exploit(
-                step=meta["step"],
-                donor=meta["trial"],
-                donor_time=meta["time"],
-                old_hparams=last["hparams"] if last else None,
-                new_hparams=self.hparams,
-                donor_hparams=meta["hparams"],
-                score=last["metric"] if last else None,
-                donor_score=meta["metric"],
-                exploit_id=self.config.get(EXPLOIT_ID),
-            )
-        self.step_no, self.step_dir, self.error = meta["step"], None, None
-        if meta["step_dir"] is not None:  # keep a copy: Tune may clean `checkpoint_dir` up after this call
-            self.step_dir = self.dir / f"restored-{uuid.uuid4().hex[:6]}" / meta["step_dir"]
-            _link_tree(root / meta["step_dir"], self.step_dir)
-        else:  # the saved trial had failed before its first checkpoint
+            self._log_exploit(meta, self.config.get(EXPLOIT_ID))
+        self.step_no, self.step_dir, self.pin, self.error = meta["step"], None, None, None
+        root = Path(checkpoint_dir)
+        if meta["step_dir"] is None:  # the saved trial had failed before its first checkpoint
             self.error = "restored a failed trial"
+        elif "pin" in meta or root.parent.name == PINS:  # Tune's metadata, or a pin (an in-place donor)
+            self.pin = Path(meta.get("pin", root))
+            self.step_dir = self.pin / meta["step_dir"]
+        else:  # an older experiment's checkpoint with its tensors: keep a copy (Tune may clean it up)
+            self.step_dir = self.dir / f"restored-{uuid.uuid4().hex[:6]}" / meta["step_dir"]
+            link_tree(root / meta["step_dir"], self.step_dir)
 
     def cleanup(self) -> None:
         if self.runner is not None:
@@ -156,6 +168,79 @@ class TrialRun(tune.Trainable):
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         return False  # a new actor per trial start: no Train run outlives its trial
+
+    # ------------------------------------------------------------------------------ exploit in place
+
+    def _decides_at(self, step: int) -> bool:
+        """Whether the scheduler may change this trial at its report of `step` (PBT/PB2 past burn-in), so
+        that its next interval waits for the decision."""
+        sched = self.exp.scheduler
+        return sched.name in ("pbt", "pb2") and step >= sched.burn_in and self.exp.trial_runs == "live"
+
+    def _follow_decision(self, step: int) -> None:
+        """Before the next interval: the scheduler's decision on the report of `step` ("go", or an
+        exploit order, which a live run loads in place); without a board (PBT time-sharing the cluster,
+        where Tune pauses and restores trials itself) always "go"."""
+        decision = self._decision(step) if self.board is not None else "go"
+        if decision == "go":
+            if self.runner is not None and self.runner.waits_at(step):
+                self.runner.go(step)
+            return
+        values = {k: decision["config"][k] for k in self.exp.search_space}
+        changed = {k for k in values if values[k] != self.hparams.get(k)}
+        pin = Path(decision["pin"])
+        meta = _read_meta(pin)
+        self._log_exploit(meta, decision["exploit_id"], new_hparams=values)
+        self.hparams = values
+        donor_dir = pin / meta["step_dir"]
+        live = self.runner is not None and self.error is None
+        if live and self.runner.waits_at(step) and all(k.startswith(_LIVE_KEYS) for k in changed):
+            self.runner.load(donor_dir, values, meta["trial"], step)
+        elif self.runner is not None:  # a value a running Trainer cannot take on: a new run from the donor
+            self.runner.stop()
+            self.runner = None
+        self.step_no, self.step_dir, self.pin, self.error = meta["step"], donor_dir, pin, None
+
+    def _decision(self, step: int) -> Any:
+        """Waits for the scheduler's decision on this trial's report of `step` ("go" or an exploit order).
+        A synchronous PBT decides once the population is there (or its `sync_timeout_s` has passed)."""
+        limit = time.monotonic() + self.exp.scheduler.sync_timeout_s + 60.0
+        while time.monotonic() < limit:
+            decision = ray.get(self.board.take.remote(self.trial_id, step, 5.0))
+            if decision is not None:
+                return decision
+        return "go"  # the scheduler never decided (it cannot act at this report): train on
+
+    def _log_exploit(self, meta: dict[str, Any], exploit_id: str | None, new_hparams: dict | None = None) -> None:
+        last = self.log.last_report()
+        self.log.exploit(
+            step=meta["step"],
+            donor=meta["trial"],
+            donor_time=meta["time"],
+            old_hparams=last["hparams"] if last else None,
+            new_hparams=new_hparams if new_hparams is not None else self.hparams,
+            donor_hparams=meta["hparams"],
+            score=last["metric"] if last else None,
+            donor_score=meta["metric"],
+            exploit_id=exploit_id,
+        )
+
+    def _meta(self, metric: float | None) -> dict[str, Any]:
+        return {
+            "trial": self.trial_id,
+            "step": self.step_no,
+            "time": time.time(),
+            "hparams": self.hparams,
+            "metric": metric,
+            "step_dir": self.step_dir.name if self.step_dir else None,
+        }
+
+    def _pin(self, out: _Interval) -> Path:
+        """Hard-link the report's step folder into the trial's pins, with its metadata beside it."""
+        pin = self.dir / PINS / f"{out.step_dir.name}-{uuid.uuid4().hex[:6]}"
+        link_tree(out.step_dir, pin / out.step_dir.name)
+        (pin / META).write_text(json.dumps(self._meta(out.metric)))
+        return pin
 
     # ----------------------------------------------------------------------------------- training
 
@@ -170,9 +255,7 @@ class TrialRun(tune.Trainable):
         if self.exp.trial_runs == "segments":
             return self._segment()
         if self.runner is None:
-            self.runner = _LiveRun(self.exp, self.hparams, self._run_dir("live"), self.step_dir)
-        else:
-            self.runner.go(self.step_no)
+            self.runner = _LiveRun(self.exp, self.hparams, self._run_dir("live"), self.step_dir, self.board)
         out = self.runner.next(self.step_no, self._next_stop())
         if out.error is not None:
             self.runner.stop()
@@ -191,8 +274,9 @@ class TrialRun(tune.Trainable):
             return _Interval(stop, _worst(self.exp), None, 0.0, f"{type(e).__name__}: {e}")
         rows = read_metrics(run_dir / "metrics.jsonl")
         last = {k: v for r in rows if r.get("step") == result.step for k, v in r.items()}
-        if self.step_dir is not None and self.step_dir.is_relative_to(self.dir):  # restored from: done
-            shutil.rmtree(self.step_dir, ignore_errors=True)
+        before = self.step_dir.parent if self.step_dir is not None else None
+        if before is not None and before.name == "checkpoints" and before.parent.parent == self.dir:
+            shutil.rmtree(before, ignore_errors=True)  # the previous segment's: its pin holds what Tune needs
         return _Interval(
             result.step,
             _metric_of(self.exp, last),
@@ -206,13 +290,14 @@ class TrialRun(tune.Trainable):
 
 @ray.remote(num_cpus=0)
 class Gate:
-    """Between a live Train run and its trial: the controller posts reports, the trial takes them and
-    answers go/stop for each step, every worker waits for that answer after its checkpoint."""
+    """Between a live Train run and its trial: rank 0 posts reports, the trial takes them and answers each
+    step ("go", "stop" or an exploit to load), every worker asks for that answer after its checkpoint."""
 
     def __init__(self) -> None:
         self.reports: asyncio.Queue = asyncio.Queue()
-        self.answers: dict[int, str] = {}
+        self.answers: dict[int, Any] = {}
         self.events: dict[int, asyncio.Event] = {}
+        self.stopped = False
 
     async def post(self, item: dict[str, Any]) -> None:
         await self.reports.put(item)
@@ -223,57 +308,49 @@ class Gate:
         except asyncio.TimeoutError:
             return None
 
-    async def answer(self, step: int, decision: str) -> None:
+    async def answer(self, step: int, decision: Any) -> None:
         self.answers[step] = decision
         self.events.setdefault(step, asyncio.Event()).set()
 
     async def stop_all(self) -> None:  # whatever step the workers are at
-        self.answers = _StopAll()
+        self.stopped = True
         for event in self.events.values():
             event.set()
 
-    async def wait(self, step: int) -> str:
-        if step not in self.answers:
+    async def wait(self, step: int) -> Any:
+        if step not in self.answers and not self.stopped:
             await self.events.setdefault(step, asyncio.Event()).wait()
-        return self.answers[step]
+        return "stop" if self.stopped else self.answers[step]
 
-
-class _StopAll(dict):
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: Any) -> str:
-        return "stop"
-
-
-class ForwardReports(UserCallback):
-    """On the Train controller: posts each reported checkpoint (path + metrics) to the gate."""
-
-    def __init__(self, gate: Any) -> None:
-        self.gate = gate
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if checkpoint is not None:  # no wait: calls from one caller arrive in order
-            self.gate.post.remote({"metrics": metrics[0], "path": checkpoint.path})
+    async def peek(self, step: int) -> str:
+        """For a step the workers do not wait at: stop, or go on."""
+        return "stop" if self.stopped or self.answers.get(step) == "stop" else "go"
 
 
 class _LiveRun:
-    def __init__(self, exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None):
+    def __init__(
+        self, exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None, board: Any
+    ):
         from raytrain_ext.launcher import train
 
         self.exp, self.run_dir = exp, run_dir
         name = f"raytrain-gate-{uuid.uuid4().hex}"
         self.gate = Gate.options(name=name).remote()
         cfg = _run_config(exp, hparams, run_dir, resume, keep=2)
+        # Where the workers wait for the trial's answer: from PBT's first decision on; never where no
+        # scheduler decision can change the run (ASHA, random search: a stop is looked up without waiting).
+        self.wait_from = exp.scheduler.burn_in if exp.scheduler.name in ("pbt", "pb2") else None
+        if board is None and self.wait_from is not None:
+            self.wait_from = 0  # PBT without in-place exploits (time-sharing): a pause must find the run waiting
         self.error: BaseException | None = None
+        wait_from = "None" if self.wait_from is None else str(self.wait_from)
 
         def fit() -> None:
             try:
                 train(
                     cfg,
                     progress=False,
-                    callbacks=[f"search.hooks:WaitAtGate(gate={name!r})"],
-                    ray_callbacks=[ForwardReports(self.gate)],
+                    callbacks=[f"search.hooks:WaitAtGate(gate={name!r}, wait_from={wait_from})"],
                 )
             except BaseException as e:
                 self.error = e
@@ -281,8 +358,20 @@ class _LiveRun:
         self.thread = threading.Thread(target=fit, name="train-run", daemon=True)
         self.thread.start()
 
+    def waits_at(self, step: int) -> bool:
+        return self.wait_from is not None and step >= self.wait_from
+
     def go(self, step: int) -> None:
         ray.get(self.gate.answer.remote(step, "go"))
+
+    def load(self, donor_dir: Path, values: dict[str, Any], donor: str, step: int) -> None:
+        """An exploit in place: the donor's checkpoint becomes the run's newest (a restarted worker resumes
+        it, with `values`), then the waiting workers load it."""
+        tmp = self.run_dir / f"{LIVE_VALUES}.tmp"
+        tmp.write_text(json.dumps({"values": values, "donor": donor}))
+        tmp.replace(self.run_dir / LIVE_VALUES)
+        installed = install_checkpoint(self.run_dir / "checkpoints", donor_dir)
+        ray.get(self.gate.answer.remote(step, {"checkpoint": str(installed), "values": values, "donor": donor}))
 
     def next(self, start: int, stop: int) -> _Interval:
         while True:
@@ -325,6 +414,10 @@ def _run_config(
     )
 
 
+def _read_meta(root: Path) -> dict[str, Any]:
+    return json.loads((Path(root) / META).read_text())
+
+
 def _worst(exp: ExperimentConfig) -> float:
     return math.inf if exp.mode == "min" else -math.inf
 
@@ -337,14 +430,3 @@ def _metric_of(exp: ExperimentConfig, metrics: dict[str, Any]) -> float:
 def _steps_time(run_dir: Path, after: int, upto: int) -> float:
     rows = read_metrics(run_dir / "metrics.jsonl", "train")
     return sum(r["step_time_s"] for r in rows if after < r["step"] <= upto)
-
-
-def _link_tree(src: Path, dst: Path) -> None:
-    def link(s: str, d: str) -> None:
-        try:
-            os.link(s, d)
-        except OSError:
-            shutil.copy2(s, d)
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, dst, copy_function=link)

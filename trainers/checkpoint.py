@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +33,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_st
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainers._base import ConfigError
+from trainers.checkpoint_files import (
+    COMMITTED,
+    _fsync_dir,
+    _write_json,
+    install_checkpoint,
+    is_complete,
+    link_tree,
+    read_trainer_state,
+)
 
 __all__ = [
+    "link_tree",
     "CheckpointError",
     "Checkpointer",
     "CheckpointBackend",
@@ -44,8 +53,6 @@ __all__ = [
     "is_complete",
 ]
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-COMMITTED = "COMMITTED"
 
 
 def _rank() -> int:
@@ -68,10 +75,6 @@ def _gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * _world()
     dist.all_gather_object(out, value)
     return out
-
-
-def is_complete(path: Path) -> bool:
-    return _STEP_DIR.match(path.name) is not None and (path / COMMITTED).is_file()
 
 
 class CheckpointError(RuntimeError):
@@ -220,6 +223,10 @@ class Checkpointer:
         _barrier()
         return final
 
+    def install(self, src: Path) -> Path:
+        """See `install_checkpoint`: `src` becomes this run's newest checkpoint."""
+        return install_checkpoint(self.root, src)
+
     @staticmethod
     def _write_sums(partial: Path) -> None:
         sums = {
@@ -242,10 +249,7 @@ class Checkpointer:
 
     @staticmethod
     def trainer_state(path: Path) -> dict[str, Any]:
-        path = Path(path)
-        if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMMITTED} marker)")
-        return json.loads((path / "trainer_state.json").read_text())
+        return read_trainer_state(path)
 
     def load(
         self, path: Path, state: dict[str, Stateful]
@@ -267,24 +271,10 @@ class Checkpointer:
         done = sorted(p for p in self.root.glob("step_*") if is_complete(p))
         for old in done[: max(len(done) - self.keep, 0)]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob("step_*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for pattern in ("step_*.partial", ".install-*", ".replaced-*"):  # what a crash left half done
+            for stale in self.root.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:300]
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

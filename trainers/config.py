@@ -52,6 +52,7 @@ __all__ = [
     "check_inputs",
     "load_config",
     "parse_config",
+    "with_values",
 ]
 
 
@@ -409,6 +410,18 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_one_line(e, RunConfig)) from None
+
+
+def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """`cfg` with dotted run-config keys set to Python values ({"optimizer.lr": 1e-3}), validated anew."""
+    raw = cfg.model_dump(mode="json")
+    for key, value in values.items():
+        *path, name = key.split(".")
+        node = raw
+        for part in path:
+            node = node[part]
+        node[name] = value
+    return parse_config(raw)
 
 
 def apply_overrides(

@@ -39,6 +39,7 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 class MetricsSink(Protocol):
     def start(self, step: int, kept: list[dict[str, Any]]) -> None: ...
+    def rewind(self, step: int) -> None: ...
     def write(self, record: dict[str, Any]) -> None: ...
     def close(self, status: str) -> None: ...
 
@@ -52,6 +53,7 @@ class MetricsLog:
         self.sinks = list(sinks) if enabled else []
         self._file = None
         self._tb = None
+        self._started = False  # the sinks: started once, rewound by a checkpoint loaded in place
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
@@ -64,13 +66,20 @@ class MetricsLog:
         start from `step` with the records kept."""
         if not self.enabled:
             return
+        if self._file is not None:  # a running trainer loading a checkpoint in place (a PBT exploit)
+            self._file.close()
+            self._file = None
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
         if self.path.is_file():
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             tmp.replace(self.path)
         for sink in self.sinks:
-            sink.start(step, keep)
+            if self._started:
+                sink.rewind(step)
+            else:
+                sink.start(step, keep)
+        self._started = True
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

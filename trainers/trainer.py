@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainers._base import NonFiniteLossError
+from trainers._base import NonFiniteLossError, flat_keys
 from trainers.checkpoint import Checkpointer, CheckpointError, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
@@ -143,7 +143,27 @@ class Trainer:
             )
         return None, skipped
 
-    def _restore(self, path: Path | None, skipped: list[dict[str, str]]) -> None:
+    def load_in_place(self, path: Path, cfg: RunConfig, **event: Any) -> None:
+        """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
+        donor's weights, optimizer state, data position, RNG and step), with `cfg`'s hyperparameters applied
+        to the restored optimizer and schedule: exactly a resume from `path` with `cfg`, without a new
+        process, model build or process group. Emits an `exploit` event (with `event`'s fields), not a
+        `resume`: the run did not start again."""
+        new, old = flat_keys(cfg.model_dump(mode="json")), flat_keys(self.cfg.model_dump(mode="json"))
+        live = ("optimizer.", "schedule.")
+        fixed = [k for k in sorted(new.keys() | old.keys()) if not k.startswith(live) and new.get(k) != old.get(k)]
+        if fixed:
+            raise ConfigError(
+                f"{', '.join(sorted(fixed))} cannot change in a running trainer (only optimizer.* and "
+                f"schedule.*); fix: start a new run from the checkpoint"
+            )
+        self.cfg = cfg
+        self._restore(Path(path), [], event="exploit", **event)
+        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
+
+    def _restore(
+        self, path: Path | None, skipped: list[dict[str, str]], event: str = "resume", **fields: Any
+    ) -> None:
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
             start = {"init_from": str(self.cfg.model.init_from)} if self.cfg.model.init_from else {}
@@ -166,8 +186,9 @@ class Trainer:
         self.log.resume_from(self.step)
         self._emit(
             "event",
-            event="resume",
+            event=event,
             checkpoint=str(path),
+            **fields,
             world_size=self.engine.world_size,
             saved_world_size=trainer_state.get("world_size"),
             **({"skipped": skipped} if skipped else {}),

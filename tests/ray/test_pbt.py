@@ -91,6 +91,13 @@ def _train_rows(exp_dir: Path, trial: str) -> dict[int, dict]:
     return {r["step"]: r for r in sorted(rows, key=lambda r: r["time"])}
 
 
+def _starts(exp_dir: Path, trial: str) -> int:
+    """Train-run starts of a trial: the `start`/`resume` events of all its runs (an exploit in place is an
+    `exploit` event of the live run)."""
+    events = [e for p in (exp_dir / "runs" / trial).glob("*/metrics.jsonl") for e in read_metrics(p, "event")]
+    return sum(e["event"] in ("start", "resume") for e in events)
+
+
 def _trial_of(exp_dir: Path, lr: float) -> str:
     return next(r["trial"] for r in read_reports(exp_dir) if r["hparams"]["optimizer.lr"] == lr)
 
@@ -125,6 +132,11 @@ def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_we
     new_lr = event["new_hparams"]["optimizer.lr"]
     assert new_lr == pytest.approx(1e-2 * 1.2) or new_lr == pytest.approx(1e-2 * 0.8)
 
+    # In place: one Train run per trial, the exploit loaded into the weak trial's live run.
+    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
+    (run,) = (exp_dir / "runs" / weak).glob("live-*")
+    (loaded,) = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "exploit"]
+    assert (loaded["step"], loaded["donor"]) == (INTERVAL, strong)
     weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
     after = INTERVAL + 1
     # The loss of step 11 is computed on the weights after step 10: the donor's, not the weak trial's own

@@ -71,6 +71,13 @@ class TrackingSink:
             self._buffer[:0] = [r for r in kept if r.get("step", 0) > self.sent_step]
         self._thread.start()
 
+    def rewind(self, step: int) -> None:
+        """A running trainer went back to `step` (a PBT exploit loaded in place): the steps after it are
+        trained anew, with new values, and are sent again (as a restarted run would send them)."""
+        with self._lock:
+            self._buffer = [r for r in self._buffer if r.get("step", 0) <= step]
+            self.sent_step = min(self.sent_step, step)
+
     def write(self, record: dict[str, Any]) -> None:
         if record.get("kind") in _METRIC_KINDS and record.get("step", 0) <= self.sent_step:
             return  # recomputed after a resume: the tracker has this step already

@@ -1,0 +1,93 @@
+"""The file layout of a checkpoint (see `trainers.checkpoint`), without torch: what a process that only
+moves checkpoints needs (a Tune trial's actor pins and installs them; `raytrain` reads their state).
+
+A committed checkpoint is a folder `step_XXXXXXXX` holding a `COMMITTED` marker; anything else under a
+checkpoint root (`*.partial`, `.install-*`, `.replaced-*`) is never loaded and is cleaned up by retention.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COMMITTED",
+    "STEP_DIR",
+    "install_checkpoint",
+    "is_complete",
+    "link_tree",
+    "read_trainer_state",
+]
+
+COMMITTED = "COMMITTED"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def is_complete(path: Path) -> bool:
+    return STEP_DIR.match(Path(path).name) is not None and (Path(path) / COMMITTED).is_file()
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMMITTED} marker)")
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Copy the folder `src` to `dst` as hard links (the same files, no data copied), file by file as
+    copies where the file system cannot link (another device)."""
+
+    def link(s: str, d: str) -> None:
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dst, copy_function=link)
+
+
+def install_checkpoint(root: Path, src: Path) -> Path:
+    """Make the committed checkpoint `src` (a PBT donor's) the newest under the checkpoint root `root`, at
+    its step's name: hard links, then the root's own checkpoints at that step or later go, so that a restart
+    resumes from it. Not collective: one process calls it while the run's workers wait. A crash leaves the
+    old newest or the installed one, never a half-made step folder (staging is not named like one)."""
+    root, src = Path(root), Path(src)
+    step = int(read_trainer_state(src)["step"])
+    final = root / f"step_{step:08d}"
+    tag = uuid.uuid4().hex[:8]
+    staging = root / f".install-{final.name}-{tag}"
+    root.mkdir(parents=True, exist_ok=True)
+    link_tree(src, staging)
+    _fsync_dir(staging)
+    aside = []
+    for old in sorted(root.glob("step_*")):
+        match = STEP_DIR.match(old.name)
+        if match and int(match.group(1)) >= step:
+            aside.append(old.rename(root / f".replaced-{old.name}-{tag}"))
+    os.replace(staging, final)
+    _fsync_dir(root)
+    for old in aside:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
