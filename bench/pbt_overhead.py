@@ -298,6 +298,10 @@ def measure(
         "trials": trials,
         "starts_per_trial": [count_starts(runs_by_trial.get(t, {})) for t in trials],
         "report_overhead_s": summary(o["s"] for o in overheads),
+        # of those reports: the next step in a new Train run (the trial was stopped at the report, e.g.
+        # Tune paused it), and the overhead of the others (the run went on)
+        "reports_restarted": sum(not o["same_run"] for o in overheads),
+        "report_overhead_same_run_s": summary(o["s"] for o in overheads if o["same_run"]),
         "exploit_to_first_step_s": summary(x["s"] for x in exploits),
         "exploits": len(events),
         "exploits_in_place": sum(x["in_place"] for x in exploits),

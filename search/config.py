@@ -93,6 +93,7 @@ class ExperimentConfig(StrictModel):
     trial_runs: Literal["segments", "live"] = "live"
     max_concurrent_trials: PositiveInt | None = None  # None = as many as the cluster's CPUs/GPUs hold
     keep_checkpoints: PositiveInt = 3  # newest Tune checkpoints per trial (plus any an exploit still needs)
+    callbacks: list[str] = []  # TrainerCallbacks ("module:Name(...)") in every trial's Train run workers
     storage: Path = Path("runs/tune")  # the experiment directory is storage/name
     seed: int = 0  # initial samples and explore decisions
     _base_raw: dict[str, Any] | None = PrivateAttr(None)

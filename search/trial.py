@@ -269,7 +269,7 @@ class TrialRun(tune.Trainable):
         run_dir = self._run_dir("seg")
         cfg = _run_config(self.exp, self.hparams, run_dir, self.step_dir, keep=1)
         try:
-            result = train(cfg, progress=False, callbacks=[f"search.hooks:StopAtStep(step={stop})"])
+            result = train(cfg, progress=False, callbacks=[f"search.hooks:StopAtStep(step={stop})", *self.exp.callbacks])
         except Exception as e:  # NaN loss, a crash Ray could not recover: PBT replaces this member
             return _Interval(stop, _worst(self.exp), None, 0.0, f"{type(e).__name__}: {e}")
         rows = read_metrics(run_dir / "metrics.jsonl")
@@ -350,7 +350,7 @@ class _LiveRun:
                 train(
                     cfg,
                     progress=False,
-                    callbacks=[f"search.hooks:WaitAtGate(gate={name!r}, wait_from={wait_from})"],
+                    callbacks=[f"search.hooks:WaitAtGate(gate={name!r}, wait_from={wait_from})", *exp.callbacks],
                 )
             except BaseException as e:
                 self.error = e

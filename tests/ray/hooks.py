@@ -104,3 +104,53 @@ class RaiseAtStep(TrainerCallback):
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if trainer.step == self.step:
             raise RuntimeError(f"injected failure at step {self.step}")
+
+
+class KillMeAfterExploit(TrainerCallback):
+    """On `rank`, at the first step after a PBT exploit was loaded in place (the run dir holds the live
+    values it wrote first): write this process's pid to pids/rank<R>, then wait to be killed."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        pid_file = trainer.run_dir / "pids" / f"rank{self.rank}"
+        exploited = (trainer.run_dir / "live_values.json").exists()
+        if exploited and _rank() == self.rank and not pid_file.exists():
+            _write_atomic(pid_file, str(os.getpid()))
+            _hold("waiting for SIGKILL after the exploit")
+
+
+class KillMemberAtStep(TrainerCallback):
+    """In the run whose learning rate is `lr`, on rank 0 at `step`: write the pid to pids/rank0 and wait
+    to be killed (once per run dir)."""
+
+    def __init__(self, step: int, lr: float) -> None:
+        self.step, self.lr = step, lr
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        pid_file = trainer.run_dir / "pids" / "rank0"
+        if trainer.step == self.step and trainer.cfg.optimizer.lr == self.lr and _rank() == 0:
+            if not pid_file.exists():
+                _write_atomic(pid_file, str(os.getpid()))
+                _hold(f"waiting for SIGKILL at step {self.step}")
+
+
+class WaitForReports(TrainerCallback):
+    """In the run whose learning rate is `lr`, after step `at`: wait until the experiment's lineage in
+    `exp_dir` holds `count` reports of `step` (the population's other members caught up), so that an
+    asynchronous PBT decides this member's next report against them."""
+
+    def __init__(self, exp_dir: str, lr: float, at: int, step: int, count: int) -> None:
+        self.exp_dir, self.lr, self.at, self.step, self.count = Path(exp_dir), lr, at, step, count
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if trainer.step != self.at or trainer.cfg.optimizer.lr != self.lr:
+            return
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while time.monotonic() < deadline:
+            rows = [json.loads(line) for p in (self.exp_dir / "lineage").glob("*.jsonl") for line in p.open()]
+            if sum(r["kind"] == "report" and r["step"] == self.step for r in rows) >= self.count:
+                return
+            time.sleep(0.1)  # polling files another process writes
+        raise TimeoutError(f"fewer than {self.count} reports of step {self.step} within {HOLD_TIMEOUT_S:.0f}s")

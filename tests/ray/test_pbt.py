@@ -3,6 +3,9 @@ exploits the stronger one at the first interval, deterministically):
 
 - the exploited trial continues from the donor: its first loss after the exploit is the donor's at that
   step (not a fresh model's), and its learning rate is the explored one;
+- in place: one Train run per trial (the exploit loads into the live run), in synchronous and
+  asynchronous PBT, PB2 and random search; a worker killed right after an in-place exploit resumes the
+  exploited state; a synchronous population whose member's run is killed for good goes on and replaces it;
 - a trial whose loss goes NaN is replaced through exploit and finishes with the population;
 - a driver interrupted (SIGINT) after an exploit resumes with `--resume` semantics: the exploited trial
   continues from the donor's checkpoint with its new hyperparameters, the scheduler's count of exploits
@@ -40,6 +43,7 @@ def ray_pbt():
     assert not ray.is_initialized(), "a Ray from another test module is still running"
     with ray_env_restored():
         import tensorboardX  # noqa: F401  (Tune's logger imports it, and it sets CRC32C_SW_MODE on import)
+        from ray.tune.schedulers.pb2 import PB2  # noqa: F401  (its scikit-learn sets KMP_* on import)
 
         # address="local": a new Ray even when another one runs on this machine. The dashboard is on, as
         # `raytrain tune` has it: Ray Train's PlacementGroupCleaner asks the State API (served by the
@@ -259,3 +263,112 @@ def test_report_and_replay_on_the_result(nan_resumed, ray_pbt):
     assert [s for s, _ in rep.schedule.changes] == [0, INTERVAL]
     assert rep.schedule.changes[0][1] == {"optimizer.lr": 0.5}
     assert rep.replayed == pytest.approx(rep.reported, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- in place, more
+
+
+class KillPidFiles(tune.Callback):
+    """Driver side of tests.ray.hooks' Kill* callbacks: SIGKILLs each process that wrote its pid file."""
+
+    def __init__(self, exp_dir: Path):
+        self.exp_dir, self.killed = exp_dir, set()
+
+    def on_step_end(self, iteration, trials, **info):
+        for pid_file in self.exp_dir.glob("runs/*/*/pids/rank*"):
+            if pid_file not in self.killed and pid_file.read_text():
+                self.killed.add(pid_file)
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _run(tmp: Path, corpus: Path, name: str, scheduler: dict, steps: int = STEPS, **more):
+    path = _experiment(
+        tmp,
+        corpus,
+        name,
+        {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        **more,
+    )
+    raw = yaml.safe_load(path.read_text())
+    raw["scheduler"] = {**raw["scheduler"], **scheduler}
+    raw["budget"] = {"steps": steps}
+    if scheduler.get("name") in ("pb2", "random"):
+        raw["scheduler"] = {"name": scheduler["name"], "interval": INTERVAL}
+    path.write_text(yaml.safe_dump(raw))
+    exp = load_experiment(path)
+    save(exp)
+    return run_experiment(exp, verbose=0, callbacks=[KillPidFiles(exp.exp_dir)])
+
+
+def test_async_pbt_exploits_in_place_with_one_start_per_trial(ray_pbt, corpus_dir, tmp_path):
+    # The weak member waits after step 11 until both have reported step 10: its report of step 20 then
+    # meets the strong one's score and checkpoint (else it may race through its budget alone).
+    wait = f"tests.ray.hooks:WaitForReports(exp_dir={str(tmp_path / 'runs' / 'async')!r}, lr=0.0001, at=11, step=10, count=2)"
+    result = _run(tmp_path, corpus_dir, "async", {"synch": False}, steps=3 * INTERVAL, callbacks=[wait])
+    exp_dir = result.exp_dir
+    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
+    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
+    event = [e for e in result.events if e["trial"] == weak][0]
+    assert event["donor"] == strong
+    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
+    after = event["step"] + 1
+    assert weak_rows[after]["loss"] == strong_rows[after]["loss"], "the donor's weights, bit for bit"
+    new_lr = event["new_hparams"]["optimizer.lr"]
+    assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
+
+
+@pytest.mark.slow  # two more experiments (~4 min on 2 cores)
+@pytest.mark.parametrize("scheduler", ["pb2", "random"])
+def test_pb2_and_random_search_make_one_start_per_trial(ray_pbt, corpus_dir, tmp_path, scheduler):
+    result = _run(tmp_path, corpus_dir, scheduler, {"name": scheduler})
+    trials = {r["trial"] for r in result.reports}
+    assert len(trials) == 2 and {t: _starts(result.exp_dir, t) for t in trials} == dict.fromkeys(trials, 1)
+    assert {r["step"] for r in result.reports if r["step"] == STEPS} == {STEPS}
+
+
+@pytest.mark.slow  # ~2 min on 2 cores
+def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(ray_pbt, corpus_dir, tmp_path):
+    result = _run(
+        tmp_path,
+        corpus_dir,
+        "killed",
+        {},
+        overrides={"scaling.max_failures": 1},
+        callbacks=["tests.ray.hooks:KillMeAfterExploit(rank=0)"],
+    )
+    exp_dir = result.exp_dir
+    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
+    (run,) = (exp_dir / "runs" / weak).glob("live-*")
+    assert (run / "pids" / "rank0").exists(), "the worker was killed after the exploit"
+    events = [e["event"] for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] != "checkpoint"]
+    assert events == ["start", "exploit", "resume"]
+    (resume,) = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "resume"]
+    assert resume["checkpoint"] == str(run / "checkpoints" / f"step_{INTERVAL:08d}")
+    # Resumed from the installed donor checkpoint with the explored rate: step 11 is the donor's loss
+    # (the weak trial's own step-10 weights give a loss > 0.5 higher, see the test above).
+    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
+    after = INTERVAL + 1
+    assert weak_rows[after]["loss"] == strong_rows[after]["loss"]
+    new_lr = [e for e in result.events if e["trial"] == weak][0]["new_hparams"]["optimizer.lr"]
+    assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
+    assert sorted(weak_rows) == list(range(1, STEPS + 1)), "each step once"
+
+
+@pytest.mark.slow  # ~2 min on 2 cores
+def test_synchronous_pbt_replaces_a_member_whose_run_is_killed_for_good(ray_pbt, corpus_dir, tmp_path):
+    result = _run(
+        tmp_path,
+        corpus_dir,
+        "dead",
+        {},
+        overrides={"scaling.max_failures": 0},
+        callbacks=["tests.ray.hooks:KillMemberAtStep(step=5, lr=0.0001)"],
+    )
+    strong, weak = _trial_of(result.exp_dir, 1e-2), _trial_of(result.exp_dir, 1e-4)
+    weak_reports = [r for r in result.reports if r["trial"] == weak]
+    assert weak_reports[0]["failed"] and weak_reports[0]["step"] == INTERVAL
+    (event,) = [e for e in result.events if e["trial"] == weak]
+    assert event["donor"] == strong and math.isinf(event["score"])
+    assert result.finished and weak_reports[-1]["step"] == STEPS and not weak_reports[-1]["failed"]
