@@ -283,7 +283,8 @@ def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 
     def fit() -> None:
         try:
-            box["result"] = trainer.fit()
+            with _env_default(PREEMPTION_WATCHER, "0"):
+                box["result"] = trainer.fit()
         except BaseException as e:
             box["error"] = e
 
@@ -309,6 +310,23 @@ def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
             raise _as_error(failed) from box["error"]
         raise box["error"]
     return box["result"]
+
+
+# Ray Train's preemption watcher (an actor started with every Train run) serves spot-instance drains: off
+# unless the user sets it. The controller takes it from the environment of the process that starts it.
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+@contextlib.contextmanager
+def _env_default(key: str, value: str):
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def _started_since(run_dir: Path, since: float) -> bool:

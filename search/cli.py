@@ -8,6 +8,7 @@ raytrain tune replay EXP_DIR [--trial best|TRIAL_ID]
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -87,6 +88,8 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     from search.driver import check_target, run_experiment
 
     check_target(exp, args.resume)  # a refused command writes nothing: check all, then write
+    if not args.quiet:
+        _show_exploits()
     started = ensure_ray(args.address)
     try:
         if not args.resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
@@ -110,6 +113,17 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
         f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
     )
     return 0
+
+
+def _show_exploits() -> None:
+    """The scheduler's one line per exploit (recipient <- donor at step, old -> new values) on the console
+    beside Tune's table."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("search.schedulers")
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    log.propagate = False
 
 
 def _interrupted(args: argparse.Namespace, exp: Any) -> int:

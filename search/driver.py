@@ -173,6 +173,13 @@ def run_experiment(
                 storage_path=str(exp_dir.parent),
                 stop={TIME_ATTR: exp.steps},
                 verbose=verbose,
+                # The table a PBT user watches: each trial's metric, step and current hyperparameters (an
+                # exploit changes them in place; the `member` column is the starting point's index).
+                progress_reporter=tune.CLIReporter(
+                    metric_columns=[exp.metric, TIME_ATTR],
+                    parameter_columns=sorted(exp.search_space),
+                    max_report_frequency=30,
+                ),
                 # Every report holds a checkpoint; exploit needs the donor's (num_to_keep <= 2 breaks it,
                 # ray #9036): ProtectedRetention deletes the rest once no pending exploit needs them.
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=None, checkpoint_frequency=1),
