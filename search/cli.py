@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -118,6 +119,13 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
 def _show_exploits() -> None:
     """The scheduler's one line per exploit (recipient <- donor at step, old -> new values) on the console
     beside Tune's table."""
+    # Tune's classic table: it takes our columns (the metric, the step, each trial's current values);
+    # the newer one shows sampled parameters only, not values an exploit changed.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Tune's CSV/JSON loggers look for a trial's progress files in storage whenever its config changes (an
+    # exploit in place) and warn that a file not written yet is missing: nothing a user can act on.
+    for name in ("ray.tune.logger.logger",):
+        logging.getLogger(name).setLevel(logging.ERROR)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log = logging.getLogger("search.schedulers")
