@@ -33,8 +33,9 @@ Both shapes of an exploit are understood: a new Train run restored from the dono
 new run folder), or the donor's checkpoint loaded into the running one (an `exploit` event in the same
 `metrics.jsonl`, whose records after the donor's step are then dropped). Writes
 bench/results/pbt_overhead.{json,png}; `--summarize-only` rewrites them from the experiments left in
---work without running anything. The default run takes about 35 minutes on 2 quiet cores; `--quick` (tiny
-budgets, for development) about 15.
+--work without running anything. The default run takes about 40 minutes on 2 quiet cores (the long
+interval's 4 x 800 steps per trial are ~20 of them); `--quick` (tiny budgets, for development) about 20, and
+much longer on a loaded machine.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "random": {"scheduler": "random", "synch": False, "trial_runs": "live"},
 }
 STARTS = ("start", "resume")  # events that begin a Train run (an in-place `exploit` does not)
+BUDGETS = {"steps": 160, "interval": 40, "long_steps": 800, "long_interval": 400}  # 4 and 2 reports per trial
 QUICK = {"steps": 30, "interval": 10, "long_steps": 40, "long_interval": 20}
 
 
@@ -393,6 +395,9 @@ def _run(args: argparse.Namespace, config: str, steps: int, interval: int) -> di
         "wall_s": time.time() - t,
         "finished": result.finished,
         "loadavg": {"before": before, "after": os.getloadavg()},
+        "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+        # the tree that ran (a later --summarize-only records its own commit at the top level)
+        "git_commit": _git("rev-parse", "--short", "HEAD").strip(),
     }
     (exp.exp_dir / META).write_text(json.dumps(meta, indent=1))
     return _experiment_summary(exp.exp_dir)
@@ -415,12 +420,16 @@ def _order(configs: list[str]) -> list[tuple[str, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="data/stdlib")
-    ap.add_argument("--steps", type=int, default=160, help="budget per trial at the short interval")
-    ap.add_argument("--interval", type=int, default=40, help="the short interval (the demo's)")
-    ap.add_argument("--long-steps", type=int, default=800, help="budget per trial at the long interval")
-    ap.add_argument("--long-interval", type=int, default=400)
+    ap.add_argument("--steps", type=int, help=f"budget per trial at the short interval ({BUDGETS['steps']})")
+    ap.add_argument("--interval", type=int, help=f"the short interval, the demo's ({BUDGETS['interval']})")
+    ap.add_argument(
+        "--long-steps", type=int, help=f"budget per trial at the long interval ({BUDGETS['long_steps']})"
+    )
+    ap.add_argument("--long-interval", type=int, help=f"the long interval ({BUDGETS['long_interval']})")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--quick", action="store_true", help=f"tiny budgets for development: {QUICK}")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"tiny budgets for development (flags given win): {QUICK}"
+    )
     ap.add_argument(
         "--work",
         default=None,
@@ -432,8 +441,9 @@ def main() -> None:
         help="run nothing: summarize the experiments already in --work (same settings)",
     )
     args = ap.parse_args()
-    if args.quick:
-        vars(args).update(QUICK)
+    for key, value in (QUICK if args.quick else BUDGETS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     # a quick run keeps its experiments and its JSON/PNG in its own folder: never over a real result
     args.work = args.work or str(WORK.with_name(WORK.name + "_quick") if args.quick else WORK)
     args.out = Path(args.work) if args.quick else RESULTS
@@ -476,7 +486,7 @@ def _fmt(v: float | None, spec: str = ".2f") -> str:
 
 
 def _git(*cmd: str) -> str:
-    return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
 
 
 def _write(
@@ -515,9 +525,9 @@ def _write(
     out = {
         "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_commit": _git("rev-parse", "--short", "HEAD").strip(),
         "git_dirty": [
-            line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
+            line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines() if line
         ],
         "cpus": cpus,
         "busy": bool(busy),

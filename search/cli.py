@@ -8,6 +8,7 @@ raytrain tune replay EXP_DIR [--trial best|TRIAL_ID]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -89,14 +90,15 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     from search.driver import check_target, run_experiment
 
     check_target(exp, args.resume)  # a refused command writes nothing: check all, then write
-    if not args.quiet:
-        _show_exploits()
     started = ensure_ray(args.address)
     try:
         if not args.resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
             save(exp)
         # this process ends next: Ray frees what Ctrl-C'd trials hold with the job, no sweep to wait for
-        result = run_experiment(exp, resume=args.resume, verbose=0 if args.quiet else 1, driver_goes_on=False)
+        with _console(args.quiet):
+            result = run_experiment(
+                exp, resume=args.resume, verbose=0 if args.quiet else 1, driver_goes_on=False
+            )
     finally:
         if started:
             stop_ray()
@@ -116,22 +118,35 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     return 0
 
 
-def _show_exploits() -> None:
-    """The scheduler's one line per exploit (recipient <- donor at step, old -> new values) on the console
-    beside Tune's table."""
-    # Tune's classic table: it takes our columns (the metric, the step, each trial's current values);
-    # the newer one shows sampled parameters only, not values an exploit changed.
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    # Tune's CSV/JSON loggers look for a trial's progress files in storage whenever its config changes (an
-    # exploit in place) and warn that a file not written yet is missing: nothing a user can act on.
-    for name in ("ray.tune.logger.logger",):
-        logging.getLogger(name).setLevel(logging.ERROR)
+@contextlib.contextmanager
+def _console(quiet: bool):
+    """What a user watching the experiment sees, for the command's duration: Tune's classic table (it
+    takes our columns: the metric, the step, each trial's current values; the newer one shows sampled
+    parameters only, not values an exploit changed) and the scheduler's one line per exploit (recipient <-
+    donor at step, old -> new values). Tune's loggers warn that a trial's progress file is missing in
+    storage whenever its config changes (an exploit in place) before the file is written: silenced."""
+    if quiet:
+        yield
+        return
+    env = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_log, exploits = logging.getLogger("ray.tune.logger.logger"), logging.getLogger("search.schedulers")
+    levels = tune_log.level, exploits.level, exploits.propagate
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log = logging.getLogger("search.schedulers")
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    log.propagate = False
+    tune_log.setLevel(logging.ERROR)
+    exploits.setLevel(logging.INFO)
+    exploits.addHandler(handler)
+    exploits.propagate = False
+    try:
+        yield
+    finally:
+        exploits.removeHandler(handler)
+        tune_log.level, exploits.level, exploits.propagate = levels
+        if env is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = env
 
 
 def _interrupted(args: argparse.Namespace, exp: Any) -> int:
