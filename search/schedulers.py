@@ -298,7 +298,7 @@ class InPlace:
             self._post(trial, time_, "go")
             return TrialScheduler.CONTINUE
         self._save_trial_state(state, time_, result, trial)
-        if not self._synch or time_ < self._next_perturbation_sync - self._perturbation_interval:
+        if not self._synch or time_ < self._next_perturbation_sync:
             # async, or a synchronous member late for a round decided without it: on its own, now
             state.last_perturbation_time = time_
             lower, upper = self._quantiles()
@@ -352,6 +352,11 @@ class InPlace:
             self._num_checkpoints += 1
         else:
             state.last_checkpoint = None
+        for top in upper:  # a top member decided before it was top donates the report it was scored on
+            top_state = self._trial_state[top]
+            top_pin = (top_state.last_result or {}).get("pin")
+            if top_state.last_checkpoint is None and top_pin:
+                top_state.last_checkpoint = tune.Checkpoint.from_directory(top_pin)
         donors = [t for t in upper if self._trial_state[t].last_checkpoint is not None and t is not trial]
         if trial in lower and donors:
             self._post(trial, state.last_train_time, self._exploit_in_place(trial, random.choice(donors)))

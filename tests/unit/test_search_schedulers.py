@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ray import tune
+from ray.train._internal.checkpoint_manager import _CheckpointManager
 from ray.train._internal.session import _TrainingResult
 from ray.tune.schedulers.pbt import _PBTTrialState
 
@@ -53,3 +54,114 @@ def test_each_exploit_gets_its_own_id_in_the_new_config():
     # the id lets the exploited trial record the decision once, however often Tune restores it
     assert first[EXPLOIT_ID] != again[EXPLOIT_ID] and len(first[EXPLOIT_ID]) == 32
     assert first["optimizer.lr"] in (1e-2 * 1.2, 1e-2 * 0.8) and first["member"] == 0
+
+
+# ----------------------------------------------------------------------------------- in place
+
+
+class _LiveTrial(_Trial):
+    def __init__(self, trial_id: str, lr: float):
+        super().__init__(trial_id, lr)
+        self.status = "RUNNING"
+        self.run_metadata = type("Meta", (), {"checkpoint_manager": _CheckpointManager(tune.CheckpointConfig())})()
+
+    def set_config(self, config):
+        self.config = config
+
+    def set_experiment_tag(self, tag):
+        self.experiment_tag = tag
+
+    def is_finished(self):
+        return False
+
+    def __str__(self):
+        return self.trial_id
+
+
+class _Controller:
+    search_alg = None
+
+    def __init__(self, trials):
+        self.trials = trials
+
+    def get_trials(self):
+        return self.trials
+
+    def get_live_trials(self):
+        return self.trials
+
+
+def _in_place(synch: bool, timeout: float = 900.0):
+    cfg = SchedulerConfig(name="pbt", interval=10, quantile_fraction=0.34, synch=synch, sync_timeout_s=timeout)
+    pbt = build_scheduler(cfg, SPACE, 40)
+    pbt.set_search_properties("val_loss", "min")
+    pbt.attach("board")
+    posted = []
+    pbt._post = lambda trial, step, decision: posted.append((trial.trial_id, step, decision))
+    trials = [_LiveTrial(f"t{i}", lr) for i, lr in enumerate((1e-2, 1e-3, 1e-4))]
+    controller = _Controller(trials)
+    for t in trials:
+        pbt.on_trial_add(controller, t)
+    return pbt, controller, trials, posted
+
+
+def _result(trial, step, loss, tmp_path):
+    return {"val_loss": loss, "step": step, "pin": str(tmp_path / trial.trial_id / f"pin{step}")}
+
+
+def test_synchronous_in_place_pbt_holds_members_live_and_decides_when_all_are_there(tmp_path):
+    pbt, controller, (best, mid, worst), posted = _in_place(synch=True)
+    for trial, loss in ((worst, 5.0), (best, 3.0)):
+        assert pbt.on_trial_result(controller, trial, _result(trial, 10, loss, tmp_path)) == "CONTINUE"
+    assert posted == [], "no decision while a member is missing: the others wait at their gates, live"
+    assert pbt.on_trial_result(controller, mid, _result(mid, 10, 4.0, tmp_path)) == "CONTINUE"
+    decisions = {trial: decision for trial, step, decision in posted if step == 10}
+    assert decisions["t0"] == decisions["t1"] == "go"
+    order = decisions["t2"]
+    assert order["pin"] == str(tmp_path / "t0" / "pin10"), "the best member's report is the donor"
+    assert worst.config[EXPLOIT_ID] == order["exploit_id"] and worst.config["optimizer.lr"] != 1e-4
+    latest = worst.run_metadata.checkpoint_manager._latest_checkpoint_result
+    assert latest.checkpoint.path == order["pin"], "a restore before its next save restores the exploit"
+    assert pbt._num_perturbations == 1
+
+
+def test_a_synchronous_round_goes_on_without_a_member_past_its_timeout(tmp_path):
+    pbt, controller, (best, mid, worst), posted = _in_place(synch=True, timeout=60.0)
+    for trial, loss in ((worst, 5.0), (best, 3.0)):
+        pbt.on_trial_result(controller, trial, _result(trial, 10, loss, tmp_path))
+    pbt.tick()
+    assert posted == [], "within the timeout: still waiting for the third member"
+    pbt._first_wait -= 61.0  # the round started 61 s ago (the clock the scheduler reads)
+    pbt.tick()
+    assert {trial for trial, step, _ in posted if step == 10} == {"t0", "t2"}
+    # the member that hung reports late: decided alone at once, not held for a round that has passed
+    pbt.on_trial_result(controller, mid, _result(mid, 10, 4.0, tmp_path))
+    assert [trial for trial, _, _ in posted] == ["t0", "t2", "t1"]
+
+
+def test_asynchronous_in_place_pbt_decides_each_report_at_once(tmp_path):
+    pbt, controller, (best, mid, worst), posted = _in_place(synch=False)
+    assert pbt.on_trial_result(controller, best, _result(best, 10, 3.0, tmp_path)) == "CONTINUE"
+    assert pbt.on_trial_result(controller, mid, _result(mid, 10, 4.0, tmp_path)) == "CONTINUE"
+    assert pbt.on_trial_result(controller, worst, _result(worst, 10, 5.0, tmp_path)) == "CONTINUE"
+    # each decided against the members that have reported so far: the first alone (go), the second as
+    # the worse of two, the third as the worst of three (both exploit the best one's report)
+    assert [(t, s) for t, s, _ in posted] == [("t0", 10), ("t1", 10), ("t2", 10)]
+    assert posted[0][2] == "go"
+    assert posted[1][2]["pin"] == posted[2][2]["pin"] == str(tmp_path / "t0" / "pin10")
+
+
+def test_ray_pbt_internals_that_in_place_exploits_rely_on():
+    """Pins Ray 2.60's PBT internals that search.schedulers.InPlace uses: fails when an upgrade changes them."""
+    from ray.train._internal.checkpoint_manager import _CheckpointManager
+    from ray.tune.execution.tune_controller import TuneController  # noqa: F401
+    from ray.tune.schedulers.pbt import PopulationBasedTraining, _make_experiment_tag  # noqa: F401
+
+    pbt = PopulationBasedTraining(time_attr="step", perturbation_interval=10, hyperparam_mutations={"a": [1, 2]})
+    for name in ("_burn_in_period", "_perturbation_interval", "_synch", "_next_perturbation_sync", "_metric"):
+        assert hasattr(pbt, name), name
+    for name in ("_save_trial_state", "_quantiles", "_get_new_config", "_trial_state", "_hyperparam_mutations"):
+        assert hasattr(pbt, name), name
+    manager = _CheckpointManager(None)
+    assert hasattr(manager, "_latest_checkpoint_result") and hasattr(manager, "_checkpoint_results")
+    assert _TrainingResult(checkpoint=None, metrics={}).metrics == {}
