@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,10 @@ def run_experiment(
         )
     before = placement_groups_of_this_job()
     try:
-        tuner.fit()
+        with warnings.catch_warnings():
+            # Ray's advice for PBT (reuse actors, reset_config) is for restarting trials; ours stay live.
+            warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+            tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
         if board_actor is not None:
             ray.kill(board_actor)
