@@ -302,6 +302,7 @@ def _run(tmp: Path, corpus: Path, name: str, scheduler: dict, steps: int = STEPS
     return run_experiment(exp, verbose=0, callbacks=[KillPidFiles(exp.exp_dir)])
 
 
+@pytest.mark.slow  # ~2 min on 2 cores; the default tier has the synchronous experiment and the unit tests
 def test_async_pbt_exploits_in_place_with_one_start_per_trial(ray_pbt, corpus_dir, tmp_path):
     # The weak member waits after step 11 until both have reported step 10: its report of step 20 then
     # meets the strong one's score and checkpoint (else it may race through its budget alone).
