@@ -154,3 +154,18 @@ class WaitForReports(TrainerCallback):
                 return
             time.sleep(0.1)  # polling files another process writes
         raise TimeoutError(f"fewer than {self.count} reports of step {self.step} within {HOLD_TIMEOUT_S:.0f}s")
+
+
+class HoldOnceFromDonor(TrainerCallback):
+    """The first time in the experiment, on rank 0 at the first step of a run that took a donor's state
+    (started from another trial's checkpoint, or an exploit loaded in place): mark it and wait to be
+    stopped (a test interrupts the experiment there; Tune ends the held run)."""
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        run_dir = trainer.run_dir
+        marker = run_dir.parents[2] / "held-once"  # EXP_DIR/runs/<trial>/<run>
+        resume = trainer.cfg.checkpoint.resume
+        from_donor = resume not in ("none", "auto") or (run_dir / "live_values.json").exists()
+        if from_donor and _rank() == 0 and not marker.exists():
+            _write_atomic(marker, str(os.getpid()))
+            _hold("held at the first step from a donor")

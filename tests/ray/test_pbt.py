@@ -153,13 +153,15 @@ def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_we
     last = {r["trial"]: r for r in sorted(result.reports, key=lambda r: r["time"])}
     assert {r["step"] for r in last.values()} == {STEPS}
     assert last[weak]["hparams"] == {"optimizer.lr": new_lr}
-    # Retention (keep 1) deleted the weak trial's own pre-exploit checkpoint, which nothing needed any
-    # more, and left the donor's that its restore used until then (the exploit above worked).
+    # Tune's checkpoints are metadata pointing at pins (hard-linked step folders), nothing copied. Retention
+    # (keep 1) left no pre-exploit checkpoint of the weak trial: its checkpoint of the exploit's report
+    # names the donor's pin (what a restore then must load), its newest is its own at the end.
     weak_dir = next(exp_dir.glob(f"TrialRun_{weak}_*"))
-    assert [
-        json.loads((c / "meta.json").read_text())["trial"] for c in sorted(weak_dir.glob("checkpoint_*"))
-    ] == [weak]
-    assert json.loads((next(weak_dir.glob("checkpoint_*")) / "meta.json").read_text())["step"] == STEPS
+    metas = [json.loads((c / "meta.json").read_text()) for c in sorted(weak_dir.glob("checkpoint_*"))]
+    assert (metas[-1]["trial"], metas[-1]["step"]) == (weak, STEPS)
+    assert all((m["trial"], m["step"]) in ((strong, INTERVAL), (weak, STEPS)) for m in metas)
+    assert all(sorted(p.name for p in c.iterdir()) == ["meta.json"] for c in weak_dir.glob("checkpoint_*"))
+    assert all(Path(m["pin"]).parent.name == "pins" and (Path(m["pin"]) / m["step_dir"]).is_dir() for m in metas)
 
 
 # ------------------------------------------------------------------ NaN trial, interrupt, resume
@@ -195,6 +197,9 @@ def nan_resumed(ray_pbt, corpus_dir, tmp_path_factory):
         {"name": "sgd", "lr": 0.5, "grad_clip": None, "weight_decay": 0.0},
         {"optimizer.lr": {"loguniform": [1e-3, 1e6]}},
         [{"optimizer.lr": 0.5}, {"optimizer.lr": 1e6}],
+        # the replaced member holds at its first step from the donor (it would otherwise finish within
+        # seconds): the interrupt lands before it finishes, and Tune ends the held run
+        callbacks=["tests.ray.hooks:HoldOnceFromDonor()"],
     )
     exp = load_experiment(path)
     save(exp)

@@ -273,6 +273,8 @@ def test_ctrl_c_before_the_first_report_is_an_interruption(ray_pbt, corpus_dir, 
         {"name": "adamw", "lr": 1e-3},
         {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
         [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        # no report can come before the interrupt: the runs hold at their first step (Tune ends them)
+        callbacks=["tests.ray.hooks:KillMeAtStep(step=1, rank=0)"],
     )
     exp = load_experiment(path)
     save(exp)
