@@ -168,7 +168,10 @@ def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_we
 
 
 class InterruptAfterExploit(tune.Callback):
-    """Sends the driver a SIGINT (as Ctrl-C would) once a trial has restored another's checkpoint."""
+    """Sends the driver a SIGINT (as Ctrl-C would) once the exploited trial holds at its first step from the
+    donor (`hooks.HoldOnceFromDonor` marks it): after the exploit and before that trial finishes, however
+    slow the machine (an interrupt sent at the exploit itself could land before the run started, and the
+    resumed run would then hold with nobody to stop it)."""
 
     def __init__(self, exp_dir: Path):
         self.exp_dir, self.sent = exp_dir, False
@@ -180,8 +183,7 @@ class InterruptAfterExploit(tune.Callback):
         self.sent = state["sent"]
 
     def on_step_end(self, iteration, trials, **info):
-        logs = (self.exp_dir / "lineage").glob("*.jsonl")
-        if not self.sent and any('"kind": "exploit"' in p.read_text() for p in logs):
+        if not self.sent and (self.exp_dir / "held-once").exists():
             self.sent = True
             os.kill(os.getpid(), signal.SIGINT)
 
