@@ -1,6 +1,6 @@
 """`raytrain plan` and `raytrain cluster check`: memory and layout, before any worker starts.
 
-    raytrain plan RUN.yaml --world-size N [--device-memory 80GiB] [--json] [--set k=v ...]
+    raytrain plan RUN.yaml --world-size N [--device-memory 80GiB] [--gpus-per-node 8] [--json] [--set k=v ...]
     raytrain cluster check CLUSTER.yaml [--run RUN.yaml] [--device-memory 80GiB] [--set k=v ...]
 
 `plan` exits 0 with its verdict in the output; `cluster check` exits 1 when the run does not fit. Bad input
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainers._base import ConfigError
 from trainers.config import load_config
-from trainers.plan import KINDS, USABLE_FRACTION, RunPlan, format_bytes, parse_bytes, plan_run
+from trainers.plan import GPUS_PER_NODE, KINDS, USABLE_FRACTION, RunPlan, format_bytes, parse_bytes, plan_run
 
 __all__ = ["add_commands"]
 
@@ -29,6 +29,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--device-memory", default="80GiB", help="memory of one device (default 80GiB, an H100)")
     plan.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda",
                       help="the optimizer step's temporaries follow torch's foreach (cuda) or per-tensor (cpu) code")
+    plan.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
+                      help=f"GPUs of a node (default {GPUS_PER_NODE}): a suggested parallel.tp divides it, so a "
+                      f"tensor-parallel group stays inside a node")
     plan.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     _overrides(plan)
     plan.set_defaults(func=_cmd_plan)
@@ -59,8 +62,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.device_memory, "--device-memory")
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size} must be at least 1; fix: the number of ranks, e.g. 8")
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be at least 1; fix: the GPUs of one node, e.g. 8")
     cfg = load_config(args.config, args.overrides)
-    result = plan_run(cfg, args.world_size, memory, args.device_type)
+    result = plan_run(cfg, args.world_size, memory, args.device_type, gpus_per_node=args.gpus_per_node)
     if args.json:
         print(json.dumps({"config": str(args.config), "overrides": args.overrides, **result.to_dict()}, indent=1))
     else:
@@ -73,7 +78,8 @@ def plan_lines(result: RunPlan, name: str) -> list[str]:
     acts = plan.activations
     per_block = max(acts["per_block_bytes"].values(), default=0)
     lines = [
-        f"plan: {name} on {plan.world_size} rank{'s' if plan.world_size > 1 else ''} (pp={lay['pp']} x dp={lay['dp']}, ep={lay['ep']}), "
+        f"plan: {name} on {plan.world_size} rank{'s' if plan.world_size > 1 else ''} (pp={lay['pp']} x dp={lay['dp']}"
+        + (f" x tp={lay['tp']}" if lay["tp"] > 1 else "") + f", ep={lay['ep']}), "
         f"{acts['micro_batch_tokens']:,} tokens per micro-batch, accumulation {lay['accumulation']}",
         f"peak per rank: {format_bytes(plan.peak_bytes)} at {plan.moment}"
         + (f" (pipeline rank {plan.rank})" if lay["pp"] > 1 else ""),
@@ -113,7 +119,9 @@ def plan_lines(result: RunPlan, name: str) -> list[str]:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate a cluster file with Ray's own schema and validator; with --run, check that the run fits:
-    GPUs per node against pp x dp, elastic min/max against the node types, memory per GPU (planner)."""
+    every world size a valid layout (the rules `raytrain train` and the workers apply), a tensor-parallel
+    group inside a node, GPUs per node against pp x dp x tp, elastic min/max against the node types, memory
+    per GPU (planner)."""
     from raytrain_ext.cluster import check_run, load_cluster, policy_findings
 
     memory = None if args.device_memory is None else parse_bytes(args.device_memory, "--device-memory")

@@ -9,9 +9,11 @@
   `validate_config`), after its RayCluster fields are checked against the names in KubeRay's API types.
   The pod templates are standard Kubernetes and are not checked here (`kubectl apply --dry-run=server` is).
 
-`check_run(cluster, cfg)` returns a verdict with one line per check: GPUs per node against pp x dp, the
-run's worker counts (elastic min/max) against the node types' min/max workers, and memory per GPU from the
-planner (`trainers.plan`).
+`check_run(cluster, cfg)` returns a verdict with one line per check: every world size the run may take
+against the layout rules (`trainers.layout`, the one authority `raytrain train` and the workers also ask),
+GPUs per node against pp x dp x tp (a tensor-parallel group inside one node), the run's worker counts
+(elastic min/max) against the node types' min/max workers, and memory per GPU from the planner
+(`trainers.plan`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import copy
 import difflib
 import json
 import logging
+import math
 import re
 import shlex
 from collections.abc import Iterator
@@ -32,7 +35,8 @@ import yaml
 
 from trainers._base import ConfigError
 from trainers.config import RunConfig
-from trainers.plan import Layout, format_bytes, parse_bytes, plan_run
+from trainers.layout import check_world_sizes
+from trainers.plan import format_bytes, parse_bytes, plan_run
 
 __all__ = ["Check", "ClusterSpec", "NodeType", "Verdict", "check_run", "load_cluster", "policy_findings"]
 
@@ -330,7 +334,7 @@ def check_run(cluster: ClusterSpec, cfg: RunConfig, run_name: str = "run",
     scaling = getattr(cfg, "scaling", None)
     sizes = list(scaling.sizes) if scaling is not None else [1]
     lo, hi = min(sizes), max(sizes)
-    pp = int(getattr(cfg.parallel, "pp", 1))
+    pp, tp = cfg.parallel.pp, cfg.parallel.tp
     if not bool(getattr(scaling, "use_gpu", False)):
         verdict.add("accelerator", False, "scaling.use_gpu is false: the run would train on CPUs of a GPU cluster; "
                     "fix: --set scaling.use_gpu=true")
@@ -342,15 +346,17 @@ def check_run(cluster: ClusterSpec, cfg: RunConfig, run_name: str = "run",
         return verdict
     capacity = sum(t.gpus * t.max_workers for t in types)
     verdict.add("cluster size", lo <= capacity,
-                f"{_world_text(lo, pp)} {'is within' if lo <= capacity else 'is larger than'} the cluster's maximum "
+                f"{_world_text(lo, pp, tp)} {'is within' if lo <= capacity else 'is larger than'} the cluster's maximum "
                 f"of {capacity} GPUs ({_capacity_text(types)})"
                 + ("" if lo <= capacity else "; fix: lower the run's workers or raise max_workers of a GPU type")
                 + (f"; it never grows past {capacity} of its max_workers={hi}" if lo <= capacity < hi else ""))
     reachable = {t.name: _reachable(t, lo, hi) for t in types}
     _check_layouts(verdict, cfg, sizes)
-    hosts = _check_nodes(verdict, types, reachable, pp)
+    if tp > 1:
+        _check_tensor_parallel(verdict, [t for t in types if reachable[t.name]] or types, tp)
+    hosts = _check_nodes(verdict, types, reachable, pp, tp)
     _check_elastic(verdict, types, lo, hi)
-    if hosts and all(c.ok for c in verdict.checks if c.name == "layout"):
+    if hosts and all(c.ok for c in verdict.checks if c.name in ("layout", "tp within a node")):
         _check_memory(verdict, cfg, hosts, min(min(reachable[t.name]) for t in hosts), device_memory)
     return verdict
 
@@ -360,8 +366,9 @@ def _reachable(t: NodeType, lo: int, hi: int) -> list[int]:
     return sorted({min(k * t.gpus, hi) for k in range(1, t.max_workers + 1) if min(k * t.gpus, hi) >= lo})
 
 
-def _world_text(size: int, pp: int) -> str:
-    return f"world size {size} (pp={pp} x dp={size // pp if size % pp == 0 else '?'})"
+def _world_text(size: int, pp: int, tp: int = 1) -> str:
+    dp = size // (pp * tp) if size % (pp * tp) == 0 else "?"
+    return f"world size {size} (pp={pp} x dp={dp}" + (f" x tp={tp})" if tp > 1 else ")")
 
 
 def _capacity_text(types: list[NodeType]) -> str:
@@ -369,15 +376,32 @@ def _capacity_text(types: list[NodeType]) -> str:
 
 
 def _check_layouts(verdict: Verdict, cfg: RunConfig, sizes: list[int]) -> None:
-    """Every size the run may take must be a valid layout (pp, ep and the global batch divide): Ray may
-    pick any of them when other jobs hold some GPUs, and `raytrain train` refuses the run otherwise."""
-    for size in sizes:
-        try:
-            Layout.of(cfg, size)
-        except ConfigError as e:
-            verdict.add("layout", False, f"at world size {size} of {_sizes_text(sizes)}: {e}")
-            return
-    verdict.add("layout", True, f"world sizes {_sizes_text(sizes)} are valid layouts (pp, ep, global batch)")
+    """Every size the run may take must be a valid layout (pp and tp divide the world, ep the data-parallel
+    size, the global batch and the pipeline's microbatches divide): Ray may pick any of them when other
+    jobs hold some GPUs. `trainers.layout.check_world_sizes` decides, as for `raytrain train`, so the line
+    is the one `raytrain train` and the workers would give."""
+    try:
+        check_world_sizes(cfg, sizes)
+    except ConfigError as e:
+        verdict.add("layout", False, str(e))
+        return
+    verdict.add("layout", True, f"world sizes {_sizes_text(sizes)} are valid layouts (pp, tp, ep, global batch)")
+
+
+def _check_tensor_parallel(verdict: Verdict, types: list[NodeType], tp: int) -> None:
+    """A tensor-parallel group (tp consecutive ranks: `trainers.layout`) runs collectives in every block,
+    so it must sit inside one node: tp must divide the GPUs of every GPU node type the run may land on
+    (those whose whole nodes reach one of its world sizes)."""
+    bad = [t for t in types if t.gpus % tp]
+    if bad:
+        where = ", ".join(f"{t.name} ({t.gpus} GPU{'s' if t.gpus != 1 else ''}/node)" for t in bad)
+        fits = sorted({d for d in range(1, max(t.gpus for t in types) + 1) if all(t.gpus % d == 0 for t in types)})
+        verdict.add("tp within a node", False, f"parallel.tp={tp} does not divide the GPUs per node of {where}: a "
+                    f"tensor-parallel group would span nodes; fix: use parallel.tp in {fits} or nodes with a "
+                    f"multiple of {tp} GPUs")
+        return
+    verdict.add("tp within a node", True, f"parallel.tp={tp} groups fit in one node of "
+                + ", ".join(f"{t.name} ({t.gpus} GPUs)" for t in types))
 
 
 def _sizes_text(sizes: list[int]) -> str:
@@ -405,8 +429,8 @@ def _straddling(t: NodeType, size: int, pp: int) -> str | None:
 
 
 def _check_nodes(verdict: Verdict, types: list[NodeType], reachable: dict[str, list[int]],
-                 pp: int) -> list[NodeType]:
-    """GPUs per node against pp x dp. Returns the node types that can host the run."""
+                 pp: int, tp: int = 1) -> list[NodeType]:
+    """GPUs per node against pp x dp x tp. Returns the node types that can host the run."""
     hosts, why = [], []
     for t in types:
         if not reachable[t.name]:
@@ -423,9 +447,9 @@ def _check_nodes(verdict: Verdict, types: list[NodeType], reachable: dict[str, l
             f"{t.name} ({t.gpus} GPUs/node): world sizes {_list_text(reachable[t.name])}" for t in hosts)
             + (f" (note: {notes[0]})" if notes else ""))
     else:
-        fits = sorted({t.gpus * k for t in types for k in range(1, t.max_workers + 1) if t.gpus * k % pp == 0})
+        fits = sorted({t.gpus * k for t in types for k in range(1, t.max_workers + 1) if t.gpus * k % (pp * tp) == 0})
         verdict.add("gpus per node", False, f"no GPU node type hosts the run: {'; '.join(why)}; fix: use a "
-                    f"world size (pp x dp) in {_list_text(fits)}")
+                    f"world size (pp x dp x tp) in {_list_text(fits)}")
     return hosts
 
 
@@ -457,7 +481,7 @@ def _check_memory(verdict: Verdict, cfg: RunConfig, hosts: list[NodeType], size:
             return
         memory, source = min(known)
     try:
-        result = plan_run(cfg, size, memory)
+        result = plan_run(cfg, size, memory, gpus_per_node=math.gcd(*(t.gpus for t in hosts)))
     except ConfigError as e:
         verdict.add("memory per GPU", False, str(e))
         return

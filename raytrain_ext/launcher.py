@@ -40,8 +40,8 @@ from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, is_complete
 from trainers.config import RunConfig, check_inputs
+from trainers.layout import check_world_sizes
 from trainers.metrics import read_metrics
-from trainers.parallel.layout import ParallelLayout
 from trainers.resume import check_resume
 from trainers.run_lock import RunDirLock
 
@@ -83,22 +83,13 @@ def run_config_for_workers(cfg: RunConfig) -> RunConfig:
 def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
     """Everything that can be checked before a worker starts: inputs on disk, that the checkpoint it would
     resume from fits this config, that the callbacks import, and that every world size the run may take
-    keeps the global batch (micro x accumulation x dp)."""
+    is a valid layout (`trainers.layout.check_world_sizes`, the rules the workers run: engine, pp/tp/ep
+    degrees, the global batch = micro x accumulation x dp, the pipeline's microbatches), so a bad one gets
+    the workers' own line before any worker starts."""
     check_resume(cfg, check_inputs(cfg))
     for spec in callbacks:
         _check_callback(spec)
-    if cfg.parallel.engine == "none" and max(cfg.scaling.sizes) > 1:
-        raise ConfigError(
-            f"parallel.engine=none with up to {max(cfg.scaling.sizes)} workers; fix: set parallel.engine to "
-            f"ddp, fsdp or deepspeed, or scaling.num_workers=1"
-        )
-    pp, ep = cfg.parallel.pp, cfg.parallel.ep
-    for world in cfg.scaling.sizes:
-        try:
-            ParallelLayout.build(world, 0, pp=pp, ep=ep)  # the workers' own check: pp divides, ep divides dp
-            cfg.train.accumulation(world // pp)
-        except ConfigError as e:
-            raise ConfigError(f"at {world} workers (scaling allows {_sizes_text(cfg)}): {e}") from None
+    check_world_sizes(cfg, cfg.scaling.sizes)
 
 
 def _check_callback(spec: str) -> None:
@@ -126,11 +117,6 @@ def check_fits_local(cfg: RunConfig, cpus: float, gpus: int) -> None:
         + f" do not fit this machine's local Ray ({have}); fix: lower scaling.num_workers (or min_workers) "
         f"or scaling.cpus_per_worker, or join a cluster with --address"
     )
-
-
-def _sizes_text(cfg: RunConfig) -> str:
-    sizes = cfg.scaling.sizes
-    return f"{sizes.start}" if len(sizes) == 1 else f"{sizes.start}..{sizes.stop - 1}"
 
 
 _REAPERS: list[Reaper] = []

@@ -17,11 +17,13 @@ complete checkpoints newest first, so that a caller can fall back past a corrupt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -146,10 +148,21 @@ class DCPBackend:
     """torch.distributed.checkpoint: every rank writes its shards; loading reshards."""
 
     def save(self, path: Path, state: dict[str, Stateful]) -> None:
-        dcp.save(state, checkpoint_id=str(path))
+        with _one_process_is_meant():
+            dcp.save(state, checkpoint_id=str(path))
 
     def load(self, path: Path, state: dict[str, Stateful]) -> None:
-        dcp.load(state, checkpoint_id=str(path))
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=str(path))
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process: that is what a single-process run
+    means, and a user cannot act on it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class Checkpointer:

@@ -94,8 +94,12 @@ class PrecisionConfig(StrictModel):
 
 
 class MemoryConfig(StrictModel):
-    # off | every (each block) | k (every k-th block) - recompute block activations in backward
-    activation_checkpointing: Literal["off", "every"] | PositiveInt = "off"
+    # off | every (each block) | k (every k-th block) - recompute block activations in backward;
+    # selective: every block keeps its matmul and attention outputs and recomputes only the cheap ops
+    activation_checkpointing: Literal["off", "every", "selective"] | PositiveInt = "off"
+    # tokens per chunk of the output projection + loss, which then never makes the whole (tokens x vocab)
+    # logits (trainers/loss.py); 0 = whole logits
+    loss_chunk: NonNegativeInt = 0
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
@@ -109,9 +113,14 @@ class MemoryConfig(StrictModel):
 
     @property
     def ac_every(self) -> int:
-        """0 = off, else checkpoint blocks whose index is a multiple of this (block 0, k, 2k, ...)."""
+        """Full checkpointing: 0 = off (or selective), else blocks whose index is a multiple of this (block
+        0, k, 2k, ...)."""
         ac = self.activation_checkpointing
-        return 0 if ac == "off" else 1 if ac == "every" else int(ac)
+        return 0 if ac in ("off", "selective") else 1 if ac == "every" else int(ac)
+
+    @property
+    def ac_selective(self) -> bool:
+        return self.activation_checkpointing == "selective"
 
 
 class ParallelConfig(StrictModel):
@@ -125,9 +134,10 @@ class ParallelConfig(StrictModel):
     # on CPU; deepspeed stage 3: optimizer and parameters on CPU)
     offload: Literal["none", "optimizer", "all"] = "none"
     deepspeed_extra: dict[str, Any] = {}  # merged last into the generated DeepSpeed config (escape hatch)
-    # Pipeline and expert parallelism (engine fsdp): world size = pp x data-parallel size; ep divides the
-    # data-parallel size and model.moe.num_experts. See trainers/parallel/pipeline.py and expert.py.
+    # Pipeline, tensor and expert parallelism (engine fsdp): world size = pp x data-parallel size x tp; ep
+    # divides the data-parallel size and model.moe.num_experts. Every rule: trainers/layout.py.
     pp: PositiveInt = 1  # pipeline-parallel degree (ranks per pipeline)
+    tp: PositiveInt = 1  # tensor-parallel degree: heads, FFN units and vocabulary split over tp ranks
     ep: PositiveInt = 1  # expert-parallel degree: each MoE layer's experts sharded over ep data-parallel ranks
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     virtual_stages: PositiveInt = 1  # pipeline stages per rank (interleaved_*: >= 2; zbv: 2)
@@ -138,30 +148,6 @@ class ParallelConfig(StrictModel):
     # gradients are kept between micro-batches and reduce-scattered once per step (4P more per rank, 1/k
     # of the gradient traffic). A pipeline schedule always reduces once per step.
     grad_accumulation: Literal["sharded", "unsharded"] | None = None
-
-    @model_validator(mode="after")
-    def _check_pipeline(self) -> ParallelConfig:
-        if (self.pp > 1 or self.ep > 1) and self.engine != "fsdp":
-            knob = f"pp={self.pp}" if self.pp > 1 else f"ep={self.ep}"
-            raise ValueError(f"{knob} needs engine=fsdp (got {self.engine}); fix: set parallel.engine=fsdp")
-        multi = self.pipeline_schedule in ("interleaved_1f1b", "interleaved_zb", "zbv")
-        if self.virtual_stages > 1 and not multi:
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs an interleaved schedule (pipeline_schedule="
-                f"{self.pipeline_schedule} runs one stage per rank); fix: set pipeline_schedule=interleaved_1f1b"
-            )
-        if self.pp > 1 and multi and self.virtual_stages < 2:
-            raise ValueError(
-                f"pipeline_schedule={self.pipeline_schedule} needs virtual_stages >= 2; fix: set virtual_stages=2"
-            )
-        if self.pipeline_schedule == "zbv" and self.virtual_stages not in (1, 2):
-            raise ValueError("pipeline_schedule=zbv runs exactly 2 stages per rank; fix: set virtual_stages=2")
-        if self.pp == 1 and (self.virtual_stages > 1 or self.n_microbatches is not None):
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages}, n_microbatches={self.n_microbatches} with pp=1 (no "
-                f"pipeline); fix: set parallel.pp > 1 or remove them"
-            )
-        return self
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
@@ -225,6 +211,7 @@ class TrainConfig(StrictModel):
     max_bad_steps: PositiveInt = 3  # consecutive NaN/inf losses tolerated (skipped) before stopping
     peak_tflops: PositiveFloat = 1.0  # per device, for MFU (e.g. 989 for H100 bf16 dense)
     tensorboard: bool = True
+    compile: bool = False  # torch.compile each block (inductor, CPU and GPU), after TP and AC, before FSDP
 
     def accumulation(self, dp: int) -> int:
         """Micro-batches per rank per step so that micro x accumulation x dp == global batch."""
@@ -342,37 +329,10 @@ class RunConfig(StrictModel):
             )
 
     def _check_layout(self) -> None:
-        """Pipeline and expert degrees against the model (the world size is checked by ParallelLayout)."""
-        par, model = self.parallel, self.model
-        stages = par.pp * par.virtual_stages
-        if stages > model.n_layers:
-            raise ValueError(
-                f"parallel.pp={par.pp} x virtual_stages={par.virtual_stages} = {stages} pipeline stages for "
-                f"model.n_layers={model.n_layers} (stages get whole blocks); fix: lower pp/virtual_stages"
-            )
-        if par.pp > 1 and model.tie_embeddings:
-            raise ValueError(
-                "model.tie_embeddings=true with parallel.pp > 1 (the embedding and head live on different "
-                "stages); fix: set model.tie_embeddings=false"
-            )
-        if par.pp > 1 and self.precision.dtype == "fp16":
-            raise ValueError(
-                "precision.dtype=fp16 with parallel.pp > 1 (no loss scaling inside pipeline schedules); "
-                "fix: use precision.dtype=bf16 or fp32"
-            )
-        if par.pp > 1 and par.pipeline_schedule in ("interleaved_zb", "zbv") and par.zero_stage == 3:
-            raise ValueError(
-                f"parallel.zero_stage=3 with pipeline_schedule={par.pipeline_schedule}: zero-bubble schedules "
-                f"compute weight gradients after resharding would have freed the gathered weights; fix: set "
-                f"parallel.zero_stage=2 (or leave it unset)"
-            )
-        if par.ep > 1 and model.moe is None:
-            raise ValueError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
-        if par.ep > 1 and model.moe.num_experts % par.ep:
-            raise ValueError(
-                f"parallel.ep={par.ep} does not divide model.moe.num_experts={model.moe.num_experts}; "
-                f"fix: use an ep that divides it"
-            )
+        """The layout rules that need no world size (the rest: ParallelLayout.of, at each world size)."""
+        from trainers.layout import check_config
+
+        check_config(self)
 
     @property
     def out_dir(self) -> Path:

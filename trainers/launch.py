@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from trainers.config import RunConfig
+from trainers.layout import ParallelLayout
 from trainers.parallel import build_engine
 from trainers.parallel.distributed import init_from_env
 from trainers.run_lock import RunDirLock
@@ -26,6 +27,8 @@ def run_local(
     driver holds it for them."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():  # every layout rule before joining a group: each rank says the same line
+        ParallelLayout.of(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
     lock = None
     if hold_lock and int(os.environ.get("RANK", "0")) == 0:
         lock = RunDirLock(cfg.out_dir)

@@ -20,6 +20,17 @@ logsumexp per head and token instead of the a*s*s softmax (the 5*a*s/h term is g
 input and x*rsqrt(mean x^2) in fp32 whatever the dtype, and its output once more as the projections' input;
 SwiGLU saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) where GELU saves 2 of width
 4h; under autocast each projection saves its own 16-bit cast of its input and of its weight.
+
+The layout (pp x dp x tp, ep inside dp, the step's micro-batches) is `trainers.layout.ParallelLayout.of`'s:
+a layout the workers would refuse is refused here with their line. Parameters are counted by
+`trainers.models.flops` (one rank's tensor- and expert-parallel share of each tensor). Tensor parallelism
+(parallel.tp = t, with sequence parallelism) enters every term: parameters, gradients and optimizer state of
+the split matrices divide by t (q/k/v/o, gate/up/down, the experts' w1/w2/w3 by hidden unit, embedding and
+head by vocabulary row, ceil as torch.chunk splits), norms and the MoE router stay whole on every tp rank,
+and FSDP then shards a rank's share over dp; activations follow Korthikanti et al. (every tensor a block
+keeps divides by t) except the whole-sequence inputs torch's DTensor keeps (see `block_activation_bytes`);
+the logits and the loss's buffers are the rank's vocabulary share; MoE routing runs on the whole sequence
+on every tp rank (its router and dispatch buffers are whole), the experts' hidden activations divide by t.
 """
 
 from __future__ import annotations
@@ -32,17 +43,29 @@ from typing import Any, Literal
 
 from trainers._base import ConfigError
 from trainers.config import RunConfig, apply_overrides, parse_config
+from trainers.layout import ParallelLayout
 from trainers.models.config import ModelConfig
-from trainers.models.flops import _attention_params, _ffn_params, param_count
+from trainers.models.flops import (
+    block_params,
+    block_shapes,
+    embed_params,
+    embed_shapes,
+    expert_params,
+    head_params,
+    head_shapes,
+    param_count,
+    param_shapes,
+)
 
 __all__ = [
+    "GPUS_PER_NODE",
     "KINDS",
-    "Layout",
     "MemoryPlan",
     "RunPlan",
     "Widths",
     "block_activation_bytes",
     "format_bytes",
+    "layout_dict",
     "parse_bytes",
     "plan_memory",
     "plan_run",
@@ -54,6 +77,7 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 # Of the device's memory, what the planned peak may use: a margin for what the planner does not count
 # (the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces).
 USABLE_FRACTION = 0.9
+GPUS_PER_NODE = 8  # a node's GPUs when not told (an H100 node): bounds the tensor-parallel degrees suggested
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "adagrad": 1}  # fp32 tensors per parameter
 _DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 # DeepSpeed stage 3 defaults: parameters under this many elements stay whole on every rank, and parameters
@@ -126,9 +150,11 @@ def _kept_per_token(model: ModelConfig, tokens: int) -> float:
     return min(float(moe.top_k), moe.num_experts * capacity / tokens)
 
 
-def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widths) -> float:
-    """Bytes the feed-forward half of a block saves per token (after its RMSNorm)."""
-    h, f = model.dim, model.hidden_dim
+def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1) -> float:
+    """Bytes the feed-forward half of a block saves per token (after its RMSNorm). Under tensor
+    parallelism the input is the all-gathered (whole-sequence) norm output and the hidden units are split:
+    only the SwiGLU widths divide by tp (MoE: every tp rank routes and gathers the whole sequence)."""
+    h, f = model.dim, model.hidden_dim // tp
     if not model.is_moe_layer(layer_id):
         # norm output (cast once per projection under autocast) + gate, up, silu(gate), silu*up
         return (2 if w.autocast else 1) * h * w.compute + 4 * f * w.compute
@@ -139,13 +165,23 @@ def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widt
               + 4 * (2 * e + k + 1 + renormalised)  # fp32 logits, probs, kept weights, logsumexp (z-loss)
               + 8 * (model.moe.top_k + 2 * k))  # int64 expert ids and the token ids of kept assignments
     gathered = (2 if w.autocast else 1) * k * h * w.compute  # tokens grouped by expert (per-expert casts)
-    experts = 4 * k * f * w.compute  # SwiGLU of each kept assignment
-    combine = 2 * k * h * w.compute  # expert outputs, and those outputs times the router weights
+    experts = 4 * k * f * w.compute  # SwiGLU of each kept assignment (this tp rank's hidden units)
+    combine = 2 * k * h * w.compute  # expert outputs (summed over tp), and those times the router weights
     return router + gathered + experts + combine
 
 
+def _sequence_shard(tokens: int, tp: int, seq_len: int | None) -> float:
+    """Tokens of a micro-batch one tp rank holds where the sequence is split (sequence parallelism:
+    torch.chunk of each sequence, the first ranks' parts the larger)."""
+    if tp == 1:
+        return tokens
+    if not seq_len:
+        return tokens / tp
+    return tokens // seq_len * math.ceil(seq_len / tp)
+
+
 def block_activation_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widths,
-                           seq_len: int | None = None) -> int:
+                           seq_len: int | None = None, tp: int = 1) -> int:
     """Bytes autograd saves for one block's backward, for `tokens` = micro-batch x sequence length.
 
     Per token, with h = dim, a = heads, hkv = kv_heads * head_dim, f = ffn width (fp32: 4 bytes each):
@@ -157,72 +193,63 @@ def block_activation_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Wi
       autocast: the 16-bit copy of every matmul weight (2 bytes per parameter; the norms' stay fp32)
       16-bit: RoPE's cos and sin tables cast for q and for k (4 x seq_len x head_dim, per sequence)
     fp32 dense total: 4 * (8h + 2hkv + 4f + 2 + a) bytes per token (Megatron's GPT block: 34h + 5as).
+
+    Tensor parallelism over `tp` ranks with sequence parallelism (trainers/parallel/parallelize.py), as
+    in Korthikanti et al. 2022: the norms run on the rank's sequence shard (1/tp of the tokens); q, k, v,
+    the SDPA output, the logsumexp and the SwiGLU hidden are split by head / hidden unit (1/tp). Unlike
+    Megatron, which saves the sequence-sharded norm output and all-gathers it again in backward, torch's
+    DTensor saves the all-gathered input of q/k/v and of gate/up (or the MoE) as the matmuls' input: those
+    two h-wide tensors stay whole-sequence. Autocast's weight copies are of this rank's weights.
     """
-    h, a = model.dim, model.n_heads
-    hkv = model.kv_heads * model.head_dim
+    h, a = model.dim, model.n_heads // tp  # a: this rank's query heads
+    hq, hkv = a * model.head_dim, model.kv_heads // tp * model.head_dim
     qkv_input = (3 if w.autocast else 1) * h * w.compute
-    attention = qkv_input + (2 * h + 2 * hkv) * w.compute + 4 * a
-    per_token = 4 * (4 * h + 2) + attention + _ffn_saved_per_token(model, layer_id, tokens, w)
-    weights = 2 * (_block_params(model, layer_id) - 2 * model.dim) if w.autocast else 0  # norms stay fp32
+    attention = qkv_input + (2 * hq + 2 * hkv) * w.compute + 4 * a
+    per_token = attention + _ffn_saved_per_token(model, layer_id, tokens, w, tp)
+    norms = 4 * (4 * h + 2) * _sequence_shard(tokens, tp, seq_len)
+    matmul_weights = sum(s.local_numel(tp) for s in block_shapes(model, layer_id) if len(s.shape) > 1)
+    weights = 2 * matmul_weights if w.autocast else 0  # the norms' stay fp32
     rope = 4 * (seq_len or 0) * model.head_dim * w.compute if w.compute != 4 else 0
-    return int(tokens * per_token) + weights + rope
+    return int(tokens * per_token + norms) + weights + rope
 
 
-def _head_saved(model: ModelConfig, tokens: int, w: Widths) -> int:
+def _head_saved(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, seq_len: int | None = None) -> int:
     """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: the logits the trainer holds
-    and log_softmax's fp32 output (cross_entropy saves it)."""
-    norm = tokens * (4 * (2 * model.dim + 1) + model.dim * w.compute)
-    logits = tokens * model.vocab_size * (w.compute + 4)
-    return norm + logits
+    and log_softmax's fp32 output (cross_entropy saves it). Under tensor parallelism the norm runs on the
+    sequence shard, the head's input is the all-gathered norm output, and the logits are this rank's
+    vocabulary share (the loss is vocabulary-parallel)."""
+    norm = _sequence_shard(tokens, tp, seq_len) * 4 * (2 * model.dim + 1) + tokens * model.dim * w.compute
+    logits = tokens * _vocab_share(model, tp) * (w.compute + 4)
+    return int(norm) + logits
 
 
-def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths) -> int:
+def _vocab_share(model: ModelConfig, tp: int) -> int:
+    """Vocabulary rows of the embedding / head on the largest tp rank (torch.chunk: ceil)."""
+    return math.ceil(model.vocab_size / tp)
+
+
+def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1) -> int:
     """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32 (+ its 16-bit cast)."""
-    return tokens * model.vocab_size * (8 + (w.compute if w.compute != 4 else 0))
+    return tokens * _vocab_share(model, tp) * (8 + (w.compute if w.compute != 4 else 0))
 
 
-def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widths) -> int:
-    """Gradients flowing through one block's backward at its widest: one SwiGLU hidden and one
-    residual-width gradient per (kept) assignment. MoE: `GroupedExperts` multiplies by `w1[e]`, so
-    each expert's weight gradient comes back through select_backward as a zero-filled tensor the size
-    of the whole stacked weight, and summing two of them makes a third (measured: 2 alive at once)."""
+def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1,
+                         ep: int = 1) -> int:
+    """Gradients flowing through one block's backward at its widest: one SwiGLU hidden (this tp rank's
+    units) and one residual-width gradient (whole-sequence under tp: the gradient of the all-gathered
+    input, before its reduce-scatter) per (kept) assignment. MoE: `GroupedExperts` multiplies by `w1[e]`,
+    so each expert's weight gradient comes back through select_backward as a zero-filled tensor the size
+    of the whole stacked weight (this rank's ep and tp share of it), and summing two of them makes a third
+    (measured: 2 alive at once)."""
+    f = model.hidden_dim // tp
     if not model.is_moe_layer(layer_id):
-        return tokens * (model.hidden_dim + model.dim) * w.compute
+        return tokens * (f + model.dim) * w.compute
     k = _kept_per_token(model, tokens)
-    stacked = model.moe.num_experts * model.hidden_dim * model.dim
-    return int(tokens * k * (model.hidden_dim + model.dim) * w.compute) + 2 * stacked * w.gathered
+    stacked = math.ceil(model.moe.num_experts / ep) * f * model.dim
+    return int(tokens * k * (f + model.dim) * w.compute) + 2 * stacked * w.gathered
 
 
 # ------------------------------------------------------------------------------------ parameters
-
-
-def _expert_params(model: ModelConfig, layer_id: int) -> int:
-    return model.moe.num_experts * 3 * model.dim * model.hidden_dim if model.is_moe_layer(layer_id) else 0
-
-
-def _block_params(model: ModelConfig, layer_id: int) -> int:
-    return _attention_params(model) + _ffn_params(model, layer_id, active=False) + 2 * model.dim
-
-
-def _embed_params(model: ModelConfig) -> int:
-    return model.vocab_size * model.dim
-
-
-def _head_params(model: ModelConfig) -> int:
-    return model.dim + (0 if model.tie_embeddings else model.vocab_size * model.dim)
-
-
-def _param_sizes(model: ModelConfig) -> list[int]:
-    """Elements of every parameter tensor (as `trainers/models` builds them)."""
-    h, f, hkv = model.dim, model.hidden_dim, model.kv_heads * model.head_dim
-    sizes = [model.vocab_size * h, h] + ([] if model.tie_embeddings else [model.vocab_size * h])
-    for i in range(model.n_layers):
-        sizes += [h, h, h * h, h * hkv, h * hkv, h * h]  # norms, q k v o
-        if model.is_moe_layer(i):
-            sizes += [model.moe.num_experts * h] + [model.moe.num_experts * h * f] * 3
-        else:
-            sizes += [h * f] * 3
-    return sizes
 
 
 def _deepspeed_setting(cfg: RunConfig, key: str, default: int) -> int:
@@ -232,51 +259,10 @@ def _deepspeed_setting(cfg: RunConfig, key: str, default: int) -> int:
 def _small_params(cfg: RunConfig) -> int:
     """Elements DeepSpeed stage 3 keeps whole (`stage3_param_persistence_threshold`)."""
     threshold = _deepspeed_setting(cfg, "stage3_param_persistence_threshold", _DS_PERSISTENCE)
-    return sum(n for n in _param_sizes(cfg.model) if n < threshold)
+    return sum(s.numel for s in param_shapes(cfg.model) if s.numel < threshold)
 
 
-# -------------------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The degrees the planner reads from `parallel` (pp/ep/schedule fields default when absent)."""
-
-    world_size: int
-    pp: int
-    dp: int
-    ep: int
-    schedule: str
-    virtual_stages: int
-    microbatches: int  # pipeline microbatches per step (= accumulation without a pipeline)
-    microbatch_size: int  # samples per forward/backward (the pipeline splits a rank's share of the step)
-    accumulation: int
-
-    @classmethod
-    def of(cls, cfg: RunConfig, world_size: int) -> Layout:
-        par = cfg.parallel
-        pp, ep = int(getattr(par, "pp", 1)), int(getattr(par, "ep", 1))
-        if world_size < 1 or world_size % pp:
-            raise ConfigError(f"parallel.pp={pp} does not divide --world-size {world_size}; fix: use a "
-                              f"multiple of {pp}")
-        dp = world_size // pp
-        if par.engine == "none" and world_size > 1:
-            raise ConfigError(f"parallel.engine=none with world size {world_size}; fix: set parallel.engine "
-                              f"to ddp, fsdp or deepspeed, or plan --world-size 1")
-        if dp % ep:
-            raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}; fix: use an ep "
-                              f"dividing {dp}")
-        accumulation = cfg.train.accumulation(dp)
-        microbatches = int(getattr(par, "n_microbatches", None) or accumulation)
-        size = cfg.train.micro_batch_size
-        if pp > 1:  # trainers/parallel/pipeline.py: a rank's share of the step, in n_microbatches pieces
-            share = cfg.train.global_batch_size // dp
-            if share % microbatches:
-                raise ConfigError(f"parallel.n_microbatches={microbatches} does not divide the {share} samples "
-                                  f"each pipeline runs per step; fix: use a divisor")
-            size = share // microbatches
-        return cls(world_size, pp, dp, ep, str(getattr(par, "pipeline_schedule", "1f1b")),
-                   int(getattr(par, "virtual_stages", 1)), microbatches, size, accumulation)
+# ------------------------------------------------------------------------------- pipeline ranks
 
 
 @dataclass(frozen=True)
@@ -291,24 +277,24 @@ class _Rank:
     in_flight: float
 
 
-def _ranks(cfg: RunConfig, lay: Layout) -> list[_Rank]:
-    """Blocks per pipeline rank as the pipeline engine splits them (by cost, looped or V-shaped)."""
-    p, v = lay.pp, lay.virtual_stages
-    if p == 1:
+def _ranks(cfg: RunConfig, lay: ParallelLayout) -> list[_Rank]:
+    """Blocks per pipeline rank as the pipeline engine splits them (by cost) and the layout assigns its
+    stages (`ParallelLayout.stage_ids`: looped or V-shaped)."""
+    if lay.pp == 1:
         return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
     from trainers.parallel.pipeline import block_costs, split_stages
 
-    stages = p * v
+    stages = lay.num_stages
     split = split_stages(block_costs(cfg.model, cfg.data.seq_len), stages)
     out = []
-    for r in range(p):
-        ids = [r + j * p for j in range(v)] if lay.schedule != "zbv" else [r, 2 * p - 1 - r][:v]
+    for r in range(lay.pp):
+        ids = lay.stage_ids(pp_rank=r)
         blocks = tuple(b for s in ids for b in split[s])
         out.append(_Rank(r, blocks, 0 in ids, stages - 1 in ids, _in_flight(lay, r)))
     return out
 
 
-def _in_flight(lay: Layout, r: int) -> float:
+def _in_flight(lay: ParallelLayout, r: int) -> float:
     """Micro-batches whose activations a rank holds at its peak, in units of all its blocks.
 
     GPipe: every microbatch. 1F1B: p - r (Narayanan et al. 2021). Interleaved with v chunks per rank:
@@ -339,7 +325,7 @@ class _States:
     persistent_buffers: int = 0  # e.g. DDP's gradient buckets
 
 
-def _model_states(cfg: RunConfig, lay: Layout, dense: int, experts: int, w: Widths,
+def _model_states(cfg: RunConfig, lay: ParallelLayout, dense: int, experts: int, w: Widths,
                   device_type: DeviceType) -> _States:
     """`dense`: parameters the data-parallel engine shards over dp; `experts`: this rank's expert
     parameters when ep > 1 (kept whole: replicated over the dp/ep ranks holding the same experts)."""
@@ -364,8 +350,10 @@ def _model_states(cfg: RunConfig, lay: Layout, dense: int, experts: int, w: Widt
     local = st.parameters // 4 if engine != "deepspeed" else 0
     if local and n_opt:
         # torch's foreach step (CUDA) makes one temporary per parameter (sqrt of the second moment);
-        # the per-tensor step (CPU) two of the largest tensor's size.
-        largest = max(cfg.model.vocab_size * cfg.model.dim, cfg.model.dim * cfg.model.hidden_dim)
+        # the per-tensor step (CPU) two of the largest tensor's size (this rank's tp share of it).
+        tp = lay.tp
+        largest = max(math.ceil(cfg.model.vocab_size / tp) * cfg.model.dim,
+                      cfg.model.dim * cfg.model.hidden_dim // tp)
         largest = math.ceil(largest / dp) if engine == "fsdp" else largest  # a shard of it
         st.step_temp = 4 * local if device_type == "cuda" else 2 * 4 * min(largest, local)
     return st
@@ -425,7 +413,9 @@ class MemoryPlan:
 
 def plan_memory(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda") -> MemoryPlan:
     """Peak memory per rank of one training step of `cfg` on `world_size` ranks (the worst rank)."""
-    lay = Layout.of(cfg, world_size)
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be at least 1; fix: the number of ranks, e.g. 8")
+    lay = ParallelLayout.of(cfg, world_size)  # every layout rule: the same line as the workers'
     plans = [_RankPlanner(cfg, lay, rank, device_type).plan() for rank in _ranks(cfg, lay)]
     return max(plans, key=lambda p: p.peak_bytes)
 
@@ -436,25 +426,32 @@ _Moment = tuple[dict[str, int], dict[str, int]]  # (bytes by kind except buffers
 class _RankPlanner:
     """The moments of one pipeline rank's step (all ranks alike without a pipeline)."""
 
-    def __init__(self, cfg: RunConfig, lay: Layout, rank: _Rank, device_type: DeviceType):
+    def __init__(self, cfg: RunConfig, lay: ParallelLayout, rank: _Rank, device_type: DeviceType):
         self.cfg, self.lay, self.rank, self.device_type = cfg, lay, rank, device_type
-        model, self.w = cfg.model, widths(cfg)
-        self.tokens = lay.microbatch_size * cfg.data.seq_len
+        model, self.w, seq, tp, ep = cfg.model, widths(cfg), cfg.data.seq_len, lay.tp, lay.ep
+        self.tokens = lay.microbatch_size * seq  # whole sequences: what attention and the MLP see
+        # The residual stream between blocks: this rank's sequence shard under tensor parallelism.
+        self.shard_tokens = int(_sequence_shard(self.tokens, tp, seq))
         every = cfg.memory.ac_every
         self.checkpointed = {b for b in rank.blocks if every and b % every == 0}
-        self.full = {b: block_activation_bytes(model, b, self.tokens, self.w, cfg.data.seq_len)
-                     for b in rank.blocks}
-        self.block_input = self.tokens * model.dim * self.w.resid
+        self.full = {b: block_activation_bytes(model, b, self.tokens, self.w, seq, tp) for b in rank.blocks}
+        self.block_input = self.shard_tokens * model.dim * self.w.resid
         self.saved = {b: self.block_input if b in self.checkpointed else self.full[b] for b in rank.blocks}
-        self.edge = (self.tokens * 16 if rank.embeds else 0) + (
-            _head_saved(model, self.tokens, self.w) if rank.head else 0)
-        # Parameters: `sharded` ones go through the data-parallel engine; with ep > 1 the experts are
-        # kept whole on their ep rank instead (1/ep of each MoE layer's experts).
-        ep = lay.ep
-        self.experts = {b: _expert_params(model, b) for b in rank.blocks}
-        self.sharded = {b: _block_params(model, b) - (self.experts[b] if ep > 1 else 0) for b in rank.blocks}
-        self.local = {b: self.sharded[b] + (self.experts[b] // ep if ep > 1 else 0) for b in rank.blocks}
-        self.root = (_embed_params(model) if rank.embeds else 0) + (_head_params(model) if rank.head else 0)
+        # token ids and targets (int64); under tp the vocabulary-parallel embedding also keeps its masked ids
+        self.edge = (self.tokens * (16 if tp == 1 else 24) if rank.embeds else 0) + (
+            _head_saved(model, self.tokens, self.w, tp, seq) if rank.head else 0)
+        # Parameters (trainers.models.flops: this rank's tp share of each tensor): `sharded` ones go
+        # through the data-parallel engine; with ep > 1 the experts are kept whole on their ep rank
+        # instead (1/ep of each MoE layer's experts, and 1/tp of their hidden units).
+        shapes = {b: block_shapes(model, b) for b in rank.blocks}
+        self.experts = {b: expert_params(model, b) for b in rank.blocks}  # whole, for the MoE summary
+        self.local_experts = {b: sum(s.local_numel(tp, ep) for s in shapes[b] if s.expert) for b in rank.blocks}
+        self.sharded = {b: sum(s.local_numel(tp) for s in shapes[b] if not (ep > 1 and s.expert))
+                        for b in rank.blocks}
+        self.local = {b: self.sharded[b] + (self.local_experts[b] if ep > 1 else 0) for b in rank.blocks}
+        root = (embed_shapes(model) if rank.embeds else []) + (head_shapes(model) if rank.head else [])
+        self.root = sum(s.local_numel(tp) for s in root)
+        self.head = sum(s.local_numel(tp) for s in head_shapes(model)) if rank.head else 0
         self.params = sum(self.local.values()) + self.root  # this rank's stage, unsharded
         dense = sum(self.sharded.values()) + self.root
         self.states = _model_states(cfg, lay, dense, self.params - dense, self.w, device_type)
@@ -480,8 +477,8 @@ class _RankPlanner:
         acts = self.others + sum(self.saved.values()) + self.edge
         if blocks and blocks[-1] in self.checkpointed:
             acts += self.full[blocks[-1]] - self.block_input  # recomputed at once
-        temps = [_head_backward_temp(model, self.tokens, self.w) if self.rank.head else 0]
-        temps += [_block_backward_temp(model, b, self.tokens, self.w) for b in blocks[-1:]]
+        temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp) if self.rank.head else 0]
+        temps += [self._block_temp(b) for b in blocks[-1:]]
         gathered = self._gathered(blocks[-1] if blocks else None, reducing=False)
         return self._kinds(self._grads(0), acts), {**gathered, **self._always(), "backward temporaries": max(temps)}
 
@@ -490,7 +487,7 @@ class _RankPlanner:
         FSDP2 keeps the reduce-scatter input of the block reduced before (`after`) until the next."""
         acts = self.others + self._earlier(b) + self.full[b]
         bufs = {**self._gathered(b, reducing=False), **self._always(),
-                "backward temporaries": _block_backward_temp(self.cfg.model, b, self.tokens, self.w)}
+                "backward temporaries": self._block_temp(b)}
         if self._fsdp and after is not None:
             bufs["reduce-scatter buffer"] = 4 * self.sharded[after]
         return self._kinds(self._grads(done), acts), bufs
@@ -507,6 +504,9 @@ class _RankPlanner:
         return self._kinds(self.states.gradients, 0), {**self._always(), "optimizer step": self.states.step_temp}
 
     # -------------------------------------------------------------------------------- pieces
+
+    def _block_temp(self, b: int) -> int:
+        return _block_backward_temp(self.cfg.model, b, self.tokens, self.w, self.lay.tp, self.lay.ep)
 
     @property
     def _deepspeed_keeps_gathered(self) -> bool:
@@ -525,8 +525,9 @@ class _RankPlanner:
     def _earlier(self, b: int) -> int:
         """Saved activations of the blocks before b, the token ids and the logits the trainer holds."""
         acts = sum(self.saved[x] for x in self.rank.blocks if x < b)
-        acts += self.tokens * 16 if self.rank.embeds else 0
-        return acts + (self.tokens * self.cfg.model.vocab_size * self.w.compute if self.rank.head else 0)
+        acts += self.tokens * (16 if self.lay.tp == 1 else 24) if self.rank.embeds else 0
+        logits = self.tokens * _vocab_share(self.cfg.model, self.lay.tp) * self.w.compute
+        return acts + (logits if self.rank.head else 0)
 
     def _kinds(self, gradients: float, activations: float) -> dict[str, int]:
         return {"parameters": self.states.parameters, "gradients": int(gradients),
@@ -542,7 +543,7 @@ class _RankPlanner:
             if not par.sharded_accumulation:
                 return 4 * self.params if par.engine == "fsdp" else self.states.gradients
             done = self.states.gradients  # every shard exists from the first micro-batch on
-        head = _head_params(self.cfg.model) if self.rank.head else 0
+        head = self.head
         return done + (self.w.gathered * head if self._fsdp else self.grad_per_param * head)
 
     def _gathered(self, current: int | None, reducing: bool) -> dict[str, int]:
@@ -566,8 +567,8 @@ class _RankPlanner:
         out, model = {}, self.cfg.model
         if self.states.persistent_buffers:
             out["gradient buckets"] = self.states.persistent_buffers
-        if self.lay.pp > 1:
-            out["pipeline send/recv"] = 2 * self.tokens * model.dim * self.w.resid
+        if self.lay.pp > 1:  # under tp a stage sends and receives its sequence shard
+            out["pipeline send/recv"] = 2 * self.shard_tokens * model.dim * self.w.resid
         if self.lay.ep > 1 and model.moe is not None:
             k = _kept_per_token(model, self.tokens)
             out["expert all-to-all"] = int(2 * self.tokens * k * model.dim * self.w.compute)
@@ -585,7 +586,7 @@ class _RankPlanner:
         st, rank = self.states, self.rank
         return MemoryPlan(
             world_size=self.lay.world_size,
-            layout=asdict(self.lay),
+            layout=layout_dict(self.lay),
             rank=rank.index,
             peak_bytes=sum(breakdown.values()),
             moment=name,
@@ -601,7 +602,9 @@ class _RankPlanner:
                 "blocks": len(rank.blocks),
                 "micro_batch_tokens": self.tokens,
                 "in_flight_microbatches": rank.in_flight,
-                "loss_and_head_bytes": _head_saved(self.cfg.model, self.tokens, self.w) if rank.head else 0,
+                "loss_and_head_bytes": _head_saved(self.cfg.model, self.tokens, self.w, self.lay.tp,
+                                                   self.cfg.data.seq_len) if rank.head else 0,
+                "residual_stream_tokens": self.shard_tokens,
             },
             moe=self._moe(),
             moments=totals,
@@ -609,21 +612,23 @@ class _RankPlanner:
         )
 
     def _moe(self) -> dict[str, Any] | None:
-        moe = self.cfg.model.moe
+        moe, model = self.cfg.model.moe, self.cfg.model
         if moe is None:
             return None
+        whole_root = (embed_params(model) if self.rank.embeds else 0) + (head_params(model) if self.rank.head else 0)
         experts = sum(self.experts.values())
         return {
             "experts_per_rank": moe.num_experts // self.lay.ep,
             "expert_parameters": experts,
-            "expert_parameters_on_rank": experts // self.lay.ep,  # before data-parallel sharding
-            "expert_share_of_parameters": experts / max(sum(_block_params(self.cfg.model, b)
-                                                            for b in self.rank.blocks) + self.root, 1),
+            # before data-parallel sharding: this rank's ep share of the experts, tp share of their units
+            "expert_parameters_on_rank": sum(self.local_experts.values()),
+            "expert_share_of_parameters": experts / max(sum(block_params(self.cfg.model, b)
+                                                            for b in self.rank.blocks) + whole_root, 1),
             "kept_assignments_per_token": _kept_per_token(self.cfg.model, self.tokens),
         }
 
 
-def _assumptions(cfg: RunConfig, lay: Layout, device_type: DeviceType) -> list[str]:
+def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -> list[str]:
     out = [f"optimizer step temporaries of torch's {'foreach' if device_type == 'cuda' else 'per-tensor'} "
            f"implementation ({device_type})"]
     if cfg.model.moe is not None:
@@ -632,7 +637,20 @@ def _assumptions(cfg: RunConfig, lay: Layout, device_type: DeviceType) -> list[s
         out.append("experts are kept out of FSDP and whole on their ep rank")
     if lay.pp > 1:
         out.append(f"pipeline: {lay.schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
+    if lay.tp > 1:
+        out.append(f"tensor parallelism over {lay.tp} ranks with sequence parallelism: norms and the residual "
+                   f"stream on 1/tp of the tokens; heads, FFN/expert hidden units and the vocabulary split; the "
+                   f"all-gathered inputs of q/k/v, gate/up (or the MoE) and the head saved whole (torch's "
+                   f"DTensor keeps them; Megatron re-gathers them in backward)")
     return out
+
+
+def layout_dict(lay: ParallelLayout) -> dict[str, Any]:
+    """The layout's degrees and step arithmetic, as `raytrain plan --json` reports them."""
+    return {"world_size": lay.world_size, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "ep": lay.ep, "edp": lay.edp,
+            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "num_stages": lay.num_stages,
+            "microbatches": lay.microbatches, "microbatch_size": lay.microbatch_size,
+            "accumulation": lay.accumulation}
 
 
 # ------------------------------------------------------------------------------- verdict, changes
@@ -657,13 +675,14 @@ class RunPlan:
 
 
 def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: DeviceType = "cuda",
-             raw: dict[str, Any] | None = None) -> RunPlan:
+             raw: dict[str, Any] | None = None, gpus_per_node: int = GPUS_PER_NODE) -> RunPlan:
     """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, re-plan the
-    candidate changes, cheapest first, and name the first that fits."""
+    candidate changes, cheapest first, and name the first that fits. `gpus_per_node` bounds the tensor-
+    parallel degrees suggested (a tp group stays inside a node)."""
     plan = plan_memory(cfg, world_size, device_type)
     usable = int(device_memory * USABLE_FRACTION)
     fits = plan.peak_bytes <= usable
-    candidates = [] if fits else _candidates(cfg, world_size, device_type, usable, raw)
+    candidates = [] if fits else _candidates(cfg, world_size, device_type, usable, raw, gpus_per_node)
     change = next((c for c in candidates if c["fits"]), None)
     return RunPlan(plan, device_memory, usable, fits, change, candidates)
 
@@ -671,8 +690,11 @@ def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: D
 # Cheapest first. Raising the ZeRO stage adds parameter all-gathers that FSDP/DeepSpeed overlap with
 # compute (ZeRO: 1.5x data-parallel traffic); a smaller micro-batch keeps the math and the global batch
 # (accumulation grows) at lower kernel efficiency; checkpointing recomputes the forward (+~1/3 FLOPs);
-# more pipeline stages grow the bubble (p-1)/m; CPU offload moves the step to the host over PCIe.
-def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]]:
+# tensor parallelism inside a node divides every term by tp but puts 4 activation all-gathers /
+# reduce-scatters per block in forward and as many in backward on the critical path (not overlapped, so
+# only within a node's NVLink); more pipeline stages grow the bubble (p-1)/m; CPU offload moves the step
+# to the host over PCIe.
+def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> list[tuple[dict[str, Any], str]]:
     par, out = cfg.parallel, []
     if par.engine == "fsdp" and par.stage == 2:
         out.append(({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters after forward"))
@@ -682,7 +704,7 @@ def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]
         out.append(({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
                     "shard the model states: FSDP (ZeRO-3) instead of DDP"))
     mb, pp = cfg.train.micro_batch_size, getattr(par, "pp", 1)
-    dp = world_size // pp if world_size % pp == 0 else 0
+    dp = world_size // (pp * par.tp) if world_size % (pp * par.tp) == 0 else 0
     whole = cfg.train.global_batch_size // dp if dp and cfg.train.global_batch_size % dp == 0 else 0
     if par.engine == "fsdp" and pp == 1 and whole > mb and not par.sharded_accumulation:
         # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
@@ -693,6 +715,13 @@ def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]
                      f"same global batch)"))
     if cfg.memory.ac_every != 1:
         out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
+    tp = par.tp
+    if par.engine == "fsdp":  # a tp group must sit inside a node: tp divides its GPUs
+        for more in (tp * 2, tp * 4, tp * 8):
+            if gpus_per_node % more == 0 and world_size % (pp * more) == 0:
+                was = f" instead of {tp}" if tp > 1 else ""
+                out.append(({"parallel.tp": more}, f"tensor parallelism over {more} GPUs of a node{was} "
+                             f"(activation collectives in every block, on the node's links)"))
     pp = getattr(par, "pp", None)
     if pp is not None and par.engine == "fsdp":
         for more in (pp * 2, pp * 4):
@@ -706,11 +735,12 @@ def _changes(cfg: RunConfig, world_size: int) -> list[tuple[dict[str, Any], str]
 
 
 def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable: int,
-                raw: dict[str, Any] | None) -> list[dict[str, Any]]:
+                raw: dict[str, Any] | None, gpus_per_node: int = GPUS_PER_NODE) -> list[dict[str, Any]]:
     """Each change alone, cheapest first; if none fits, changes added up greedily in that order (a change
-    joins when it lowers the peak)."""
+    joins when it lowers the peak). A change that is not a valid run (e.g. a tp that does not divide the
+    heads) is left out."""
     raw = raw if raw is not None else json.loads(cfg.model_dump_json())
-    changes, out = _changes(cfg, world_size), []
+    changes, out = _changes(cfg, world_size, gpus_per_node), []
     for sets, why in changes:
         peak = _replan(raw, sets, world_size, device_type)
         if peak is not None:

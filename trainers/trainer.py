@@ -15,29 +15,23 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from trainers._base import NonFiniteLossError, flat_keys
 from trainers.checkpoint import Checkpointer, CheckpointError, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.hf.pretrained import load_pretrained, materialize
+from trainers.loss import lm_loss
 from trainers.metrics import MetricsLog, peak_memory_bytes
 from trainers.models import build_model, flops_per_token
 from trainers.optim import LRSchedule
 from trainers.parallel import build_engine
-from trainers.parallel.ac import apply_activation_checkpointing
 from trainers.parallel.engine import Engine
 from trainers.profiling import build_profiler, span
 from trainers.resume import check_compatible, compat_of
 from trainers.tracking import build_sinks
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_loss"]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (in fp32) of logits (B, S, V) against targets (B, S)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class TrainerCallback:
@@ -100,8 +94,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ build
 
     def _build_model(self, pretrained: Path | None) -> torch.nn.Module:
-        # Same seed, same init, whatever the world size; parallelism is applied from outside, in order:
-        # activation checkpointing here, then the engine's sharding in engine.setup.
+        # Same seed, same init, whatever the world size; parallelism is applied from outside, by the engine's
+        # setup (trainers/parallel/parallelize.py: TP -> activation checkpointing -> EP -> FSDP).
         torch.manual_seed(self.cfg.seed)
         if pretrained is None:
             model = build_model(self.cfg.model)
@@ -110,7 +104,7 @@ class Trainer:
             if not self.engine.shards_meta_models:
                 materialize([model], torch.get_default_device())
                 load_pretrained(model, pretrained)
-        apply_activation_checkpointing(model, self.cfg.memory.ac_every)
+        model.loss_chunk = self.cfg.memory.loss_chunk
         return model
 
     def _resume_candidates(self) -> list[Path]:

@@ -17,17 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.dist.equivalence import Grads, assert_same_grads, assert_same_run, merged, rows, train
 from tests.dist.harness import run_ranks
-from tests.dist.test_pipeline import (
-    STEPS,
-    _assert_same_grads,
-    _assert_same_run,
-    _Grads,
-    _merged,
-    _raw,
-    _rows,
-    _train,
-)
+from tests.dist.test_pipeline import STEPS, _raw
 from trainers.config import parse_config
 from trainers.models import moe_layers
 from trainers.trainer import Trainer
@@ -135,9 +127,9 @@ def runs(corpus_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert")
     equivalence = {n: _raw(corpus_dir, root / n, _model(m), p) for n, (m, p) in EQUIVALENCE.items()}
     fixed = {n: _raw(corpus_dir, root / n, _model(m), {**FSDP, "pp": 2, "ep": 2}) for n, m in FIXED.items()}
-    grads = _merged(run_ranks(_train_ep, 4, equivalence, fixed))
+    grads = merged(run_ranks(_train_ep, 4, equivalence, fixed))
     refs = {
-        n: _train(_raw(corpus_dir, root / f"ref-{n}", _model(m), {})) for n, (m, _) in EQUIVALENCE.items()
+        n: train(_raw(corpus_dir, root / f"ref-{n}", _model(m), {})) for n, (m, _) in EQUIVALENCE.items()
     }
     return {
         "equivalence": {n: (root / n, grads[n]) for n in EQUIVALENCE},
@@ -149,7 +141,7 @@ def runs(corpus_dir, tmp_path_factory) -> dict:
 def _train_ep(rank: int, world: int, equivalence: dict, fixed: dict) -> dict:
     out = {}
     for name, raw in equivalence.items():
-        grads = _Grads()
+        grads = Grads()
         Trainer(parse_config(raw), callbacks=[grads], progress=False).fit()
         out[name] = grads.per_step
     _train_fixed(rank, world, fixed)
@@ -163,22 +155,22 @@ def _train_ep(rank: int, world: int, equivalence: dict, fixed: dict) -> dict:
 def test_expert_parallel_matches_one_process(name, runs):
     run_dir, grads = runs["equivalence"][name]
     ref_dir, ref_grads = runs["refs"][name]
-    _assert_same_run(run_dir, ref_dir)
-    _assert_same_grads(grads, ref_grads)
-    rows, ref_rows = _rows(run_dir), _rows(ref_dir)
-    for row, ref in zip(rows, ref_rows):  # the same routing: the same loads, summed over the 4 ranks
+    assert_same_run(run_dir, ref_dir, STEPS)
+    assert_same_grads(grads, ref_grads)
+    got_rows, ref_rows = rows(run_dir), rows(ref_dir)
+    for row, ref in zip(got_rows, ref_rows):  # the same routing: the same loads, summed over the 4 ranks
         assert row["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
         assert row["moe_dropped_fraction"] == pytest.approx(ref["moe_dropped_fraction"], abs=1e-7)
     dropping = EQUIVALENCE[name][0].get("capacity_factor") is not None
-    assert all((row["moe_dropped_fraction"] > 0) == dropping for row in rows)
+    assert all((row["moe_dropped_fraction"] > 0) == dropping for row in got_rows)
 
 
 @pytest.mark.parametrize("name", FIXED)
 def test_metrics_on_a_fixed_routing_equal_the_hand_count(name, runs):
-    rows = _rows(runs["fixed"][name])
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    fixed_rows = rows(runs["fixed"][name])
+    assert [r["step"] for r in fixed_rows] == list(range(1, STEPS + 1))
     expected = _expected(FIXED[name])
-    for row in rows:
+    for row in fixed_rows:
         # 4 MoE layers, 2 on each pipeline stage: every one reports the whole step's global batch.
         assert row["moe_tokens_per_expert"] == [expected["tokens_per_expert"]] * BASE["n_layers"]
         assert row["moe_dropped_fraction"] == pytest.approx(expected["dropped_fraction"], abs=1e-7)

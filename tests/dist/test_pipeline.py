@@ -12,23 +12,25 @@ process); the rest of the schedule x layout matrix is marked slow.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from torch.distributed.tensor import DTensor
 
 from tests.conftest import tiny_raw
+from tests.dist.equivalence import (
+    assert_same_grads,
+    assert_same_run,
+    copy_at_step,
+    merged,
+    rows,
+    train,
+    train_each,
+)
 from tests.dist.harness import run_ranks
-from trainers.config import parse_config
-from trainers.metrics import read_metrics
-from trainers.trainer import Trainer, TrainerCallback
 
 pytestmark = pytest.mark.dist
 
-STEPS, RTOL = 4, 1e-5
+STEPS = 4
 DENSE = {"vocab_size": 257, "dim": 32, "n_layers": 8, "n_heads": 2, "max_seq_len": 32}
 MOE = {**DENSE, "moe": {"num_experts": 4, "top_k": 2, "every": 2}}
 FSDP = {"engine": "fsdp"}
@@ -83,72 +85,6 @@ def _raw(corpus: Path, run_dir: Path, model: dict, parallel: dict) -> dict:
     )
 
 
-class _Grads(TrainerCallback):
-    """Each step's gradients (after clipping, before the next step zeroes them), whole tensors by FQN."""
-
-    def __init__(self):
-        self.per_step: dict[int, dict[str, torch.Tensor]] = {}
-
-    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        grads = {}
-        for name, p in trainer.model.named_parameters():  # the same order on ranks sharing a mesh
-            if p.grad is not None:
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[name.replace("._checkpoint_wrapped_module", "")] = g.detach().clone()
-        self.per_step[trainer.step] = grads
-
-
-def _train(raw: dict) -> dict[int, dict[str, torch.Tensor]]:
-    grads = _Grads()
-    Trainer(parse_config(raw), callbacks=[grads], progress=False).fit()
-    return grads.per_step
-
-
-def _train_each(rank: int, world: int, raws: dict[str, dict]) -> dict[str, dict]:
-    return {name: _train(raw) for name, raw in raws.items()}
-
-
-def _merged(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
-    """Each run's gradients per step, the union over ranks (pipeline stages hold different names)."""
-    out: dict[str, dict] = {}
-    for result in per_rank:
-        for name, steps in result.items():
-            for step, grads in steps.items():
-                out.setdefault(name, {}).setdefault(step, {}).update(grads)
-    return out
-
-
-def _rows(run_dir: Path, kind: str = "train") -> list[dict]:
-    return read_metrics(run_dir / "metrics.jsonl", kind)
-
-
-def _values(run_dir: Path, key: str, kind: str = "train") -> list[float]:
-    return [r[key] for r in _rows(run_dir, kind)]
-
-
-def _assert_same_run(run_dir: Path, ref_dir: Path, steps: range | None = None) -> None:
-    got = {r["step"]: r for r in _rows(run_dir)}
-    ref = {r["step"]: r for r in _rows(ref_dir)}
-    steps = steps or range(1, STEPS + 1)
-    assert sorted(got) == list(range(1, STEPS + 1)), "each step once, logged by rank 0 alone"
-    keys = ["loss", "grad_norm"] + (["moe_aux_loss", "moe_z_loss"] if "moe_aux_loss" in ref[1] else [])
-    for step in steps:
-        for key in keys:
-            assert got[step][key] == pytest.approx(ref[step][key], rel=RTOL), (step, key)
-    assert _values(run_dir, "val_loss", "eval") == pytest.approx(
-        _values(ref_dir, "val_loss", "eval"), rel=RTOL
-    )
-
-
-def _assert_same_grads(got: dict[int, dict], ref: dict[int, dict]) -> None:
-    assert sorted(got) == sorted(ref)
-    for step in ref:
-        assert sorted(got[step]) == sorted(ref[step]), "every parameter has a gradient, under its own name"
-        for name, r in ref[step].items():
-            error = float((got[step][name] - r).norm() / r.norm().clamp_min(1e-30))
-            assert error <= RTOL, (step, name, error)
-
-
 # ---------------------------------------------------------------------------------------- fixtures
 
 
@@ -158,7 +94,7 @@ def refs(corpus_dir, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     root = tmp_path_factory.mktemp("ref")
     out = {}
     for name, model in (("dense", DENSE), ("moe", MOE)):
-        out[name] = (root / name, _train(_raw(corpus_dir, root / name, model, {})))
+        out[name] = (root / name, train(_raw(corpus_dir, root / name, model, {})))
     return out
 
 
@@ -168,7 +104,7 @@ def _ref_of(model: dict) -> str:
 
 def _four(corpus_dir: Path, root: Path, runs: dict) -> dict[str, tuple[Path, dict]]:
     raws = {name: _raw(corpus_dir, root / name, model, par) for name, (model, par) in runs.items()}
-    grads = _merged(run_ranks(_train_each, 4, raws))
+    grads = merged(run_ranks(train_each, 4, raws))
     return {name: (root / name, grads[name]) for name in runs}
 
 
@@ -183,18 +119,10 @@ def resumed(corpus_dir, tmp_path_factory, four, refs) -> dict[str, Path]:
     runs = {**four, "ref-moe": refs["moe"]}
     raws = {}
     for name, (source, model, par) in RESUMES.items():
-        _copy_at_step_2(runs[source][0], root / name)
+        copy_at_step(runs[source][0], root / name, 2)
         raws[name] = _raw(corpus_dir, root / name, model, par)
-    run_ranks(_train_each, 2, raws)
+    run_ranks(train_each, 2, raws)
     return {name: root / name for name in RESUMES}
-
-
-def _copy_at_step_2(src: Path, dst: Path) -> None:
-    """A copy of run `src` holding only its step-2 checkpoint (the resume drops later metrics)."""
-    shutil.copytree(src, dst)
-    for later in (dst / "checkpoints").glob("step_*"):
-        if later.name != "step_00000002":
-            shutil.rmtree(later)
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -204,8 +132,8 @@ def _copy_at_step_2(src: Path, dst: Path) -> None:
 def test_pipeline_matches_one_process(name, four, refs):
     run_dir, grads = four[name]
     ref_dir, ref_grads = refs[_ref_of(FOUR[name][0])]
-    _assert_same_run(run_dir, ref_dir)
-    _assert_same_grads(grads, ref_grads)
+    assert_same_run(run_dir, ref_dir, STEPS)
+    assert_same_grads(grads, ref_grads)
 
 
 @pytest.mark.slow
@@ -213,27 +141,27 @@ def test_pipeline_matrix_matches_one_process(corpus_dir, tmp_path, refs):
     runs = _four(corpus_dir, tmp_path, FOUR_SLOW)
     for name, (run_dir, grads) in runs.items():
         ref_dir, ref_grads = refs[_ref_of(FOUR_SLOW[name][0])]
-        _assert_same_run(run_dir, ref_dir)
-        _assert_same_grads(grads, ref_grads)
+        assert_same_run(run_dir, ref_dir, STEPS)
+        assert_same_grads(grads, ref_grads)
 
 
 @pytest.mark.parametrize("name", RESUMES)
 def test_resume_at_another_layout_continues_the_run(name, resumed, refs):
     source, model, _ = RESUMES[name]
     run_dir = resumed[name]
-    (resume,) = [r for r in _rows(run_dir, "event") if r["event"] == "resume"]
+    (resume,) = [r for r in rows(run_dir, "event") if r["event"] == "resume"]
     assert (resume["step"], resume["saved_world_size"], resume["world_size"]) == (
         2,
         1 if source == "ref-moe" else 4,
         2,
     )
-    _assert_same_run(run_dir, refs[_ref_of(model)][0], steps=range(3, STEPS + 1))
+    assert_same_run(run_dir, refs[_ref_of(model)][0], STEPS, steps=range(3, STEPS + 1))
 
 
 def test_pipeline_checkpoint_resumes_on_one_process(corpus_dir, tmp_path, four, refs):
     """pp=2 x dp=2 x ep=2 -> one process (engine none): the same checkpoint folder a single process writes."""
     run_dir = tmp_path / "run"
-    _copy_at_step_2(four["pp2-dp2-ep2-1f1b"][0], run_dir)
-    grads = _train(_raw(corpus_dir, run_dir, MOE, {}))
-    _assert_same_run(run_dir, refs["moe"][0], steps=range(3, STEPS + 1))
-    _assert_same_grads(grads, {step: refs["moe"][1][step] for step in grads})
+    copy_at_step(four["pp2-dp2-ep2-1f1b"][0], run_dir, 2)
+    grads = train(_raw(corpus_dir, run_dir, MOE, {}))
+    assert_same_run(run_dir, refs["moe"][0], STEPS, steps=range(3, STEPS + 1))
+    assert_same_grads(grads, {step: refs["moe"][1][step] for step in grads})

@@ -174,3 +174,25 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0 and "usage: raytrain" in capsys.readouterr().out
+
+
+def test_a_tensor_parallel_group_must_fit_in_a_node():
+    # 8 workers reach both node types of aws-gpu.yaml (one 8-GPU node, two 4-GPU nodes): tp=4 divides both
+    ok = check_run(load_cluster(CLUSTERS / "aws-gpu.yaml"), run(scaling={"num_workers": 8}, parallel={"tp": 4}))
+    assert ok.fits, _failed(ok)
+    assert "parallel.tp=4 groups fit in one node" in {c.name: c.message for c in ok.checks}["tp within a node"]
+    # tp=8 would put a group across two 4-GPU nodes
+    failed = _failed(check_run(load_cluster(CLUSTERS / "aws-gpu.yaml"),
+                               run(scaling={"num_workers": 8}, parallel={"tp": 8})))
+    assert set(failed) == {"tp within a node"}
+    line = failed["tp within a node"]
+    assert "\n" not in line and line.startswith("parallel.tp=8 does not divide the GPUs per node of gpu-l40sx4 (4 GPUs/")
+    assert "fix: use parallel.tp in [1, 2, 4]" in line
+
+
+def test_a_bad_layout_is_the_authoritys_line():
+    # pp=2 x tp=2 at 6 workers: tp does not divide 6 / 2; the line is trainers.layout's, as `raytrain train`'s
+    failed = _failed(check_run(load_cluster(CLUSTERS / "aws-gpu.yaml"),
+                               run(scaling={"num_workers": 6}, parallel={"pp": 2, "tp": 2},
+                                   train={"global_batch_size": 48})))
+    assert failed["layout"].startswith("parallel.tp=2 does not divide the world size 6 / pp=2; fix:")

@@ -29,7 +29,7 @@ def test_every_elastic_size_must_keep_the_global_batch(corpus_dir, tmp_path):
     # global 8 = micro 4 x accumulation x dp: fine at 1 and 2 workers, impossible at 3.
     cfg = parse_config(tiny_raw(corpus_dir, tmp_path, parallel={"engine": "ddp"},
                                 scaling={"min_workers": 1, "max_workers": 3}))
-    with pytest.raises(ConfigError, match=r"at 3 workers \(scaling allows 1\.\.3\): train.global_batch_size=8"):
+    with pytest.raises(ConfigError, match=r"at world size 3 \(scaling allows 1\.\.3\): train.global_batch_size=8"):
         check_run(cfg)
     check_run(cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"max_workers": 2})}))
 
@@ -41,7 +41,7 @@ def test_every_elastic_size_must_fit_the_expert_degree(corpus_dir, tmp_path):
     raw = tiny_raw(corpus_dir, tmp_path, model=moe, parallel={"engine": "fsdp", "ep": 2},
                    train={"global_batch_size": 24, "micro_batch_size": 2},
                    scaling={"min_workers": 2, "max_workers": 4})
-    with pytest.raises(ConfigError, match=r"at 3 workers \(scaling allows 2\.\.4\): parallel.ep=2 does not divide") as e:
+    with pytest.raises(ConfigError, match=r"at world size 3 \(scaling allows 2\.\.4\): parallel.ep=2 does not divide") as e:
         check_run(parse_config(raw))
     assert "\n" not in str(e.value) and "fix:" in str(e.value)
     raw["scaling"] = {"num_workers": 4}
@@ -55,7 +55,7 @@ def test_unsharded_engine_refused_for_several_workers(corpus_dir, tmp_path, caps
     path.write_text(yaml.safe_dump(tiny_raw(corpus_dir, tmp_path / "r", scaling={"num_workers": 2})))
     assert main(["train", str(path), "--no-progress"]) == 2  # before Ray starts
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "parallel.engine=none with up to 2 workers; fix:" in err
+    assert err.count("\n") == 0 and "parallel.engine=none at world size 2; fix:" in err
 
 
 def test_trainer_built_from_yaml(corpus_dir, tmp_path):

@@ -109,8 +109,8 @@ def test_moe_blocks_weigh_their_experts():
 @pytest.mark.parametrize(
     ("sections", "starts"),
     [
-        ({"parallel": {"pp": 2}}, "parallel.pp=2 needs engine=fsdp"),
-        ({"parallel": {"engine": "ddp", "ep": 2}}, "parallel.ep=2 needs engine=fsdp"),
+        ({"parallel": {"pp": 2}}, "parallel.pp=2 needs parallel.engine=fsdp"),
+        ({"parallel": {"engine": "ddp", "ep": 2}}, "parallel.ep=2 needs parallel.engine=fsdp"),
         ({"parallel": {"engine": "fsdp", "pp": 8}}, "parallel.pp=8 x virtual_stages=1 = 8 pipeline stages"),
         (
             {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainers.config import ConfigError, parse_config
-from trainers.parallel import ParallelLayout, build_engine
+from trainers.parallel import ParallelLayout
 from trainers.trainer import Trainer
 
 
@@ -18,13 +18,13 @@ def _message(excinfo: pytest.ExceptionInfo) -> str:
 def test_world_size_not_divisible_by_dp():
     with pytest.raises(ConfigError) as e:
         ParallelLayout.build(3, 0, dp=2)
-    assert "data-parallel degree 2 does not divide the world size 3" in _message(e)
+    assert "dp=2 x pp=1 x tp=1 != world size 3" in _message(e)
 
 
 def test_engine_none_with_two_processes(tiny_config):
     with pytest.raises(ConfigError) as e:
-        build_engine(tiny_config(), ParallelLayout.build(2, 0))
-    assert "parallel.engine=none with 2 processes" in _message(e)
+        ParallelLayout.of(tiny_config(), 2)  # what build_engine asks of the running process group
+    assert "parallel.engine=none at world size 2" in _message(e)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainers.loss import chunked_lm_loss, lm_loss
 from trainers.models.config import ModelConfig
 from trainers.models.moe import MoE
 
@@ -107,7 +108,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (B, S) -> logits (B, S, vocab).
+    """tokens (B, S) -> logits (B, S, vocab); with targets (B, S), the mean next-token loss instead (as
+    Hugging Face models take labels). `loss_chunk` > 0 computes that loss `loss_chunk` tokens at a time
+    without ever making the whole logits (`trainers.loss.chunked_lm_loss`); the trainer sets it.
 
     A pipeline stage is made by setting `embed_tokens`, `norm` or `lm_head` to None and deleting entries
     of `layers` (keys stay "N", so FQNs stay `layers.N...`): without `embed_tokens` the input is hidden
@@ -127,6 +130,7 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, filled by init_weights (so a meta build can fill them).
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.loss_chunk = 0  # tokens per chunk of the output projection + loss; 0 = whole logits
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -152,7 +156,7 @@ class Transformer(nn.Module):
             self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device
         )
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         seq = h.shape[1]
         if seq > self.cfg.max_seq_len:
@@ -162,7 +166,19 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        return self._output(h)
+        if targets is None:
+            return self._output(h)
+        weight = self._head_weight()
+        if self.loss_chunk and weight is not None:
+            return chunked_lm_loss(h, weight, targets, self.loss_chunk)
+        return lm_loss(self._output(h), targets)
+
+    def _head_weight(self) -> Tensor | None:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.cfg.tie_embeddings and self.embed_tokens is not None and self.norm is not None:
+            return self.embed_tokens.weight
+        return None
 
     def _output(self, h: Tensor) -> Tensor:
         # Call lm_head as a module (not F.linear on its weight) so hooks put on it from outside (FSDP) run.

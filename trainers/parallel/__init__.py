@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from trainers.config import ConfigError, RunConfig
+from trainers.config import RunConfig
+from trainers.layout import ParallelLayout
 from trainers.parallel.distributed import device_for_rank
 from trainers.parallel.engine import Engine, LocalEngine
-from trainers.parallel.layout import ParallelLayout
 
 __all__ = ["Engine", "LocalEngine", "ParallelLayout", "build_engine"]
 
 
 def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine:
     """The engine named by `parallel.engine`, over the running process group's layout."""
-    layout = layout or ParallelLayout.from_process_group(pp=cfg.parallel.pp, ep=cfg.parallel.ep)
+    layout = layout or ParallelLayout.from_process_group(cfg)  # every layout rule runs here
     device = device_for_rank()
     engine = cfg.parallel.engine
     if engine == "none":
-        if layout.world_size > 1:
-            raise ConfigError(
-                f"parallel.engine=none with {layout.world_size} processes; fix: set parallel.engine to "
-                f"ddp, fsdp or deepspeed"
-            )
-        return LocalEngine(device)
+        return LocalEngine(device, layout)
     if layout.pp > 1:
         from trainers.parallel.pipeline import PipelineEngine
 

@@ -1,22 +1,45 @@
-"""Activation checkpointing, applied to a model from outside, per transformer block."""
+"""Activation checkpointing, applied to a model from outside, per transformer block: full (recompute the
+whole block in backward) or selective (keep what is costly to recompute, recompute the rest)."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["apply_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "selective_policy"]
+
+# Outputs kept by selective checkpointing: the matmuls and attention (their FLOPs are the step's FLOPs);
+# norms, SwiGLU's activation and products, RoPE, residual adds and casts are recomputed.
+_SAVED = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+}
 
 
-def apply_activation_checkpointing(model: nn.Module, every: int) -> int:
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """torch's selective-checkpoint policy: save matmul and scaled-dot-product-attention outputs."""
+    if op in _SAVED or "scaled_dot_product" in str(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, every: int, selective: bool = False) -> int:
     """Wrap blocks 0, k, 2k, ... of `model.layers` (k = `every`; 0 = off) so their activations are
-    recomputed in backward instead of kept. Non-reentrant checkpointing (the one torch recommends;
-    it composes with FSDP2 and autocast). Returns the number of blocks wrapped."""
-    if every <= 0:
+    recomputed in backward instead of kept; `selective` wraps every block and keeps the matmul and
+    attention outputs (torch's `create_selective_checkpoint_contexts`). Non-reentrant checkpointing (the one
+    torch recommends; it composes with FSDP2, TP and autocast). Returns the number of blocks wrapped."""
+    if every <= 0 and not selective:
         return 0
+    options = {"context_fn": partial(create_selective_checkpoint_contexts, selective_policy)} if selective else {}
     wrapped = 0
     for name, block in list(model.layers.named_children()):
-        if int(name) % every == 0:
-            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        if selective or int(name) % every == 0:
+            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **options))
             wrapped += 1
     return wrapped

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from trainers.config import ConfigError, OptimizerConfig, RunConfig
+from trainers.layout import ParallelLayout
 from trainers.models.flops import param_count
 from trainers.optim import apply_hparams, build_optimizer, param_groups
 from trainers.parallel.engine import Engine
-from trainers.parallel.layout import ParallelLayout
 from trainers.precision import Precision
 
 __all__ = ["DeepSpeedCheckpointBackend", "DeepSpeedEngine", "DeepSpeedState", "deepspeed_config"]
@@ -177,8 +177,7 @@ class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
     def __init__(self, layout: ParallelLayout, device: torch.device | None = None):
-        super().__init__(device)
-        self.layout = layout
+        super().__init__(device, layout)
         self.dp_rank, self.dp_size, self.world_size = layout.dp_rank, layout.dp, layout.world_size
         self.checkpoint_backend = DeepSpeedCheckpointBackend()
         self.ds: Any = None  # deepspeed.DeepSpeedEngine
@@ -186,6 +185,9 @@ class DeepSpeedEngine(Engine):
 
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
         config = deepspeed_config(cfg, self.dp_size)
+        from trainers.parallel.parallelize import parallelize
+
+        parallelize(model, self.layout, cfg)  # activation checkpointing only: tp, ep and pp need fsdp
         self._start_group()
         try:
             self._initialize(model, cfg, config)

@@ -18,12 +18,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainers.checkpoint import CheckpointBackend, DCPBackend, ModelOptimizerState
 from trainers.config import OptimizerConfig, RunConfig
+from trainers.layout import ParallelLayout
 from trainers.models.moe import moe_stats, reset_moe_stats, set_aux_grad_scale
 from trainers.optim import apply_hparams, build_optimizer
 from trainers.precision import Precision
 from trainers.profiling import span
 
-__all__ = ["Batch", "Engine", "LocalEngine", "LossFn"]
+__all__ = ["Batch", "Engine", "LocalEngine", "LossFn", "plain"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch, on the engine's device
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
@@ -37,8 +38,9 @@ class Engine:
     dp_size: int = 1
     world_size: int = 1
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, layout: ParallelLayout | None = None):
         self.device = device or torch.device("cpu")
+        self.layout = layout or ParallelLayout.build(1, 0, device_type=self.device.type)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -58,11 +60,14 @@ class Engine:
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
         """Place/shard the model, then build the optimizer over the (possibly sharded) parameters."""
         self.precision = Precision(cfg.precision, self.device)
-        self.model = self.wrap(model)
+        self.model = self.wrap(model, cfg)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return model.to(self.device)
+    def wrap(self, model: nn.Module, cfg: RunConfig) -> nn.Module:
+        """The model on this engine's device with parallelism applied (`trainers.parallel.parallelize`)."""
+        from trainers.parallel.parallelize import parallelize
+
+        return parallelize(model.to(self.device), self.layout, cfg)
 
     # ----------------------------------------------------------------------------------------- step
 
@@ -75,20 +80,29 @@ class Engine:
 
     def forward_backward(self, batches: Iterable[Batch], count: int, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward over this step's `count` micro-batches on this rank, gradients accumulated
-        (and synced on the final one). Returns this rank's mean loss, detached. A pipeline engine runs
-        its schedule here instead."""
+        (and synced on the final one). Returns this rank's mean loss, detached. The model computes its
+        loss from the targets (`Transformer.forward(tokens, targets)`, chunked where configured); a
+        pipeline engine runs its schedule here instead and applies `loss_fn` to the last stage's output."""
         reset_moe_stats(self.model)
         set_aux_grad_scale(self.model, self.loss_scale / count)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
-            with span("forward"):
-                with self.autocast():
-                    output = self.model(inputs)
-                loss = loss_fn(output, targets)
-            with span("backward"):
-                self.backward(loss / count, final_micro_batch=i == count - 1)
-            loss_sum += loss.detach()
+            with self.loss_context():
+                with span("forward"):
+                    with self.autocast():
+                        loss = self.model(inputs, targets)
+                with span("backward"):
+                    self.backward(loss / count, final_micro_batch=i == count - 1)
+            loss_sum += plain(loss.detach())
         return loss_sum / count
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around each loss and its backward: `loss_parallel` when tensor parallelism shards the logits."""
+        if self.layout.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterable[Batch], loss_fn: LossFn) -> torch.Tensor:
@@ -96,9 +110,8 @@ class Engine:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for inputs, targets in batches:
-            with self.autocast():
-                output = self.model(inputs)
-            total += loss_fn(output, targets) * len(inputs)
+            with self.autocast(), self.loss_context():
+                total += plain(self.model(inputs, targets)) * len(inputs)
         self.model.train()
         return total
 
@@ -156,3 +169,10 @@ class Engine:
 
 class LocalEngine(Engine):
     pass
+
+
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under tensor parallelism it is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value

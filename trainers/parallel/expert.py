@@ -14,6 +14,10 @@ checkpoint holds whole experts under their usual FQNs and reloads at another ep 
 out of FSDP: their gradients already sum the tokens of the ep group; `sync_expert_grads` adds the
 `edp` replicas holding the same experts and divides by the data-parallel size, so that every expert
 gets the gradient of the mean loss over all data-parallel ranks, as dense weights do.
+
+With tensor parallelism the experts are also split by hidden unit over tp (see `parallelize.py` for why
+the experts' projections and not the tokens): the weights are then DTensors over ("ep", "tp") or ("tp",)
+alone; split over tp alone they are not kept out of FSDP (it makes them 2-D: dp x tp, as dense weights).
 """
 
 from __future__ import annotations
@@ -34,33 +38,86 @@ __all__ = ["ExpertParallel", "apply_expert_parallel", "expert_params", "sync_exp
 
 class ExpertParallel(nn.Module):
     """Drop-in for `GroupedExperts` (same call, same parameter names): this rank's slice of the experts,
-    fed by all-to-all from the ranks of its ep group."""
+    split by expert over "ep" (fed by all-to-all from the ranks of its ep group) and/or by hidden unit
+    over "tp" (w1/w3 by rows, w2 by columns, Megatron's column/row split of each expert's SwiGLU: every tp
+    rank gets the same rows and returns partial sums, all-reduced over tp)."""
 
     def __init__(self, experts: GroupedExperts, mesh: DeviceMesh):
         super().__init__()
-        self.group = mesh.get_group()
-        self.ep, rank = mesh.size(), mesh.get_local_rank()
+        names = mesh.mesh_dim_names
+        self.ep_group = mesh.get_group("ep") if "ep" in names else None
+        self.tp_group = mesh.get_group("tp") if "tp" in names else None
+        self.ep = mesh.size(names.index("ep")) if "ep" in names else 1
         self.num_experts = experts.w1.shape[0]
-        for name in ("w1", "w2", "w3"):
-            # Every rank built the same full weights (same seed): keep our slice, no communication.
-            local = getattr(experts, name).detach().chunk(self.ep)[rank].clone()
-            self.register_parameter(name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)])))
+        for name, hidden_dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+            # Every rank built the same full weights (same seed, or the same meta shapes): keep our slice,
+            # no communication.
+            local, placements = getattr(experts, name).detach(), []
+            for dim_name in names:
+                split = 0 if dim_name == "ep" else hidden_dim
+                local = local.chunk(mesh.size(names.index(dim_name)), split)[mesh.get_local_rank(dim_name)]
+                placements.append(Shard(split))
+            self.register_parameter(name, nn.Parameter(DTensor.from_local(local.clone(), mesh, placements)))
+
+    @property
+    def sharded_by_expert(self) -> bool:
+        return self.ep > 1
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: (N, dim) rows grouped by expert (all E of them) as `moe.dispatch` returns them."""
+        weights = SimpleNamespace(**{n: getattr(self, n).to_local().to(x.dtype) for n in ("w1", "w2", "w3")})
+        if self.ep == 1:
+            return self._experts(weights, x, tokens_per_expert)
         local = self.num_experts // self.ep
         send_counts = tokens_per_expert.to(torch.long)
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert] rows coming to us
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         recv_counts = recv_counts.view(self.ep, local)
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        received = all_to_all_single_autograd(x, recv_splits, send_splits, self.ep_group)
         order = _expert_major(recv_counts)
-        weights = SimpleNamespace(**{n: getattr(self, n).to_local().to(x.dtype) for n in ("w1", "w2", "w3")})
-        out = GroupedExperts.forward(weights, received[order], recv_counts.sum(0))  # the same expert math
+        out = self._experts(weights, received[order], recv_counts.sum(0))
         out = out[torch.argsort(order)]  # back to source-major order
-        return all_to_all_single_autograd(out, send_splits, recv_splits, self.group)
+        return all_to_all_single_autograd(out, send_splits, recv_splits, self.ep_group)
+
+    def _experts(self, weights: SimpleNamespace, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """The same expert math as one process; over tp, on this rank's hidden units, then summed."""
+        if self.tp_group is None:
+            return GroupedExperts.forward(weights, x, tokens_per_expert)
+        out = GroupedExperts.forward(weights, _CopyToTP.apply(x, self.tp_group), tokens_per_expert)
+        return _ReduceFromTP.apply(out, self.tp_group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward; backward sums the input's gradient over tp (each rank's part of it
+    comes through its own hidden units)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: forward sums the partial outputs over tp; backward is the identity (what follows is
+    the same on every tp rank)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 def _expert_major(counts: Tensor) -> Tensor:
@@ -75,7 +132,7 @@ def _expert_major(counts: Tensor) -> Tensor:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> int:
-    """Shard every MoE layer's experts over the 1-D ep `mesh`; returns the number of layers changed."""
+    """Split every MoE layer's experts over `mesh` (dims "ep" and/or "tp"); returns the layers changed."""
     layers = moe_layers(model)
     for moe in layers:
         moe.experts = ExpertParallel(moe.experts, mesh)
@@ -83,7 +140,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> int:
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()]
+    """The expert weights split by expert (ep > 1): FSDP leaves them alone (`sync_expert_grads` syncs
+    them). Experts split over tp alone are sharded by FSDP over dp like any tp weight."""
+    modules = [m for m in model.modules() if isinstance(m, ExpertParallel) and m.sharded_by_expert]
+    return [p for m in modules for p in m.parameters()]
 
 
 @torch.no_grad()

@@ -1,13 +1,14 @@
 """torch's own data-parallel engines over the layout's `dp` mesh: DDP (replicated) and FSDP2 (sharded).
 
-FSDP2 is applied in a fixed order, as in torchtitan's `parallelize.py`: the Trainer has already wrapped
-blocks for activation checkpointing; `apply_fsdp` shards each block, then the root; the optimizer is
-built last, over the sharded (DTensor) parameters, so its state is sharded too.
+FSDP2 is the last step of `trainers.parallel.parallelize` (TP -> activation checkpointing -> EP -> FSDP, as in
+torchtitan's `parallelize.py`): `apply_fsdp` shards each block, then the root; the optimizer is built
+last, over the sharded (DTensor) parameters, so its state is sharded too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -23,12 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainers._base import ConfigError
 from trainers.config import ModelConfig, PrecisionConfig, RunConfig
+from trainers.layout import ParallelLayout
 from trainers.models import Transformer
 from trainers.models.moe import moe_totals, stats_from_totals
 from trainers.optim import build_optimizer
 from trainers.parallel.engine import Engine
-from trainers.parallel.expert import apply_expert_parallel, expert_params, sync_expert_grads
-from trainers.parallel.layout import ParallelLayout
+from trainers.parallel.expert import expert_params, sync_expert_grads
+from trainers.parallel.parallelize import parallelize
 from trainers.precision import Precision
 
 __all__ = ["DDPEngine", "FSDPEngine", "ShardedPrecision", "apply_fsdp", "on_meta"]
@@ -43,8 +45,7 @@ class _DataParallelEngine(Engine):
                 f"parallel.engine={self.name} needs a process group; fix: launch with `torchrun "
                 f"--nproc-per-node N -m trainers train RUN.yaml` (or Ray), or set parallel.engine=none"
             )
-        super().__init__(device)
-        self.layout = layout
+        super().__init__(device, layout)
         self.dp_rank, self.dp_size, self.world_size = layout.dp_rank, layout.dp, layout.world_size
         self.mesh = layout.dp_mesh()
         self.dp_group = self.mesh.get_group()
@@ -73,7 +74,7 @@ class _DataParallelEngine(Engine):
             return {}
         table = torch.zeros(self.model_cfg.n_layers, 2 * moe.num_experts + 3, device=self.device)
         for layer, totals in moe_totals(self.model).items():
-            table[layer] = totals
+            table[layer] = totals / self.layout.tp  # the tp ranks of a group route the same tokens
         dist.all_reduce(table, op=dist.ReduceOp.SUM)
         rows = [i for i in range(self.model_cfg.n_layers) if self.model_cfg.is_moe_layer(i)]
         return stats_from_totals(table[rows])
@@ -87,8 +88,8 @@ class DDPEngine(_DataParallelEngine):
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def wrap(self, model: nn.Module, cfg: RunConfig) -> nn.Module:
+        model = super().wrap(model, cfg)
         device_ids = [self.device.index] if self.device.type == "cuda" else None  # CPU: no device_ids
         return DistributedDataParallel(model, device_ids=device_ids, process_group=self.dp_group)
 
@@ -111,17 +112,15 @@ class FSDPEngine(_DataParallelEngine):
         self.sharded_accumulation = cfg.parallel.sharded_accumulation
         self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group, self.layout.pp_group())
         self.fsdp_options = fsdp_options(cfg, self.mesh, self.precision.mp_policy())
-        self.model = self.wrap(model)
+        self.model = self.wrap(model, cfg)
         # After sharding: the optimizer must hold the DTensor shards, not the full tensors.
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, cfg: RunConfig) -> nn.Module:
         # With CPU offload the shards live on the CPU: leave the model there (FSDP2 moves it). A meta-device
         # model (model.init_from) is sharded as it is; `materialize` then allocates the shards.
         model = model if self.offload or on_meta(model) else model.to(self.device)
-        if self.layout.ep > 1:  # experts first: FSDP then leaves the expert shards alone
-            apply_expert_parallel(model, self.layout.ep_mesh())
-        return apply_fsdp(model, **self.fsdp_options)
+        return parallelize(model, self.layout, cfg, fsdp=self.fsdp_options)
 
     shards_meta_models = True
 
@@ -260,7 +259,19 @@ def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    norm = torch.nn.utils.get_total_norm(grads)
-    # The norm of local shards is a Partial DTensor: full_tensor() all-reduces it into the norm a
-    # single process computes over the whole gradients (torchtitan's dist_utils.clip_grad_norm_).
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """The 2-norm of whole gradients from this rank's shards (all on one mesh, see `_by_mesh`)."""
+    mesh = grads[0].device_mesh if grads and isinstance(grads[0], DTensor) else None
+    if mesh is None or mesh.ndim == 1:
+        norm = torch.nn.utils.get_total_norm(grads)
+        # The norm of local shards is a Partial DTensor: full_tensor() all-reduces it into the norm a
+        # single process computes over the whole gradients (torchtitan's dist_utils.clip_grad_norm_).
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    # dp x tp: one all-reduce of the local squares over the mesh's ranks (DTensor would run one per mesh
+    # dimension, and one per mix of placements), each shard counted once: a shard replicated over a mesh
+    # dimension is on mesh.size(dim) ranks.
+    square = torch.zeros((), device=grads[0].to_local().device)
+    for g in grads:
+        replicas = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
+        square += g.to_local().float().square().sum() / replicas
+    dist.all_reduce(square, group=mesh._flatten().get_group())
+    return square.sqrt()

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -33,17 +32,18 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 from trainers._base import ConfigError
 from trainers.checkpoint import ModelOptimizerState
 from trainers.config import ModelConfig, OptimizerConfig, RunConfig
+from trainers.layout import SPLIT_BACKWARD_SCHEDULES, ParallelLayout
 from trainers.models import Transformer, build_model
 from trainers.models.moe import reset_moe_stats, set_aux_grad_scale
 from trainers.optim import build_optimizer
-from trainers.parallel.engine import Batch, LossFn
-from trainers.parallel.expert import apply_expert_parallel, expert_params
-from trainers.parallel.layout import ParallelLayout
-from trainers.parallel.native import FSDPEngine, ShardedPrecision, _ignoring, fsdp_options, on_meta
+from trainers.parallel.engine import Batch, LossFn, plain
+from trainers.parallel.native import FSDPEngine, ShardedPrecision, fsdp_options, on_meta
+from trainers.parallel.parallelize import parallelize
 
 __all__ = ["PipelineEngine", "PartitionedState", "block_costs", "split_stages"]
 
@@ -55,23 +55,17 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 _SINGLE_STAGE = ("gpipe", "1f1b")
-_SPLIT_BACKWARD = ("interleaved_zb", "zbv")  # zero-bubble: input and weight gradients in separate passes
 
 
 # ------------------------------------------------------------------------------------------ the split
 
 
 def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Forward FLOPs per token of each block: 2 x the matmul weights a token uses (attention, and the
-    SwiGLU or the router + top_k experts) + the attention scores and values (4 x seq x dim)."""
-    attention = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim + 4 * seq_len * cfg.dim
-    swiglu = 2 * 3 * cfg.dim * cfg.hidden_dim
-    costs = []
-    for i in range(cfg.n_layers):
-        moe = cfg.moe if cfg.is_moe_layer(i) else None
-        ffn = swiglu if moe is None else 2 * cfg.dim * moe.num_experts + moe.top_k * swiglu
-        costs.append(float(attention + ffn))
-    return costs
+    """Forward FLOPs per token of each block (`trainers.models.flops.block_forward_flops`, the one place
+    that counts them; MoE blocks weigh their router and top_k experts)."""
+    from trainers.models.flops import block_forward_flops
+
+    return [block_forward_flops(cfg, i, seq_len) for i in range(cfg.n_layers)]
 
 
 def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
@@ -139,52 +133,37 @@ class PipelineEngine(FSDPEngine):
         self.pp_group = layout.pp_group()
 
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
-        par = cfg.parallel
+        lay = self.layout
         self.model_cfg, self.optimizer_cfg = cfg.model, cfg.optimizer
-        self.offload = par.offload == "all"
-        self.v_shape = par.pipeline_schedule == "zbv"
-        self.num_stages = self.layout.pp * (2 if self.v_shape else par.virtual_stages)
+        self.offload = cfg.parallel.offload == "all"
+        self.v_shape, self.num_stages = lay.v_shape, lay.num_stages
         self.split = split_stages(block_costs(cfg.model, cfg.data.seq_len), self.num_stages)
-        self.stage_ids = self.layout.stage_ids(par.virtual_stages, self.v_shape)
+        self.stage_ids = lay.stage_ids()
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         _keep_only(model, {i for s in self.stage_ids for i in self.split[s]}, first, last)
         self.has_first, self.has_last = first, last
 
         self.precision = ShardedPrecision(cfg.precision, self.device, self.dp_group, self.pp_group)
         options = fsdp_options(cfg, self.mesh, self.precision.mp_policy())
-        if par.pipeline_schedule in _SPLIT_BACKWARD:
+        if cfg.parallel.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES:
             # Their backward runs in two passes (input, then weight gradients) over the autograd graph of
             # the gathered parameters: resharding after forward would take them out of it (ZeRO-2 here).
             options["reshard_after_forward"] = False
         model = model if self.offload or on_meta(model) else model.to(self.device)
-        if self.layout.ep > 1:
-            apply_expert_parallel(model, self.layout.ep_mesh())
         parts = [
             _stage_module(model, self.split[s], s == 0, s == self.num_stages - 1) for s in self.stage_ids
         ]
-        for block in model.layers.values():  # FSDP as without a pipeline: each block, then each stage root
-            fully_shard_block(block, options)
-        for part in parts:
-            fully_shard_block(part, options)
+        for part in parts:  # each stage: TP -> activation checkpointing -> EP -> FSDP (blocks, stage root)
+            parallelize(part, lay, cfg, fsdp=options)
+            model.layers.update(part.layers)  # the rank's model holds what its stages hold (AC's wrappers)
         self.model, self.parts = model, parts
         self.optimizer = build_optimizer(model, cfg.optimizer)
-        self.n_microbatches = self._n_microbatches(cfg)
+        self.n_microbatches, self.microbatch_size = lay.microbatches, lay.microbatch_size
         self.stages = [self._stage(part, s, cfg) for part, s in zip(parts, self.stage_ids)]
-        self.schedule = self._schedule(par.pipeline_schedule)
+        self.schedule = self._schedule(cfg.parallel.pipeline_schedule)
 
     def fsdp_roots(self) -> list[nn.Module]:
         return self.parts  # the stage roots: together they hold every module this rank keeps
-
-    def _n_microbatches(self, cfg: RunConfig) -> int:
-        local_batch = cfg.train.global_batch_size // self.dp_size
-        n = cfg.parallel.n_microbatches or cfg.train.accumulation(self.dp_size)
-        if local_batch % n:
-            raise ConfigError(
-                f"parallel.n_microbatches={n} does not divide the {local_batch} samples each pipeline runs per "
-                f"step (train.global_batch_size / data-parallel size {self.dp_size}); fix: use a divisor"
-            )
-        self.microbatch_size = local_batch // n
-        return n
 
     def _stage(self, part: nn.Module, index: int, cfg: RunConfig) -> PipelineStage:
         """A stage with its input and output shapes given, so no shape-inference pass runs (static mode):
@@ -195,8 +174,12 @@ class PipelineEngine(FSDPEngine):
         def meta(*shape: int, dtype: torch.dtype = act) -> torch.Tensor:  # activations carry gradients
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
-        inputs = meta(b, s, dtype=torch.long) if index == 0 else meta(b, s, m.dim)
-        outputs = meta(b, s, m.vocab_size) if index == self.num_stages - 1 else meta(b, s, m.dim)
+        # With tensor parallelism stages exchange this rank's sequence shard; the last one returns its
+        # vocabulary shard of the logits (as torch.chunk splits them, like DTensor's Shard).
+        hidden = meta(b, s // self.layout.tp, m.dim)
+        vocab = len(torch.empty(m.vocab_size, device="meta").chunk(self.layout.tp)[self.layout.tp_rank])
+        inputs = meta(b, s, dtype=torch.long) if index == 0 else hidden
+        outputs = meta(b, s, vocab) if index == self.num_stages - 1 else hidden
         return PipelineStage(
             part,
             index,
@@ -232,15 +215,26 @@ class PipelineEngine(FSDPEngine):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = targets if self.has_last else None
-        self.schedule.step(
-            *args, target=target, losses=losses if self.has_last else None, return_outputs=False
-        )
+        with self.loss_context():  # the schedule runs each loss's backward inside it
+            self.schedule.step(
+                *args, target=target, losses=losses if self.has_last else None, return_outputs=False
+            )
         self.finish_grads()
-        loss = torch.stack(losses).mean() if self.has_last else torch.zeros((), device=self.device)
-        return self._from_last_stage(loss.detach().float())
+        if self.has_last:
+            loss = torch.stack([plain(x.detach()) for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self._from_last_stage(loss.float())
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, target)
+        return self._loss_fn(self._logits(output), target)
+
+    def _logits(self, output: torch.Tensor) -> torch.Tensor:
+        """The last stage's output as the loss takes it: with tensor parallelism, this rank's vocabulary
+        shard of the logits becomes the vocabulary-sharded DTensor that `loss_parallel` expects."""
+        if self.layout.tp == 1:
+            return output
+        return DTensor.from_local(output, self.layout.tp_mesh(), [Shard(2)], run_check=False)
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """Every rank of the pipeline gets the last stage's value (zero elsewhere, then summed)."""
@@ -261,7 +255,8 @@ class PipelineEngine(FSDPEngine):
                 if owner != self.layout.pp_rank:
                     continue
                 if s > 0 and self.layout.stage_owner(s - 1, self.v_shape) != owner:
-                    h = torch.empty(*inputs.shape, self.model_cfg.dim, device=self.device)
+                    batch, seq = inputs.shape  # this rank's sequence shard with tensor parallelism
+                    h = torch.empty(batch, seq // self.layout.tp, self.model_cfg.dim, device=self.device)
                     dist.recv(h, group=self.pp_group, group_src=self.layout.stage_owner(s - 1, self.v_shape))
                 with self.autocast():
                     h = self.parts[self.stage_ids.index(s)](h)
@@ -270,7 +265,8 @@ class PipelineEngine(FSDPEngine):
                         h.float(), group=self.pp_group, group_dst=self.layout.stage_owner(s + 1, self.v_shape)
                     )
             if self.has_last:
-                total += loss_fn(h, targets) * len(inputs)
+                with self.loss_context():
+                    total += plain(loss_fn(self._logits(h), targets)) * len(inputs)
         self.model.train()
         return self._from_last_stage(total)
 
@@ -278,10 +274,6 @@ class PipelineEngine(FSDPEngine):
 
     def checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
         return {"app": PartitionedState(self.model, self.optimizer, with_optimizer, self.optimizer_cfg)}
-
-
-def fully_shard_block(module: nn.Module, options: dict) -> None:
-    fully_shard(module, **options, **_ignoring(expert_params(module)))
 
 
 class PartitionedState(ModelOptimizerState):

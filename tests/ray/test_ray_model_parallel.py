@@ -1,6 +1,6 @@
-"""`raytrain train` runs a pipeline-parallel layout on Ray: pp=2 on 2 Ray Train workers (CPU, gloo) trains
-an MoE model (MoE blocks on both stages) with the losses, router statistics and validation loss of one
-process, and its checkpoint is the usual DCP folder."""
+"""`raytrain train` runs model-parallel layouts on Ray: pp=2, and tp=2 x dp=1 (tensor + sequence parallel),
+on 2 Ray Train workers (CPU, gloo) train an MoE model (MoE blocks on both stages) with the losses, router
+statistics and validation loss of one process, and the checkpoint is the usual DCP folder."""
 
 from __future__ import annotations
 
@@ -46,8 +46,12 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl", "train")
 
 
-def test_pipeline_on_two_ray_workers_matches_one_process(ray_local, corpus_dir, tmp_path):
-    parallel = {"engine": "fsdp", "pp": 2, "pipeline_schedule": "1f1b"}
+LAYOUTS = {"pp2": {"pp": 2, "pipeline_schedule": "1f1b"}, "tp2": {"tp": 2}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_model_parallel_on_two_ray_workers_matches_one_process(layout, ray_local, corpus_dir, tmp_path):
+    parallel = {"engine": "fsdp", **LAYOUTS[layout]}
     raw = _raw(corpus_dir, tmp_path / "ray", parallel=parallel, scaling={"num_workers": 2})
     run_yaml = tmp_path / "ray.yaml"
     run_yaml.write_text(yaml.safe_dump(raw))

@@ -1,0 +1,118 @@
+"""The chunked loss (trainers/loss.py): the same loss and gradients as the whole-logits loss (fp32, 1e-6),
+through the model for dense and MoE, and no tensor of tokens x vocab is ever made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainers.loss import chunked_lm_loss, lm_loss
+from trainers.models import ModelConfig, MoEConfig, build_model
+
+TOL = 1e-6
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op returns while active (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 64, 1000])
+def test_chunked_loss_and_gradients_equal_the_whole_loss(chunk):
+    torch.manual_seed(0)
+    n, d, v = 64, 24, 301
+    h = torch.randn(n, d, requires_grad=True)
+    w = (0.2 * torch.randn(v, d)).requires_grad_()
+    t = torch.randint(0, v, (n,))
+    whole = lm_loss((h @ w.t())[None], t[None])
+    whole.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    chunked = chunked_lm_loss(h, w, t, chunk)
+    (2.0 * chunked).backward()  # a scale after the loss reaches the saved gradients
+    assert chunked.item() == pytest.approx(whole.item(), rel=TOL)
+    assert _rel(h.grad, 2 * gh) <= TOL and _rel(w.grad, 2 * gw) <= TOL
+
+
+def test_evaluation_needs_no_gradients():
+    h, w, t = torch.randn(10, 8), torch.randn(50, 8, requires_grad=True), torch.randint(0, 50, (10,))
+    with torch.no_grad():
+        loss = chunked_lm_loss(h, w, t, 3)
+    assert float(loss) == pytest.approx(float(lm_loss((h @ w.t())[None], t[None])), rel=TOL)
+
+
+MODELS = {
+    "dense": ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=2, max_seq_len=32),
+    "dense-tied": ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=2, max_seq_len=32, tie_embeddings=True),
+    "moe": ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=2, max_seq_len=32, moe=MoEConfig(num_experts=4)),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_model_loss_chunked_equals_whole_with_every_gradient(name):
+    cfg = MODELS[name]
+    tokens = torch.randint(0, cfg.vocab_size, (4, 32))
+    targets = torch.randint(0, cfg.vocab_size, (4, 32))
+    runs = []
+    for chunk in (0, 40):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        model.loss_chunk = chunk
+        with LargestTensor() as seen:
+            loss = model(tokens, targets)
+            loss.backward()
+        runs.append((float(loss), {n: p.grad for n, p in model.named_parameters()}, seen.largest))
+    (whole, whole_grads, whole_largest), (chunked, grads, largest) = runs
+    assert chunked == pytest.approx(whole, rel=TOL)
+    for n, g in whole_grads.items():
+        assert _rel(grads[n], g) <= TOL, n
+    logits = tokens.numel() * cfg.vocab_size
+    assert whole_largest >= logits  # the whole loss makes the logits (so the census can see them) ...
+    assert largest < logits  # ... the chunked one never does
+    assert largest <= max(40 * cfg.vocab_size, cfg.vocab_size * cfg.dim, tokens.numel() * cfg.hidden_dim)
+
+
+# ------------------------------------------------------------------ selective activation checkpointing
+
+
+def test_selective_checkpointing_keeps_gradients_and_sits_between_off_and_every():
+    """Selective AC recomputes only the cheap ops: the same gradients as no AC, bit for bit, and a peak of
+    live tensors between no AC and full AC on every block (the census bench/measure.py uses)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    from measure import LiveTensorBytes
+
+    from trainers.parallel.ac import apply_activation_checkpointing
+
+    cfg = ModelConfig(vocab_size=257, dim=64, n_layers=3, n_heads=4, max_seq_len=128)
+    tokens, targets = torch.randint(0, 257, (4, 128)), torch.randint(0, 257, (4, 128))
+    peaks, grads = {}, {}
+    for mode in ("off", "selective", "every"):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        wrapped = apply_activation_checkpointing(model, 1 if mode == "every" else 0, mode == "selective")
+        assert wrapped == (0 if mode == "off" else cfg.n_layers)
+        with LiveTensorBytes() as live:
+            model(tokens, targets).backward()
+        peaks[mode] = live.peak
+        grads[mode] = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    for mode in ("selective", "every"):
+        assert all(torch.equal(grads[mode][n], g) for n, g in grads["off"].items()), mode
+    assert peaks["every"] < peaks["selective"] < peaks["off"], peaks
