@@ -153,13 +153,15 @@ def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_we
     last = {r["trial"]: r for r in sorted(result.reports, key=lambda r: r["time"])}
     assert {r["step"] for r in last.values()} == {STEPS}
     assert last[weak]["hparams"] == {"optimizer.lr": new_lr}
-    # Tune's checkpoints are metadata pointing at pins (hard-linked step folders), nothing copied. Retention
-    # (keep 1) left no pre-exploit checkpoint of the weak trial: its checkpoint of the exploit's report
-    # names the donor's pin (what a restore then must load), its newest is its own at the end.
+    # Tune's checkpoints are metadata pointing at pins (hard-linked step folders), nothing copied. The weak
+    # trial's checkpoint of the exploit's report names the donor's pin when the decision came before its
+    # save, else its own step-10 pin (a loaded machine saves first; the scheduler then points the trial's
+    # latest checkpoint at the donor's pin, which is what a restore loads); its newest is its own at the end.
     weak_dir = next(exp_dir.glob(f"TrialRun_{weak}_*"))
     metas = [json.loads((c / "meta.json").read_text()) for c in sorted(weak_dir.glob("checkpoint_*"))]
     assert (metas[-1]["trial"], metas[-1]["step"]) == (weak, STEPS)
-    assert all((m["trial"], m["step"]) in ((strong, INTERVAL), (weak, STEPS)) for m in metas)
+    assert all((m["trial"], m["step"]) in ((strong, INTERVAL), (weak, INTERVAL), (weak, STEPS)) for m in metas)
+    assert all(Path(m["pin"]).is_dir() for m in metas)
     assert all(sorted(p.name for p in c.iterdir()) == ["meta.json"] for c in weak_dir.glob("checkpoint_*"))
     assert all(Path(m["pin"]).parent.name == "pins" and (Path(m["pin"]) / m["step_dir"]).is_dir() for m in metas)
 
