@@ -24,8 +24,11 @@ __all__ = ["StepHook", "train"]
 StepHook = Callable[[int, float, nn.Module, torch.optim.Optimizer], None]
 
 
-def train(cfg: RunConfig, data: TokenWindows, after_step: StepHook | None = None) -> list[float]:
-    """Train `cfg.train.steps` steps on `data`; returns the loss of each step."""
+def train(
+    cfg: RunConfig, data: TokenWindows, after_step: StepHook | None = None, set_to_none: bool = True
+) -> list[float]:
+    """Train `cfg.train.steps` steps on `data`; returns the loss of each step. `set_to_none=False` is the
+    seed's naive loop (bench/lean.py): gradients are zeroed, not freed, so they live through the next step."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
     opt = _adamw(model, cfg)
@@ -39,7 +42,7 @@ def train(cfg: RunConfig, data: TokenWindows, after_step: StepHook | None = None
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         opt.step()
         sched.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
         losses.append(loss.item())  # logged every step, as any loop does
         if after_step is not None:
             after_step(step + 1, losses[-1], model, opt)

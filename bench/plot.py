@@ -43,10 +43,15 @@ def _overhead_panel(ax, overhead: dict[str, Any]) -> None:
         s = overhead[name]
         ax.bar(i, s["median_step_s"], color=COLORS[name], width=0.6)
         repeats = s["per_repeat_median_step_s"]
-        ax.plot([i] * len(repeats), repeats, "k_", markersize=18, label="median of one repeat" if i else None)
+        ax.plot([i] * len(repeats), repeats, "k_", markersize=18, label="median of one run" if i else None)
     ax.set_xticks(range(len(names)), ["plain PyTorch loop", "Trainer (TensorBoard on)"])
     ax.set_ylabel("median step time (s)")
-    ax.set_title(f"step time: Trainer / plain = {overhead['ratio']:.3f} (target <= 1.05)", fontsize=10)
+    ax.set_title(
+        f"step time: Trainer / plain = {overhead['ratio_median']:.3f}, p10-p90 {overhead['ratio_p10']:.3f}-"
+        f"{overhead['ratio_p90']:.3f} over {len(overhead['per_pair_ratios'])} pairs "
+        f"(target <= {overhead['target_ratio_max']})",
+        fontsize=10,
+    )
     ax.legend(loc="lower right", fontsize=8)
 
 
