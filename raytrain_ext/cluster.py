@@ -280,6 +280,24 @@ def policy_findings(path: str | Path) -> list[str]:
     image = (raw.get("docker") or {}).get("image")
     if image is not None and "2.60.0" not in image:
         found.append(f"{path}: docker image {image} is not Ray 2.60.0")
+    return found + _storage_policy(path, raw)
+
+
+def _storage_policy(path: Path, raw: dict[str, Any]) -> list[str]:
+    """A cloud cluster keeps runs in its bucket by default (RAYTRAIN_STORAGE in every container) and reaches it
+    through each node's instance role / service account, never a key in a file."""
+    provider = (raw.get("provider") or {}).get("type")
+    scheme = {"aws": "s3://", "gcp": "gs://"}.get(provider)
+    if scheme is None:
+        return []
+    found = []
+    options = " ".join((raw.get("docker") or {}).get("run_options", []))
+    if f"RAYTRAIN_STORAGE={scheme}" not in options:
+        found.append(f"{path}: no default bucket (docker run_options: --env RAYTRAIN_STORAGE={scheme}BUCKET)")
+    key = "IamInstanceProfile" if provider == "aws" else "serviceAccounts"
+    for name, node_type in (raw.get("available_node_types") or {}).items():
+        if key not in (node_type.get("node_config") or {}):
+            found.append(f"{path}: node type {name} has no {key} (its way to the bucket without a key)")
     return found
 
 

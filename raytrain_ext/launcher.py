@@ -11,7 +11,8 @@ Run directory (`run_dir`, default `runs/<name>`) = the Ray run's storage folder:
 
 Ray's `storage_path` is the parent folder and its run `name` the folder's name, so re-running the same
 command continues the run from its newest checkpoint. On a multi-node cluster `run_dir` and `data.path`
-must be on a filesystem every node mounts at the same path (NFS, EFS, Filestore).
+are URIs of a bucket (`s3://...`, `gs://...`: `trainers.storage`; Ray gets the same fsspec file system as
+its `storage_filesystem`), or folders on a filesystem every node mounts at the same path (NFS, EFS).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from trainers.layout import check_world_sizes
 from trainers.metrics import read_metrics
 from trainers.resume import check_resume
 from trainers.run_lock import RunDirLock
+from trainers.storage import check_run_storage, is_remote, location, pyarrow_fs, read_bytes, write_text_atomic
 
 __all__ = [
     "RayRunResult",
@@ -75,9 +77,11 @@ class RayRunResult:
 
 
 def run_config_for_workers(cfg: RunConfig) -> RunConfig:
-    """Absolute paths: Ray workers do not run in the driver's working directory."""
-    data = cfg.data.model_copy(update={"path": Path(cfg.data.path).resolve()})
-    return cfg.model_copy(update={"run_dir": cfg.out_dir.resolve(), "data": data})
+    """Absolute paths: Ray workers do not run in the driver's working directory (URIs stay as they are)."""
+    data_path = cfg.data.path if is_remote(cfg.data.path) else Path(cfg.data.path).resolve()
+    run_dir = cfg.out_dir if is_remote(cfg.out_dir) else cfg.out_dir.resolve()
+    data = cfg.data.model_copy(update={"path": data_path})
+    return cfg.model_copy(update={"run_dir": run_dir, "data": data})
 
 
 def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
@@ -85,7 +89,9 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
     resume from fits this config, that the callbacks import, and that every world size the run may take
     is a valid layout (`trainers.layout.check_world_sizes`, the rules the workers run: engine, pp/tp/ep
     degrees, the global batch = micro x accumulation x dp, the pipeline's microbatches), so a bad one gets
-    the workers' own line before any worker starts."""
+    the workers' own line before any worker starts. A run dir or data in a bucket: that the bucket is there,
+    credentials too, and (run dir) an object can be written, first."""
+    check_run_storage(cfg)
     check_resume(cfg, check_inputs(cfg))
     for spec in callbacks:
         _check_callback(spec)
@@ -170,9 +176,12 @@ def build_trainer(
         resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})},
         elastic_resize_monitor_interval_s=s.resize_check_s,
     )
+    # A bucket: Ray gets the same fsspec file system we write with (credentials from the environment).
+    storage_fs, storage_path = pyarrow_fs(cfg.out_dir.parent) if is_remote(cfg.out_dir) else (None, None)
     run = ray.train.RunConfig(
         name=cfg.out_dir.name,
-        storage_path=str(cfg.out_dir.parent),
+        storage_path=storage_path or str(cfg.out_dir.parent),
+        storage_filesystem=storage_fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         # Our Checkpointer keeps `checkpoint.keep` and deletes older ones; Ray only registers them.
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
@@ -233,7 +242,10 @@ def train(
     failed = _read_failed(run_dir)
     if failed is not None:
         raise _as_error(failed)
-    return summarize(run_dir, result.checkpoint.path if result.checkpoint else None)
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    if checkpoint and is_remote(run_dir):  # a path on Ray's storage file system: the bucket's, without protocol
+        checkpoint = f"{run_dir.protocol}://{checkpoint.lstrip('/')}"
+    return summarize(run_dir, checkpoint)
 
 
 def _fit_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any:
@@ -386,9 +398,7 @@ def reconcile_ray_snapshot(run_dir: Path, fresh: bool = False) -> None:
     except (ValueError, KeyError, TypeError):
         path.unlink()
         return
-    tmp = path.with_name(f".{RAY_SNAPSHOT}.{os.getpid()}")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(state))
 
 
 def _snapshot_on_disk(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -430,7 +440,7 @@ def summarize(run_dir: Path, checkpoint: str | None = None) -> RayRunResult:
         step=train_rows[-1]["step"] if train_rows else 0,
         val_loss=evals[-1]["val_loss"] if evals else None,
         train_loss=train_rows[-1]["loss"] if train_rows else None,
-        checkpoint=Path(checkpoint) if checkpoint else None,
+        checkpoint=location(checkpoint) if checkpoint else None,
         world_sizes=[r["world_size"] for r in starts if "world_size" in r],
     )
 
@@ -462,6 +472,8 @@ class _ProgressWatcher:
 
     def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5):
         self.path, self.total, self.name, self.interval_s = path, total, name, interval_s
+        if is_remote(path):  # a GET per look: fewer looks (the file changes at each checkpoint anyway)
+            self.interval_s = max(interval_s, 2.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
 
@@ -472,6 +484,22 @@ class _ProgressWatcher:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _read_from(self, offset: int) -> tuple[bytes | None, int]:
+        """The file's bytes from `offset` on (and the offset they start at: 0 after a rewind)."""
+        if is_remote(self.path):  # replaced whole at each flush: one GET of all of it
+            data = read_bytes(self.path)
+            if data is None:
+                return None, offset
+            offset = 0 if len(data) < offset else offset
+            return data[offset:], offset
+        if not self.path.is_file():
+            return None, offset
+        if self.path.stat().st_size < offset:  # a restart rewound the log to its checkpoint
+            offset = 0
+        with self.path.open("rb") as f:
+            f.seek(offset)
+            return f.read(), offset
+
     def _run(self) -> None:
         from tqdm.auto import tqdm
 
@@ -481,12 +509,8 @@ class _ProgressWatcher:
             while True:
                 stopping = self._stop.wait(self.interval_s)
                 lines: list[str] = []
-                if self.path.is_file():
-                    if self.path.stat().st_size < offset:  # a restart rewound the log to its checkpoint
-                        offset = 0
-                    with self.path.open("rb") as f:
-                        f.seek(offset)
-                        chunk = f.read()
+                chunk, offset = self._read_from(offset)
+                if chunk is not None:
                     complete = chunk[: chunk.rfind(b"\n") + 1]
                     offset += len(complete)
                     lines = complete.decode().splitlines()

@@ -33,6 +33,7 @@ from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
 from trainers.config import RunConfig, parse_config, with_values
 from trainers.launch import run_local
+from trainers.storage import is_remote, write_text_atomic
 from trainers.trainer import Trainer, TrainerCallback
 
 __all__ = [
@@ -82,9 +83,18 @@ class ReportToRay(LatestMetrics):
         metrics = self.report(trainer)
         ray.train.report(
             metrics,
-            checkpoint=Checkpoint.from_directory(str(path)),
+            checkpoint=as_ray_checkpoint(path),
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
+
+
+def as_ray_checkpoint(path: Any) -> Checkpoint:
+    """Our committed checkpoint as Ray's: a local folder, or (in a bucket) the same objects on the run's
+    storage file system, registered where they are (nothing uploaded twice)."""
+    if not is_remote(path):
+        return Checkpoint.from_directory(str(path))
+    storage = ray.train.get_context().get_storage()
+    return Checkpoint(path.path, filesystem=storage.storage_filesystem)
 
 
 def load_callback(spec: str) -> TrainerCallback:
@@ -110,7 +120,6 @@ def load_callback(spec: str) -> TrainerCallback:
 
 
 def _write_failed(run_dir: Path, error: BaseException, kind: str) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
     record = {
         "kind": kind,
         "type": type(error).__name__,
@@ -118,9 +127,7 @@ def _write_failed(run_dir: Path, error: BaseException, kind: str) -> None:
         "traceback": traceback.format_exception(error)[-8:],
         "rank": int(os.environ.get("RANK", "0")),
     }
-    tmp = run_dir / f".{FAILED_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, run_dir / FAILED_FILE)
+    write_text_atomic(run_dir / FAILED_FILE, json.dumps(record, indent=1))
 
 
 # Ray Train's own console lines in trial actors and workers, unless `raytrain train --ray-log-level` says
@@ -188,6 +195,11 @@ def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> str:
     - No checkpoint from Ray: `checkpoint.resume` from the run YAML decides."""
     if ray_checkpoint is None:
         return cfg.checkpoint.resume
+    if is_remote(cfg.out_dir):  # a path on the run's storage file system (the bucket, no protocol)
+        given, ours = ray_checkpoint.path.strip("/"), cfg.out_dir.path.strip("/")
+        if given == ours or given.startswith(ours + "/"):
+            return "auto"
+        return f"{cfg.out_dir.protocol}://{given}"
     given = Path(ray_checkpoint.path).resolve()
     return "auto" if given.is_relative_to(cfg.out_dir.resolve()) else str(given)
 

@@ -98,6 +98,18 @@ class ExperimentConfig(StrictModel):
     seed: int = 0  # initial samples and explore decisions
     _base_raw: dict[str, Any] | None = PrivateAttr(None)
 
+    @field_validator("storage", mode="before")
+    @classmethod
+    def _local_storage(cls, value: Any) -> Any:
+        from trainers.storage import is_uri
+
+        if is_uri(str(value)):  # pins are hard links, lineage is appended: not on an object store yet
+            raise ValueError(
+                f"storage={value}: an experiment in a bucket is not supported yet (`raytrain train` runs are); "
+                f"fix: a local folder, or one on a file system every node mounts"
+            )
+        return value
+
     @field_validator("base", "storage")
     @classmethod
     def _absolute(cls, path: Path) -> Path:

@@ -13,12 +13,20 @@ Layout under `root/`:
 
 A restore verifies the files against COMMITTED (each rank hashes a slice of them); `candidates` lists the
 complete checkpoints newest first, so that a caller can fall back past a corrupt one.
+
+On an object store (`root` an s3://, gs:// URI: `trainers.storage`) there is no atomic rename: every rank
+writes its shards straight into `step_XXXXXXXX/` (DCP's FsspecWriter, no staging copy), and COMMITTED,
+written last by rank 0 after every rank's files and checksums are there, is what makes it a checkpoint
+(an object appears whole or not at all). A save killed halfway leaves a folder without the marker: never
+loaded, deleted by the next save's retention. Retention and the clean-up of a leftover delete the marker
+first, so a half-deleted folder is never taken for a checkpoint either.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import fnmatch
+import io
 import json
 import os
 import shutil
@@ -37,6 +45,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from trainers._base import ConfigError
 from trainers.checkpoint_files import (
     COMMITTED,
+    STEP_DIR,
     _fsync_dir,
     _write_json,
     install_checkpoint,
@@ -44,6 +53,7 @@ from trainers.checkpoint_files import (
     link_tree,
     read_trainer_state,
 )
+from trainers.storage import is_remote, location, remove_tree, sha256_of, size_of, write_text_atomic
 
 __all__ = [
     "link_tree",
@@ -88,6 +98,10 @@ _SUMS = ".sums"  # per-rank checksum lists of a save in progress, merged into CO
 
 def _files(root: Path) -> list[str]:
     """The checkpoint's files (relative, sorted), but the marker and checksum lists."""
+    if is_remote(root):
+        base = root.path.rstrip("/") + "/"
+        names = (p[len(base) :] for p in root.fs.find(root.path) if p.startswith(base))
+        return sorted(n for n in names if n != COMMITTED and n.split("/")[0] != _SUMS)
     return sorted(
         str(p.relative_to(root))
         for p in root.rglob("*")
@@ -95,12 +109,27 @@ def _files(root: Path) -> list[str]:
     )
 
 
+def _children(root: Path, pattern: str) -> list[str]:
+    """Names of the entries of the folder `root` that match `pattern` (sorted; none if it is not there)."""
+    if not is_remote(root):
+        return sorted(p.name for p in root.glob(pattern)) if root.is_dir() else []
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in root.fs.ls(root.path, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
+
+
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_of(path)
+
+
+def _delete_checkpoint(path: Path) -> None:
+    """Marker first: a folder half deleted by a crash is never taken for a checkpoint."""
+    if is_remote(path):
+        with contextlib.suppress(FileNotFoundError):
+            path.fs.rm_file((path / COMMITTED).path)
+    remove_tree(path)
 
 
 def _my_share(names: list[str]) -> list[str]:
@@ -110,10 +139,11 @@ def _my_share(names: list[str]) -> list[str]:
 
 def _check_file(root: Path, name: str, expected: dict[str, Any]) -> str | None:
     path = root / name
-    if not path.is_file():
+    size = size_of(path)
+    if size is None:
         return f"{name} is missing"
-    if path.stat().st_size != expected["size"]:
-        return f"{name} has {path.stat().st_size} bytes, {expected['size']} were written"
+    if size != expected["size"]:
+        return f"{name} has {size} bytes, {expected['size']} were written"
     if _sha256(path) != expected["sha256"]:
         return f"{name} does not match its sha256"
     return None
@@ -149,11 +179,21 @@ class DCPBackend:
 
     def save(self, path: Path, state: dict[str, Stateful]) -> None:
         with _one_process_is_meant():
-            dcp.save(state, checkpoint_id=str(path))
+            if is_remote(path):  # each rank writes its shards straight to the store
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+                dcp.save(state, storage_writer=FsspecWriter(str(path), **path.storage_options))
+            else:
+                dcp.save(state, checkpoint_id=str(path))
 
     def load(self, path: Path, state: dict[str, Stateful]) -> None:
         with _one_process_is_meant():
-            dcp.load(state, checkpoint_id=str(path))
+            if is_remote(path):  # each rank reads the byte ranges of its shards
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+                dcp.load(state, storage_reader=FsspecReader(str(path), **path.storage_options))
+            else:
+                dcp.load(state, checkpoint_id=str(path))
 
 
 @contextlib.contextmanager
@@ -169,7 +209,7 @@ class Checkpointer:
     """Atomic saves with retention, and discovery of the newest complete checkpoint."""
 
     def __init__(self, root: Path, keep: int, backend: CheckpointBackend | None = None):
-        self.root, self.keep = Path(root), keep
+        self.root, self.keep = location(root), keep
         self.backend = backend or DCPBackend()
 
     def latest(self) -> Path | None:
@@ -178,14 +218,15 @@ class Checkpointer:
 
     def candidates(self) -> list[Path]:
         """Complete (committed) checkpoints, newest first: the order a restore tries them in."""
-        done = sorted(p for p in self.root.glob("step_*") if is_complete(p)) if self.root.is_dir() else []
+        names = [n for n in _children(self.root, "step_*") if STEP_DIR.match(n)]
+        done = [self.root / n for n in sorted(names) if is_complete(self.root / n)]
         return done[::-1]
 
     @staticmethod
     def verify(path: Path) -> str | None:
         """Collective: None when every file matches its size and sha256 in COMMITTED, else why not (the
         same answer on every rank). Checkpoints committed without checksums pass on their marker alone."""
-        path = Path(path)
+        path = location(path)
         try:
             expected = json.loads((path / COMMITTED).read_text()).get("files")
         except (OSError, ValueError) as e:
@@ -208,25 +249,44 @@ class Checkpointer:
     ) -> Path:
         """Collective: every rank calls it. Visible under its final name only once complete."""
         final = self.root / f"step_{step:08d}"
-        partial = final.with_name(final.name + ".partial")
+        remote = is_remote(self.root)
+        # On an object store the save goes straight into the step folder: the marker written last commits it.
+        partial = final if remote else final.with_name(final.name + ".partial")
         rank = _rank()
         if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed save
-            partial.mkdir(parents=True)
+            if remote:
+                _delete_checkpoint(final)  # leftover of a crashed save (or this step saved before: replaced)
+            else:
+                shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed save
+                partial.mkdir(parents=True)
         _barrier()
         self.backend.save(partial, state)
         if rng is not None:
-            (partial / "rng").mkdir(exist_ok=True)
-            torch.save(rng, partial / "rng" / f"rank{rank:05d}.pt")
+            if remote:
+                buffer = io.BytesIO()
+                torch.save(rng, buffer)
+                (partial / "rng" / f"rank{rank:05d}.pt").write_bytes(buffer.getvalue())
+            else:
+                (partial / "rng").mkdir(exist_ok=True)
+                torch.save(rng, partial / "rng" / f"rank{rank:05d}.pt")
         if rank == 0:
-            _write_json(partial / "trainer_state.json", trainer_state)
+            if remote:
+                write_text_atomic(partial / "trainer_state.json", json.dumps(trainer_state, indent=1))
+            else:
+                _write_json(partial / "trainer_state.json", trainer_state)
         _barrier()
         self._write_sums(partial)
         _barrier()
         if rank == 0:
             if before_commit is not None:  # a test hook: simulate a crash before the commit
                 before_commit(partial)
-            _write_json(partial / COMMITTED, {"step": step, "files": self._merged_sums(partial)})
+            marker = {"step": step, "files": self._merged_sums(partial)}
+            if remote:
+                write_text_atomic(final / COMMITTED, json.dumps(marker, indent=1))
+                self._retain()
+                _barrier()
+                return final
+            _write_json(partial / COMMITTED, marker)
             _fsync_dir(partial)
             if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
                 shutil.rmtree(final)
@@ -243,18 +303,21 @@ class Checkpointer:
     @staticmethod
     def _write_sums(partial: Path) -> None:
         sums = {
-            name: {"size": (partial / name).stat().st_size, "sha256": _sha256(partial / name)}
+            name: {"size": size_of(partial / name), "sha256": _sha256(partial / name)}
             for name in _my_share(_files(partial))
         }
+        if is_remote(partial):
+            write_text_atomic(partial / _SUMS / f"rank{_rank():05d}.json", json.dumps(sums))
+            return
         (partial / _SUMS).mkdir(exist_ok=True)
         _write_json(partial / _SUMS / f"rank{_rank():05d}.json", sums)
 
     @staticmethod
     def _merged_sums(partial: Path) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part in sorted((partial / _SUMS).glob("rank*.json")):
-            merged.update(json.loads(part.read_text()))
-        shutil.rmtree(partial / _SUMS)
+        for name in _children(partial / _SUMS, "rank*.json"):
+            merged.update(json.loads((partial / _SUMS / name).read_text()))
+        remove_tree(partial / _SUMS)
         missing = set(_files(partial)) - set(merged)
         if missing:  # a rank listed the folder before another's files appeared: never commit unsummed
             raise CheckpointError(f"{partial}: no checksum for {sorted(missing)[:3]}")
@@ -268,12 +331,17 @@ class Checkpointer:
         self, path: Path, state: dict[str, Stateful]
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
         """Loads tensors into `state`; returns (trainer_state, this rank's RNG state or None)."""
-        path = Path(path)
+        path = location(path)
         trainer_state = self.trainer_state(path)
         try:
             self.backend.load(path, state)
             rng_file = path / "rng" / f"rank{_rank():05d}.pt"
-            rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+            rng = None
+            if is_remote(rng_file):
+                if rng_file.is_file():
+                    rng = torch.load(io.BytesIO(rng_file.read_bytes()), weights_only=True)
+            elif rng_file.is_file():
+                rng = torch.load(rng_file, weights_only=True)
         except (OSError, RuntimeError, ValueError, EOFError) as e:
             if isinstance(e, ConfigError):
                 raise  # the backend's own one-line refusal (e.g. another engine wrote it)
@@ -281,6 +349,14 @@ class Checkpointer:
         return trainer_state, rng
 
     def _retain(self) -> None:
+        if is_remote(self.root):
+            names = [n for n in _children(self.root, "step_*") if STEP_DIR.match(n)]
+            done = [n for n in names if is_complete(self.root / n)]
+            old = done[: max(len(done) - self.keep, 0)]
+            stale = [n for n in names if n not in done and done and n < done[-1]]  # saves a crash cut short
+            for name in old + stale:
+                _delete_checkpoint(self.root / name)
+            return
         done = sorted(p for p in self.root.glob("step_*") if is_complete(p))
         for old in done[: max(len(done) - self.keep, 0)]:
             shutil.rmtree(old, ignore_errors=True)

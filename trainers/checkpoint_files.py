@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from trainers.storage import location
+
 __all__ = [
     "COMMITTED",
     "STEP_DIR",
@@ -29,11 +31,14 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 def is_complete(path: Path) -> bool:
-    return STEP_DIR.match(Path(path).name) is not None and (Path(path) / COMMITTED).is_file()
+    """A step folder with its COMMITTED marker: locally the folder got its name by an atomic rename once
+    complete; on an object store (no rename) the marker is the last object a save writes."""
+    path = location(path)
+    return STEP_DIR.match(path.name) is not None and (path / COMMITTED).is_file()
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    path = Path(path)
+    path = location(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMMITTED} marker)")
     return json.loads((path / "trainer_state.json").read_text())

@@ -65,7 +65,9 @@ def resume_candidate(cfg: RunConfig) -> Path | None:
         return None
     if resume == "auto":
         return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest()
-    return Path(resume) if is_complete(Path(resume)) else None
+    from trainers.storage import location
+
+    return location(resume) if is_complete(location(resume)) else None
 
 
 def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:

@@ -4,11 +4,16 @@ Two processes training into one run dir would interleave checkpoint renames and 
 `metrics.jsonl`. The kernel drops a `flock` when its holder dies, however it dies, so the lock of a killed
 run is taken over by the next command without anyone deleting a file. The file stays (unlinking a locked
 file lets a third process lock a new inode beside the old one); only its content changes.
+
+A run dir in a bucket (a URI) has no flock: the lock is then a local file named by the URI's hash
+(RAYTRAIN_CACHE/locks/), which keeps a second command on this machine out. Commands on two machines are
+not kept apart: start a bucket run from one place (the cluster's head, a `ray job submit`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -25,7 +30,14 @@ LOCK_FILE = ".lock"
 
 class RunDirLock:
     def __init__(self, run_dir: Path | str):
-        self.path = Path(run_dir) / LOCK_FILE
+        from trainers.storage import cache_root, is_remote, is_uri
+
+        if is_remote(run_dir) or is_uri(str(run_dir)):
+            self.run_dir = str(run_dir)
+            self.path = cache_root() / "locks" / f"{hashlib.sha256(self.run_dir.encode()).hexdigest()[:16]}.lock"
+        else:
+            self.run_dir = str(run_dir)
+            self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
@@ -71,6 +83,6 @@ class RunDirLock:
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
         )
         return (
-            f"run_dir {self.path.parent} is in use by another run ({who}, since {since}); fix: wait for it to "
+            f"run_dir {self.run_dir} is in use by another run ({who}, since {since}); fix: wait for it to "
             f"end or stop it (kill {holder.get('pid', 'PID')}), or use another run_dir"
         )

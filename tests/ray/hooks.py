@@ -169,3 +169,31 @@ class HoldOnceFromDonor(TrainerCallback):
         if from_donor and _rank() == 0 and not marker.exists():
             _write_atomic(marker, str(os.getpid()))
             _hold("held at the first step from a donor")
+
+
+class KillMeMidSave(TrainerCallback):
+    """On `rank`, in the save of `step`, the first time: once DCP has written every rank's shards and before
+    the commit, write the checkpoint folder's listing and this process's pid into the local folder
+    `marker_dir`, then wait to be killed (a run dir in a bucket: the test reads the marker here)."""
+
+    def __init__(self, step: int, rank: int, marker_dir: str) -> None:
+        self.step, self.rank, self.marker_dir = step, rank, Path(marker_dir)
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        inner, hook = trainer.checkpointer.backend, self
+
+        class Saving:
+            def save(self, path, state):
+                inner.save(path, state)
+                pid_file = hook.marker_dir / "pid"
+                if trainer.step == hook.step and _rank() == hook.rank and not pid_file.exists():
+                    base = path.path.rstrip("/") + "/"
+                    listing = sorted(p[len(base):] for p in path.fs.find(path.path))
+                    _write_atomic(hook.marker_dir / "listing.json", json.dumps(listing))
+                    _write_atomic(pid_file, str(os.getpid()))
+                    _hold(f"waiting for SIGKILL inside the save of step {hook.step}")
+
+            def load(self, path, state):
+                inner.load(path, state)
+
+        trainer.checkpointer.backend = Saving()

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from trainers._base import ConfigError
-from trainers.data.manifest import SPLITS, check_shard, read_manifest
+from trainers.data.manifest import SPLITS, fetch_shard, read_manifest
+from trainers.storage import location
 
 __all__ = ["GlobalSampler", "TokenWindows", "eval_window_ids", "shard_for_rank"]
 
@@ -28,12 +30,13 @@ class TokenWindows:
     that every token in the stream is a target exactly once.
     """
 
-    def __init__(self, data_dir: str | Path, split: str, seq_len: int) -> None:
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int, cache: bool = True) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         if seq_len < 1:
             raise ConfigError(f"data.seq_len={seq_len} must be >= 1; fix: e.g. data.seq_len=128")
-        self.data_dir = Path(data_dir)
+        self.data_dir = location(data_dir)  # a local folder or a URI (each shard fetched and checked)
+        self.cache = cache
         self.split = split
         self.seq_len = seq_len
         self.manifest = read_manifest(self.data_dir)
@@ -50,9 +53,10 @@ class TokenWindows:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
     def _load_shard(self, shard: dict[str, Any]) -> np.ndarray:
-        path = check_shard(self.data_dir, shard)
+        path = fetch_shard(self.data_dir, shard, self.cache)
         fix = "fix: prepare the data folder again (raytrain data prepare)"
-        column = pq.read_table(path, columns=["tokens"], memory_map=True).column("tokens")
+        source = pa.BufferReader(path) if isinstance(path, bytes) else path
+        column = pq.read_table(source, columns=["tokens"], memory_map=True).column("tokens")
         # flatten() honours list offsets; rows are documents that already end in eos.
         values = np.concatenate([chunk.flatten().to_numpy() for chunk in column.chunks])
         if len(values) != shard["tokens"]:

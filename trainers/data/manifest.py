@@ -2,6 +2,10 @@
 tokenizer share, so that every bad manifest or shard gets the same one-line error naming the file and the fix.
 
 No numpy or pyarrow here: `check_inputs` runs in the driver before any worker starts.
+
+`data.path` may be a URI (s3://, gs://: `trainers.storage`): the driver checks that each shard is there at
+its recorded size; a worker fetches each shard whole (once per machine into the local cache, or into
+memory) and checks its sha256 before reading it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from trainers._base import ConfigError
+from trainers.storage import cached_copy, describe_error, is_remote, location, size_of
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST_FILE", "SPLITS", "check_shard", "file_sha256", "read_manifest"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "SPLITS",
+    "check_shard",
+    "fetch_shard",
+    "file_sha256",
+    "read_manifest",
+]
 
 FORMAT = "raytrain-tokens"
 FORMAT_VERSION = 1
@@ -35,9 +49,9 @@ def _fix(data_dir: str | Path) -> str:
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The manifest of `data_dir`, with every key its readers use; a one-line ConfigError if it is missing,
     unreadable (empty, truncated), not ours, of another version or incomplete."""
-    path = Path(data_dir) / MANIFEST_FILE
+    path = location(data_dir) / MANIFEST_FILE
     where, fix = f"data.path={data_dir}: {MANIFEST_FILE}", _fix(data_dir)
-    if not path.is_file():
+    if not _is_file(path, f"data.path={data_dir}"):
         raise ConfigError(f"data.path={data_dir}: no {MANIFEST_FILE} there; {fix}")
     manifest = _parse(path, where, fix)
     if manifest.get("format") != FORMAT:
@@ -56,6 +70,19 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             for key, kind in _SHARD_KEYS.items():
                 _expect(shard.get(key), kind, f"{entry}.{key}", fix)
     return manifest
+
+
+def _is_file(path: Any, where: str) -> bool:
+    """`path.is_file()`, with a store's errors (no bucket, no credentials, denied) as one line."""
+    if not is_remote(path):
+        return path.is_file()
+    try:
+        return path.is_file()
+    except Exception as e:  # noqa: BLE001
+        line = describe_error(e, where)
+        if line is None:
+            raise
+        raise ConfigError(line) from None
 
 
 def _parse(path: Path, where: str, fix: str) -> dict[str, Any]:
@@ -87,21 +114,48 @@ def _expect(value: Any, kind: type, what: str, fix: str) -> None:
 
 
 def check_shard(data_dir: str | Path, shard: dict[str, Any]) -> Path:
-    """The path of one shard of the manifest, present at its recorded size and sha256 (else ConfigError)."""
-    path = Path(data_dir) / shard["file"]
+    """The path of one shard of the manifest, present at its recorded size and sha256 (else ConfigError).
+    A remote shard is checked for presence and size only (its bytes are hashed where they are read:
+    `fetch_shard`)."""
+    path = location(data_dir) / shard["file"]
     what = f"data.path={data_dir}: shard {shard['file']}"
     fix = _fix(data_dir)
-    if not path.is_file():
+    size = size_of(path)
+    if size is None:
         raise ConfigError(f"{what} is missing; {fix}")
-    size = path.stat().st_size
     if "bytes" in shard and size != shard["bytes"]:  # older manifests have no size
         raise ConfigError(f"{what} is {size} bytes, {MANIFEST_FILE} says {shard['bytes']} (truncated?); {fix}")
+    if is_remote(path):
+        return path
     if file_sha256(path) != shard["sha256"]:
         raise ConfigError(f"{what} does not match its sha256 in {MANIFEST_FILE} (corrupted or changed); {fix}")
     return path
 
 
+def fetch_shard(data_dir: str | Path, shard: dict[str, Any], cache: bool = True) -> Path | bytes:
+    """One shard, checked against its sha256: a local path (a local shard, or a remote one's copy in this
+    machine's cache), or, for a remote shard with `cache` off, its bytes."""
+    path = check_shard(data_dir, shard)
+    if not is_remote(path):
+        return path
+    what = f"data.path={data_dir}: shard {shard['file']}"
+    bad = f"{what} does not match its sha256 in {MANIFEST_FILE} (corrupted or changed); {_fix(data_dir)}"
+    if cache:
+        local = cached_copy(path, shard["sha256"], shard.get("bytes"))
+        if local is None:
+            raise ConfigError(bad)
+        return local
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
+        raise ConfigError(bad)
+    return data
+
+
 def file_sha256(path: Path) -> str:
+    if is_remote(path):
+        from trainers.storage import sha256_of
+
+        return sha256_of(path)
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -59,7 +59,13 @@ def export(
     allow_inexact: bool = False,
 ) -> ExportResult:
     """Write the newest complete checkpoint of run dir `source` (or the checkpoint `source`) to `out_dir`
-    (created; atomically, via a temp folder beside it)."""
+    (created; atomically, via a temp folder beside it). Either may be a URI (s3://, gs://): a bucket's
+    checkpoint is copied to a local temp folder first (and checked there), a bucket's `out_dir` gets the
+    folder written locally, uploaded with config.json last."""
+    from trainers.storage import is_uri
+
+    if is_uri(str(out_dir)) or is_uri(str(source)):
+        return _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact)
     out_dir, torch_dtype = Path(out_dir), DTYPES[dtype]
     _check_out_dir(out_dir)
     checkpoint = resolve_checkpoint(Path(source))
@@ -91,6 +97,33 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
     arch = hf_config(cfg, "float32", None, None)["architectures"][0]
     return ExportResult(out_dir, checkpoint, arch, files, total, _bytes(out_dir, files), differs + notes)
+
+
+def _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact) -> ExportResult:
+    import dataclasses
+    import tempfile
+
+    from trainers.storage import check_location, download_folder, is_uri, location, upload_folder
+
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
+        src, remote_ckpt = source, None
+        if is_uri(str(source)):
+            remote_ckpt = resolve_checkpoint(location(source))
+            run = Path(tmp) / "run"
+            src = download_folder(remote_ckpt, run / "checkpoints" / remote_ckpt.name)
+            config = remote_ckpt.parent.parent / "config.yaml"
+            if config.is_file():
+                (run / "config.yaml").write_text(config.read_text())
+        dest = Path(tmp) / "out" if is_uri(str(out_dir)) else out_dir
+        if is_uri(str(out_dir)):
+            check_location(location(out_dir), "OUT_DIR", write=True)
+        result = export(src, dest, dtype, max_shard_size, allow_inexact)
+        if is_uri(str(out_dir)):
+            upload_folder(result.out_dir, location(out_dir), last=CONFIG_FILE)
+            result = dataclasses.replace(result, out_dir=location(out_dir))
+        if remote_ckpt is not None:
+            result = dataclasses.replace(result, checkpoint=remote_ckpt)
+        return result
 
 
 def _bytes(folder: Path, files: list[str]) -> int:
@@ -134,7 +167,9 @@ def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
                 f"checkpoint of the run that config describes"
             )
     data = state.get("data_path") or (raw.get("data") or {}).get("path")
-    return cfg, Path(data) if data else None
+    from trainers.storage import location
+
+    return cfg, location(data) if data else None
 
 
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:
@@ -322,9 +357,21 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
     one the checkpoint was trained on. Returns (tokenizer or None, notes)."""
     from trainers.data.manifest import read_manifest
     from trainers.data.tokenizer import load_tokenizer, save_hf
+    from trainers.storage import is_remote
 
     if data_path is None or not (data_path / "manifest.json").is_file():
         return None, [f"no tokenizer written: the run's data.path={data_path} is not there to read it from"]
+    if is_remote(data_path):  # the manifest and the tokenizer's file, copied to read them as local files
+        import hashlib
+
+        from trainers.storage import cache_root
+
+        local = cache_root() / "data-meta" / hashlib.sha256(str(data_path).encode()).hexdigest()[:16]
+        local.mkdir(parents=True, exist_ok=True)
+        names = ["manifest.json", read_manifest(data_path)["tokenizer"].get("file")]
+        for name in filter(None, names):
+            (local / name).write_bytes((data_path / name).read_bytes())
+        data_path = local
     saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("compat") or {}
     entry = read_manifest(data_path)["tokenizer"]
     for key in ("kind", "vocab_size", "eos_id"):

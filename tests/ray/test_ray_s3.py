@@ -1,0 +1,117 @@
+"""`raytrain train` on Ray with `run_dir` and `data.path` in a bucket of a local S3 server (moto, loopback,
+started here; credentials from the environment): a worker SIGKILLed inside a checkpoint save, the run
+restarts from the last committed checkpoint and ends with the losses of the same run on local disk; then
+the 2-worker run saved in the bucket resumes on 1 worker exactly as the local one does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from raytrain_ext.cli import main
+from raytrain_ext.launcher import wait_for
+from tests.conftest import tiny_raw
+from tests.ray.conftest import RUNTIME_ENV, ray_env_restored
+from tests.s3_server import s3_server
+from trainers.metrics import read_metrics
+from trainers.storage import location, upload_folder
+
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+pytestmark = pytest.mark.ray
+
+STEPS, EVERY = 8, 2
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ray_on_s3(s3, tmp_path_factory):
+    """A local Ray whose workers see the S3 server's endpoint and keys in their environment, and a cache of
+    their own (not the user's ~/.cache/raytrain)."""
+    import ray
+
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    cache = str(tmp_path_factory.mktemp("worker-cache"))
+    env = {"env_vars": {**RUNTIME_ENV["env_vars"], **aws, "RAYTRAIN_CACHE": cache}}
+    with ray_env_restored():
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def _write_run(tmp_path, name, run_dir, data):
+    raw = tiny_raw(
+        data, run_dir,
+        parallel={"engine": "ddp"},
+        scaling={"num_workers": 2, "max_failures": 1},
+        train={"steps": STEPS, "eval_every": 0},
+        checkpoint={"every": EVERY, "keep": 2},
+    )
+    raw["run_dir"], raw["data"]["path"] = str(run_dir), str(data)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _losses(run_dir, first=1):
+    rows = read_metrics(location(run_dir) / "metrics.jsonl", "train")
+    return [r["step"] for r in rows if r["step"] >= first], [r["loss"] for r in rows if r["step"] >= first]
+
+
+@pytest.mark.slow  # ~90 s on 2 cores: four Ray runs, one with a restart
+def test_sigkill_inside_a_save_to_a_bucket_then_resume_at_one_worker(ray_on_s3, s3, corpus_dir, tmp_path):
+    local = tmp_path / "local"
+    local_run = _write_run(tmp_path, "local", local, corpus_dir)
+    assert main(["train", local_run, "--no-progress"]) == 0
+
+    bucket = s3.make_bucket()
+    data = f"s3://{bucket}/data/stdlib"
+    upload_folder(corpus_dir, location(data))
+    uri = f"s3://{bucket}/runs/tiny"
+    marks = tmp_path / "marks"
+    run = _write_run(tmp_path, "bucket", uri, data)
+    argv = ["train", run, "--no-progress", "--callback",
+            f"tests.ray.hooks:KillMeMidSave(step=6, rank=1, marker_dir={str(marks)!r})"]
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(main, argv)
+        wait_for(lambda: (marks / "pid").exists() or future.done(), 240, "rank 1 inside the save of step 6")
+        assert not future.done(), future.result()
+        os.kill(int((marks / "pid").read_text()), signal.SIGKILL)
+        assert future.result(timeout=300) == 0
+
+    cut = json.loads((marks / "listing.json").read_text())
+    assert [n for n in cut if n.endswith(".distcp")] and "COMMITTED" not in cut, "killed mid-save, uncommitted"
+    events = read_metrics(location(uri) / "metrics.jsonl", "event")
+    resumes = [(e["step"], e["checkpoint"]) for e in events if e["event"] == "resume"]
+    assert resumes == [(4, f"{uri}/checkpoints/step_00000004")], "the half-written step 6 was never loaded"
+    assert _losses(uri) == _losses(local), "each step once, bit for bit the local run's losses"
+    committed = sorted(k.split("/")[3] for k in s3.keys(bucket, "runs/tiny/checkpoints/") if k.endswith("COMMITTED"))
+    assert committed == ["step_00000006", "step_00000008"], "retention (keep=2) in the bucket"
+    snapshot = json.loads(location(f"{uri}/checkpoint_manager_snapshot.json").read_text())
+    assert [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]][-1] == "checkpoints/step_00000008"
+
+    # Done-when 2: the 2-worker run in the bucket resumes on 1 worker, as the local one does.
+    more = ["--no-progress", "--set", "scaling.num_workers=1", "--set", f"train.steps={STEPS + 4}"]
+    assert main(["train", local_run, *more]) == 0
+    assert main(["train", run, *more]) == 0
+    resize = [e for e in read_metrics(location(uri) / "metrics.jsonl", "event") if e["event"] == "resize"]
+    assert [(e["step"], e["old_world_size"], e["new_world_size"]) for e in resize] == [(STEPS, 2, 1)]
+    assert _losses(uri, STEPS + 1) == _losses(local, STEPS + 1)
+    assert _losses(uri)[0] == list(range(1, STEPS + 5))

@@ -1,0 +1,323 @@
+"""Where a run's files live: a local folder, or an object store / remote file system given as an fsspec URI
+(`s3://bucket/prefix`, `gs://bucket/prefix`, any protocol fsspec knows).
+
+A location is a `pathlib.Path` for a local folder and a `upath.UPath` (universal_pathlib: pathlib's API over
+fsspec) for a URI, so `run_dir / "metrics.jsonl"`, `.is_file()`, `.read_text()`, `.glob()` read the same
+either way; what differs (no atomic rename on an object store, no fsync, no flock) is branched on
+`is_remote` where it matters: `trainers.checkpoint` (a marker written last commits a checkpoint),
+`trainers.metrics` (buffered, flushed at each checkpoint), the data reader (a local cache of verified shards).
+
+Credentials, endpoints and regions come from the environment as each library reads them (for S3: the AWS
+chain, `AWS_ENDPOINT_URL` for an S3-compatible server, instance roles; for GCS: application default
+credentials), never from our files. `check_location` turns what goes wrong (no bucket, no credentials, no
+permission, a wrong region) into the usual one-line `ConfigError` before any worker starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+from trainers._base import ConfigError
+
+__all__ = [
+    "Location",
+    "cache_root",
+    "cached_copy",
+    "check_location",
+    "describe_error",
+    "is_remote",
+    "is_uri",
+    "location",
+    "pyarrow_fs",
+    "remove_tree",
+    "sha256_of",
+    "write_bytes_atomic",
+    "write_text_atomic",
+]
+
+_URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+_EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # pip extras of raytrain-ext per protocol
+
+
+def is_uri(value: Any) -> bool:
+    """A URI with a protocol other than file:// (which is a local path)."""
+    if not isinstance(value, str):
+        value = str(value) if _is_upath(value) else ""
+    match = _URI.match(value)
+    return match is not None and match.group(1).lower() not in ("file", "local")
+
+
+def _is_upath(value: Any) -> bool:
+    return type(value).__module__.startswith("upath")
+
+
+def is_remote(path: Any) -> bool:
+    """Whether `path` (a location) is on a remote file system (an object store)."""
+    return _is_upath(path) and not isinstance(path, Path)
+
+
+def location(value: str | os.PathLike | Any) -> Path | Any:
+    """A local `Path`, or a `UPath` for a URI (one line naming the pip extra when its file system is not
+    installed)."""
+    if is_remote(value) or isinstance(value, Path):
+        return value
+    text = str(value)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :])
+    if not is_uri(text):
+        return Path(text)
+    protocol = _URI.match(text).group(1).lower()
+    try:
+        from upath import UPath
+
+        # No listings cache: other processes (the other ranks, the driver) write under the same prefixes.
+        options = {"use_listings_cache": False} if protocol in _EXTRA else {}
+        path = UPath(text.rstrip("/"), **options)
+        path.fs  # noqa: B018  (imports the protocol's fsspec implementation: s3fs, gcsfs, ...)
+    except ImportError as e:
+        extra = _EXTRA.get(protocol)
+        fix = f"pip install 'raytrain-ext[{extra}]'" if extra else f"install the fsspec package for {protocol}://"
+        raise ConfigError(f"{text}: no file system for {protocol}:// here ({e}); fix: {fix}") from None
+    except ValueError as e:  # an unknown protocol
+        raise ConfigError(f"{text}: {e}; fix: use a local path or an s3://, gs:// URI") from None
+    return path
+
+
+# A run-config field that holds a local path or a URI (`run_dir`, `data.path`, `model.init_from`).
+Location = Annotated[
+    Any,
+    BeforeValidator(lambda v: v if v is None else location(v)),
+    PlainSerializer(lambda v: None if v is None else str(v), when_used="json"),
+    WithJsonSchema({"type": "string", "description": "a local path or an fsspec URI (s3://, gs://)"}),
+]
+
+
+def fs_and_path(path: Any) -> tuple[Any, str]:
+    """(fsspec file system, path on it) of a location."""
+    if is_remote(path):
+        return path.fs, path.path
+    import fsspec
+
+    return fsspec.filesystem("file"), str(Path(path).absolute())
+
+
+def pyarrow_fs(path: Any) -> tuple[Any, str]:
+    """(pyarrow FileSystem, path on it): the same fsspec file system, for Ray's `storage_filesystem` and
+    pyarrow readers, so that every part of a run talks to the store through one configuration."""
+    from pyarrow.fs import FSSpecHandler, LocalFileSystem, PyFileSystem
+
+    if not is_remote(path):
+        return LocalFileSystem(), str(Path(path).absolute())
+    return PyFileSystem(FSSpecHandler(path.fs)), path.path
+
+
+def write_bytes_atomic(path: Any, data: bytes) -> None:
+    """Readers see the old content or the new, never a part: a rename locally, one PUT on an object store
+    (an object appears whole or not at all)."""
+    if is_remote(path):
+        path.fs.pipe_file(path.path, data)
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Any, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def remove_tree(path: Any) -> None:
+    """Delete a folder and everything under it; a missing one is fine."""
+    if not is_remote(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        path.fs.rm(path.path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def sha256_of(path: Any) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def size_of(path: Any) -> int | None:
+    """Bytes of a file, None when it is not there."""
+    if not is_remote(path):
+        path = Path(path)
+        return path.stat().st_size if path.is_file() else None
+    try:
+        info = path.fs.info(path.path)
+    except FileNotFoundError:
+        return None
+    return int(info["size"]) if info.get("type") == "file" else None
+
+
+# --------------------------------------------------------------------------------------- local cache
+
+
+def cache_root() -> Path:
+    """This machine's cache of remote files (`RAYTRAIN_CACHE`, default ~/.cache/raytrain)."""
+    return Path(os.environ.get("RAYTRAIN_CACHE") or Path.home() / ".cache" / "raytrain")
+
+
+def cached_copy(path: Any, sha256: str, size: int | None = None) -> Path | None:
+    """A local copy of the remote file `path` whose content has the given sha256, downloaded once per machine
+    (shared by its ranks: named by the hash, renamed into place whole). None when what the store holds does
+    not match `sha256` (the caller says so in its own words)."""
+    folder = cache_root() / "blobs"
+    final = folder / sha256
+    if final.is_file() and (size is None or final.stat().st_size == size):
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{sha256}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                digest.update(chunk)
+                dst.write(chunk)
+        if digest.hexdigest() != sha256:
+            return None
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+# -------------------------------------------------------------------------------------- preflight
+
+
+def describe_error(error: BaseException, where: str) -> str | None:
+    """One line for a storage error (`where`: e.g. "run_dir=s3://b/x"), or None when it is none we know."""
+    name = type(error).__name__
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else name
+    low = f"{name} {error}".lower()
+    bucket = where.split("://", 1)[-1].split("/", 1)[0]
+    if "nocredentials" in low or "unable to locate credentials" in low or "could not find default credentials" in low or "defaultcredentialserror" in low:
+        return (
+            f"{where}: no credentials for the store ({text}); fix: give this machine and every node credentials "
+            f"(an instance role / service account, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            f"GOOGLE_APPLICATION_CREDENTIALS in the environment)"
+        )
+    if any(k in low for k in ("permanentredirect", "authorizationheadermalformed", "wrong region", "illegallocationconstraint", "region")):
+        return (
+            f"{where}: the bucket {bucket} is in another region than the client asks ({text}); fix: set "
+            f"AWS_REGION / AWS_DEFAULT_REGION to the bucket's region"
+        )
+    if isinstance(error, PermissionError) or any(
+        k in low for k in ("accessdenied", "access denied", "forbidden", "403", "invalidaccesskeyid", "signaturedoesnotmatch")
+    ):
+        return (
+            f"{where}: permission denied ({text}); fix: grant this machine's role/credentials read and write "
+            f"on the bucket {bucket} (s3:ListBucket, s3:GetObject, s3:PutObject, s3:DeleteObject)"
+        )
+    if isinstance(error, FileNotFoundError) or "nosuchbucket" in low:
+        return f"{where}: no bucket {bucket} ({text}); fix: create it, or correct the URI"
+    if isinstance(error, (ConnectionError, OSError)) or "endpoint" in low or "connect" in low:
+        return f"{where}: the store cannot be reached ({name}: {text}); fix: check the network and AWS_ENDPOINT_URL"
+    return None
+
+
+def check_location(path: Any, what: str, write: bool) -> None:
+    """Before any worker starts: the bucket of a remote location exists, credentials are there and, with
+    `write`, an object can be written and deleted under it. ConfigError (one line) otherwise. Local paths
+    pass (their own checks stay where they were)."""
+    if not is_remote(path):
+        return
+    where = f"{what}={path}"
+    fs = path.fs
+    type(fs).clear_instance_cache()  # credentials as the environment has them now, not a cached client's
+    path = location(str(path))
+    fs = path.fs
+    bucket = path.path.split("/", 1)[0]
+    try:
+        if not fs.exists(bucket):
+            fs.info(bucket)  # exists() hides why: ask again to get the error (a missing bucket raises)
+            raise FileNotFoundError(f"NoSuchBucket: {bucket}")
+        fs.ls(path.path, detail=False) if fs.isdir(path.path) else None
+        if write:
+            probe = f"{path.path}/.raytrain-write-probe-{uuid.uuid4().hex[:8]}"
+            fs.pipe_file(probe, b"probe")
+            fs.rm_file(probe)
+    except Exception as e:  # noqa: BLE001  (every store error becomes one line; unknown ones are re-raised)
+        line = describe_error(e, where)
+        if line is None:
+            raise
+        raise ConfigError(line) from None
+
+
+def check_run_storage(cfg: Any) -> None:
+    """A run's remote locations, before anything else reads them: `run_dir` writable, `data.path` and
+    `model.init_from` readable (one line each way it can fail). Engines that write their own local files
+    (DeepSpeed) are refused with a bucket run dir."""
+    check_location(cfg.out_dir, "run_dir", write=True)
+    check_location(cfg.data.path, "data.path", write=False)
+    if is_remote(cfg.out_dir) and cfg.parallel.engine == "deepspeed":
+        raise ConfigError(
+            f"run_dir={cfg.out_dir}: parallel.engine=deepspeed saves checkpoints to local folders only; fix: "
+            f"use parallel.engine=fsdp (ZeRO-3 by FSDP2), ddp or none with a bucket, or a shared-file-system run_dir"
+        )
+
+
+def upload_folder(local: Path, dest: Any, last: str = "manifest.json") -> None:
+    """Copy a local folder's files to a remote location, `last` after all others (a reader that finds it
+    finds the rest: the manifest of prepared data names each shard and its sha256)."""
+    local = Path(local)
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.relative_to(local).as_posix() == last)
+    fs = dest.fs
+    for path in files:
+        fs.put_file(str(path), f"{dest.path}/{path.relative_to(local).as_posix()}")
+
+
+def download_folder(src: Any, local: Path) -> Path:
+    """Copy a remote folder's files under `local` (made if needed); returns `local`."""
+    local = Path(local)
+    base = src.path.rstrip("/") + "/"
+    for name in src.fs.find(src.path):
+        if name.startswith(base):
+            target = local / name[len(base) :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src.fs.get_file(name, str(target))
+    return local
+
+
+STORAGE_ENV = "RAYTRAIN_STORAGE"  # where runs and experiments go by default (a cluster's bucket)
+
+
+def default_root(kind: str) -> Any:
+    """`$RAYTRAIN_STORAGE/<kind>` when set (e.g. s3://bucket/runs), else the local `<kind>` folder."""
+    base = os.environ.get(STORAGE_ENV, "").strip()
+    return location(f"{base.rstrip('/')}/{kind}") if base else Path(kind)
+
+
+def read_bytes(path: Any) -> bytes | None:
+    """A file's content, None when it is not there. On a store: one GET of the object as it is at that
+    moment (a file replaced while it is read is never an error: the old or the new content)."""
+    if not is_remote(path):
+        try:
+            return Path(path).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+    try:
+        return path.fs.cat_file(path.path)
+    except FileNotFoundError:
+        return None
