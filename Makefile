@@ -3,6 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DATA   ?= data/stdlib
+BPE    ?= data/stdlib-bpe
 PYTEST_ARGS ?=
 
 .PHONY: setup demo finetune-demo test bench lint clean
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull several GB of CUDA packages on a CPU machine.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,tracking,hf]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,tracking,hf,s3]'
 	touch $(STAMP)
 
 $(DATA)/manifest.json: | $(STAMP)
@@ -36,8 +37,13 @@ finetune-demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)  # the slow tier: make test PYTEST_ARGS="-m slow"
 
-bench: $(STAMP) $(DATA)/manifest.json
+$(BPE)/manifest.json: | $(STAMP)
+	# token ids for bench/lean.py's 50,257-token model: a BPE corpus (merges learnt here, no download)
+	$(VENV)/bin/raytrain data prepare --tokenizer bpe --vocab-size 50257 --output $(BPE) --max-bytes 8000000
+
+bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/run.py --data $(DATA)
+	$(PY) bench/lean.py --data $(BPE)
 	$(PY) bench/zero_memory.py --data $(DATA)
 	$(PY) bench/ray_recovery.py --data $(DATA)
 	$(PY) bench/chaos.py --data $(DATA)
@@ -46,6 +52,7 @@ bench: $(STAMP) $(DATA)/manifest.json
 	$(PY) bench/pbt_toy.py
 	$(PY) bench/pbt_vs_random.py --data $(DATA)
 	$(PY) bench/pbt_overhead.py --data $(DATA)
+	$(PY) bench/storage.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -24,7 +24,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.no_ray:
         from trainers.config import check_inputs
         from trainers.launch import run_local
+        from trainers.storage import check_run_storage
 
+        check_run_storage(cfg)  # a bucket: there, with credentials, writable
         check_inputs(cfg)  # fail before anything starts
         result = run_local(cfg, progress=not args.no_progress)
         sizes = ""
@@ -47,6 +49,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def train_config(args: argparse.Namespace) -> RunConfig:
     """The run YAML with --set, then --profile/--memory-snapshot and --mlflow/--wandb applied."""
     overrides = list(args.overrides)
+    if getattr(args, "fit", None) is not None:
+        overrides.append(f"memory.fit={args.fit}")
     if args.profile is not None:
         step, sep, count = args.profile.partition(":")
         if not (sep and step.strip().isdigit() and count.strip().isdigit()):
@@ -67,11 +71,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from trainers.data.prepare import default_corpus, prepare_corpus
+    from trainers.storage import check_location, is_uri, location, upload_folder
 
     inputs = [Path(p) for p in args.input] if args.input else default_corpus()
+    remote = location(args.output) if is_uri(args.output) else None
+    if remote is not None:  # prepared in a local folder, then uploaded (manifest last)
+        import tempfile
+
+        check_location(remote, "--output", write=True)
+        staging = tempfile.TemporaryDirectory(prefix="raytrain-prepare-")
+    output = Path(staging.name) / "out" if remote is not None else Path(args.output)
     manifest = prepare_corpus(
         inputs,
-        Path(args.output),
+        output,
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
@@ -80,6 +92,9 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
+    if remote is not None:
+        upload_folder(output, remote)
+        staging.cleanup()
     splits = manifest["splits"]
     print(
         f"wrote {args.output}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, "
@@ -124,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--fit",
+        choices=["off", "auto"],
+        default=None,
+        help="auto: choose micro-batch size, activation checkpointing and loss chunking so the step fits the "
+        "device's memory (memory.fit; memory.device_memory sets the budget)",
+    )
     train.add_argument(
         "--address",
         default=None,

@@ -30,6 +30,7 @@ from trainers.data.config import DataConfig
 from trainers.data.manifest import SPLITS, check_shard, read_manifest
 from trainers.models.config import ModelConfig, MoEConfig
 from trainers.profiling import ProfileConfig
+from trainers.storage import Location
 from trainers.tracking.config import TrackingConfig
 
 __all__ = [
@@ -66,11 +67,16 @@ class OptimizerConfig(StrictModel):
     nesterov: bool = False  # sgd (needs momentum > 0)
     alpha: float = Field(0.99, gt=0, lt=1)  # rmsprop smoothing
     grad_clip: PositiveFloat | None = 1.0  # max global grad norm; None = no clipping
+    # torch's fused step (one kernel per parameter, no temporaries; CPU and CUDA) for sgd/adagrad/adam/adamw;
+    # off: torch's default (for-each on CUDA, per-tensor on CPU)
+    fused: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:
         if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
             raise ValueError("nesterov needs name=sgd and momentum > 0; fix: set momentum or nesterov=false")
+        if self.fused and self.name == "rmsprop":
+            raise ValueError("fused=true: torch has no fused rmsprop; fix: set fused=false or another optimizer")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas={self.betas} must lie in [0, 1); fix: e.g. [0.9, 0.95]")
         return self
@@ -100,6 +106,12 @@ class MemoryConfig(StrictModel):
     # tokens per chunk of the output projection + loss, which then never makes the whole (tokens x vocab)
     # logits (trainers/loss.py); 0 = whole logits
     loss_chunk: NonNegativeInt = 0
+    # auto: before the model is built, choose micro-batch size, activation checkpointing and loss chunking
+    # from the planner so the step fits `device_memory` (the global batch is kept; trainers/fit.py)
+    fit: Literal["off", "auto"] = "off"
+    # what memory.fit may plan for, per rank, e.g. 80GiB or 512MiB; unset: the device's own figure (CUDA:
+    # its total memory; CPU: the memory available now, shared by this node's ranks)
+    device_memory: str | None = None
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
@@ -121,6 +133,24 @@ class MemoryConfig(StrictModel):
     @property
     def ac_selective(self) -> bool:
         return self.activation_checkpointing == "selective"
+
+    @field_validator("fit", mode="before")
+    @classmethod
+    def _fit_words(cls, v: Any) -> Any:
+        return "off" if v is False or v is None else v
+
+    @field_validator("device_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        from trainers.plan import parse_bytes  # a size the planner reads: check it here, before any worker
+
+        try:
+            parse_bytes(v, "memory.device_memory")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return str(v)
 
 
 class ParallelConfig(StrictModel):
@@ -280,7 +310,7 @@ class ScalingConfig(StrictModel):
 class RunConfig(StrictModel):
     name: str = "run"
     seed: int = 0
-    run_dir: Path | None = None  # None = runs/<name>
+    run_dir: Location = None  # None = runs/<name>; a local folder or a URI (s3://bucket/runs/x, gs://...)
     model: ModelConfig = ModelConfig()
     data: DataConfig
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -336,7 +366,12 @@ class RunConfig(StrictModel):
 
     @property
     def out_dir(self) -> Path:
-        return self.run_dir if self.run_dir is not None else Path("runs") / self.name
+        """`run_dir`, else RAYTRAIN_STORAGE/runs/<name> (a cluster's bucket: clusters/*.yaml), else runs/<name>."""
+        if self.run_dir is not None:
+            return self.run_dir
+        from trainers.storage import default_root
+
+        return default_root("runs") / self.name
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)

@@ -92,12 +92,6 @@ def check_config(cfg: RunConfig) -> None:
             f"compute weight gradients after resharding would have freed the gathered weights; fix: set "
             f"parallel.zero_stage=2 (or leave it unset)"
         )
-    if cfg.memory.loss_chunk and (par.pp > 1 or par.tp > 1):
-        raise ConfigError(
-            f"memory.loss_chunk={cfg.memory.loss_chunk} with parallel.pp={par.pp}, tp={par.tp}: the chunked "
-            f"loss runs inside a whole model's forward (not yet on a pipeline's last stage or on "
-            f"vocabulary-sharded logits); fix: set memory.loss_chunk=0"
-        )
     if par.ep > 1 and model.moe is None:
         raise ConfigError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
     if par.ep > 1 and model.moe.num_experts % par.ep:

@@ -13,10 +13,21 @@ is the same sum as the whole loss (fp32 logits and softmax), in another order.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["chunked_lm_loss", "lm_loss"]
+__all__ = ["CHUNK_BYTES", "chunk_tokens", "chunked_lm_loss", "lm_loss"]
+
+CHUNK_BYTES = 64 * 2**20  # one chunk's fp32 logits, what `chunk_tokens` aims for
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """A chunk size for `chunked_lm_loss`: the power of two of tokens whose fp32 logits take at most
+    CHUNK_BYTES, between 128 (the matmul stays efficient) and 4096 (e.g. 256 for a 50,257-token vocabulary)."""
+    tokens = max(CHUNK_BYTES // (4 * vocab_size), 1)
+    return min(max(1 << (tokens.bit_length() - 1), 128), 4096)
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -26,7 +37,11 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, `chunk` tokens at a time.
-    hidden: (..., d) final hidden states; weight: (V, d) the output projection; targets: (...)."""
+    hidden: (..., d) final hidden states; weight: (V, d) the output projection; targets: (...).
+    A weight sharded on the vocabulary over a tensor-parallel mesh (a DTensor, Shard(0)) gives the
+    vocabulary-parallel form (`_vocab_parallel`)."""
+    if isinstance(weight, DTensor):
+        return _vocab_parallel(hidden, weight, targets, chunk)
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, still one chunk of logits at a time
         return _chunked_forward(hidden, weight, targets, chunk, False, False)[0]
@@ -52,18 +67,22 @@ def _chunks(
     for start in range(0, n, chunk):
         h, t = hidden[start : start + chunk].float(), targets[start : start + chunk]
         logits = h @ w.t()  # (c, V) fp32: the only vocabulary-sized tensor, one chunk at a time
-        lse = torch.logsumexp(logits, dim=-1)
-        total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+        target_logit = logits.gather(1, t[:, None]).squeeze(1)
+        mx = logits.amax(dim=-1)
+        probs = logits.sub_(mx[:, None]).exp_()  # in place: logsumexp's steps without its temporaries
+        sumexp = probs.sum(dim=-1)
+        total += (mx + sumexp.log() - target_logit).sum()
         if want_h or want_w:
             # d(mean loss)/d(logits) = (softmax - one-hot) / n, made in place of the logits
-            grad = logits.sub_(lse[:, None]).exp_()
+            grad = probs.div_(sumexp[:, None])
             grad[torch.arange(len(t), device=t.device), t] -= 1.0
             grad.div_(n)
             if want_h:
                 grad_h[start : start + chunk] = (grad @ w).to(hidden.dtype)
             if want_w:
                 grad_w.addmm_(grad.t(), h)
-        del logits
+            del grad
+        del logits, probs  # before the next chunk's logits are made
     return total / n, grad_h, grad_w
 
 
@@ -84,3 +103,83 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_w is not None:
             grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None
+
+
+# ------------------------------------------------------------------------ vocabulary-parallel (tensor parallel)
+
+
+def _vocab_parallel(hidden: Tensor, weight: DTensor, targets: Tensor, chunk: int) -> Tensor:
+    """The chunked loss with the head's rows split over a tensor-parallel mesh (Megatron's vocabulary-
+    parallel cross-entropy, one chunk of tokens at a time): every rank takes the whole sequence's hidden
+    states and its own rows; per chunk, the max, the sum of exponentials and the target's logit are
+    all-reduced over the mesh, so each rank holds (chunk x V/tp) logits and nothing of size V per token is
+    saved. d(hidden) is summed over the ranks once, at the end of forward."""
+    if tuple(weight.placements) != (Shard(0),):
+        raise ValueError(f"a vocabulary-parallel head is Shard(0) on a 1-D mesh, not {weight.placements}")
+    mesh = weight.device_mesh
+    if isinstance(hidden, DTensor):  # sequence parallel: gather the sequence, as ColwiseParallel's input would
+        hidden = hidden.redistribute(mesh, [Replicate()]).to_local()
+    rows = -(-weight.shape[0] // mesh.size())  # torch.chunk's split, as DTensor's Shard(0)
+    start = mesh.get_local_rank() * rows
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    local = weight.to_local()
+    if not torch.is_grad_enabled():
+        return _vp_chunks(hidden, local, targets, chunk, start, mesh.get_group(), False, False)[0]
+    return _VocabParallelChunkedCrossEntropy.apply(hidden, local, targets, chunk, start, mesh.get_group())
+
+
+def _vp_chunks(
+    hidden: Tensor, w_local: Tensor, targets: Tensor, chunk: int, start: int, group, want_h: bool, want_w: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    n, rows = hidden.shape[0], w_local.shape[0]
+    grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+    grad_w = torch.zeros(w_local.shape, dtype=torch.float32, device=w_local.device) if want_w else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = w_local.float()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            h, t = hidden[s : s + chunk].float(), targets[s : s + chunk]
+            logits = h @ w.t()  # (c, V/tp): this rank's vocabulary rows
+            mine = (t >= start) & (t < start + rows)
+            idx = (t - start).clamp(0, rows - 1)
+            target_logit = logits.gather(1, idx[:, None]).squeeze(1) * mine
+            dist.all_reduce(target_logit, group=group)
+            mx = logits.amax(dim=-1)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+            probs = logits.sub_(mx[:, None]).exp_()  # in place, as the one-rank form
+            sumexp = probs.sum(dim=-1)
+            dist.all_reduce(sumexp, group=group)
+            total += (mx + sumexp.log() - target_logit).sum()
+            if want_h or want_w:
+                grad = probs.div_(sumexp[:, None])  # this rank's columns of softmax
+                hit = mine.nonzero().squeeze(1)
+                grad[hit, idx[hit]] -= 1.0
+                grad.div_(n)
+                if want_h:
+                    grad_h[s : s + chunk] = grad @ w  # this rank's part of the sum over the vocabulary
+                if want_w:
+                    grad_w.addmm_(grad.t(), h)
+                del grad
+            del logits, probs
+        if want_h:
+            dist.all_reduce(grad_h, group=group)  # the whole vocabulary's sum, the same on every rank
+    return total / n, grad_h, grad_w
+
+
+class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, w_local: Tensor, targets: Tensor, chunk: int, start: int, group) -> Tensor:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, grad_h, grad_w = _vp_chunks(hidden, w_local, targets, chunk, start, group, want_h, want_w)
+        ctx.save_for_backward(grad_h.to(hidden.dtype) if grad_h is not None else None, grad_w)
+        ctx.weight_dtype = w_local.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_out.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None

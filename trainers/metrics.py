@@ -5,20 +5,33 @@ event such as a resume (`"kind": "event"`). On resume from step N, records of st
 first, so that the file holds each step exactly once however often a run restarts.
 
 Sinks (trackers: `trainers.tracking`) get every record too; the defaults are none.
+
+A run dir on an object store (a URI: `trainers.storage`) cannot be appended to: the records go to a local
+copy (RAYTRAIN_CACHE/runs/<hash of the URI>/), which is uploaded whole (one PUT, so readers see a complete
+file) at each event (start, resume, checkpoint, ...), before each checkpoint's commit (`flush`, called by
+the Trainer) and at the end. A crash loses at most the records since the last flush, and never one of a
+step whose checkpoint was committed. TensorBoard's files are written there too and uploaded with it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
+import shutil
 import sys
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["MetricsLog", "MetricsSink", "peak_memory_bytes", "read_metrics"]
+from trainers.storage import cache_root, is_remote, location, read_bytes, write_bytes_atomic
+
+__all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "peak_memory_bytes", "read_metrics"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -30,10 +43,43 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages while active: on a CPU, the counterpart of
+    torch.cuda.max_memory_allocated (slow: for tests and benchmarks). Every op's outputs are counted once
+    per storage until the storage is freed (a weakref finalizer; torch keeps one Python object per live
+    storage). Kernel-internal scratch buffers are not seen. Storages made before entering must be
+    `register`ed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            key, size = id(storage), storage.nbytes()
+            if size == 0 or key in self.live:
+                continue
+            self.live[key] = size
+            self.current += size
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key).atexit = False
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.register([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        return out
+
+
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    if not Path(path).is_file():
+    data = read_bytes(location(path))
+    if data is None:
         return []
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
     return [r for r in rows if kind is None or r.get("kind") == kind]
 
 
@@ -48,18 +94,27 @@ class MetricsLog:
     def __init__(
         self, run_dir: Path, enabled: bool = True, tensorboard: bool = True, sinks: Sequence[MetricsSink] = ()
     ):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        run_dir = location(run_dir)
+        self.path = run_dir / "metrics.jsonl"  # where readers find it
+        self.remote = is_remote(run_dir)
+        # Where this process appends: the file itself, or its local copy for a run dir on an object store.
+        local_dir = cache_root() / "runs" / hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+        self.local = local_dir / "metrics.jsonl" if self.remote else self.path
+        self._tb_dir = (local_dir if self.remote else run_dir) / "tb"
+        self._remote_tb = run_dir / "tb"
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
         self._file = None
         self._tb = None
         self._started = False  # the sinks: started once, rewound by a checkpoint loaded in place
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.local.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter  # heavy import; only when used
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                if self.remote:
+                    shutil.rmtree(self._tb_dir, ignore_errors=True)  # this attempt's events only
+                self._tb = SummaryWriter(str(self._tb_dir))
 
     def resume_from(self, step: int) -> None:
         """Drop records of steps after `step` (they will be recomputed) before appending; then the sinks
@@ -70,7 +125,10 @@ class MetricsLog:
             self._file.close()
             self._file = None
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        if self.path.is_file():
+        if self.remote:  # the store's file is the truth (another machine may have written it)
+            self.local.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            self.flush()
+        elif self.path.is_file():
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             tmp.replace(self.path)
@@ -85,8 +143,10 @@ class MetricsLog:
         if not self.enabled:
             return
         if self._file is None:
-            self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses no step
+            self._file = open(self.local, "a", buffering=1)  # line-buffered: a crash loses no step
         self._file.write(json.dumps(record) + "\n")
+        if self.remote and record.get("kind") == "event":
+            self.flush()
         if self._tb is not None:
             step, kind = record.get("step", 0), record.get("kind", "train")
             for key, value in record.items():
@@ -95,8 +155,24 @@ class MetricsLog:
         for sink in self.sinks:
             sink.write(record)
 
+    def flush(self) -> None:
+        """A run dir on an object store: upload what was written so far (the whole file, one PUT), and
+        TensorBoard's files. Local: nothing to do (every line is written through)."""
+        if not (self.enabled and self.remote):
+            return
+        if self._file is not None:
+            self._file.flush()
+        if self.local.is_file():
+            write_bytes_atomic(self.path, self.local.read_bytes())
+        if self._tb is not None:
+            self._tb.flush()
+            for event_file in self._tb_dir.glob("*"):
+                if event_file.is_file():
+                    write_bytes_atomic(self._remote_tb / event_file.name, event_file.read_bytes())
+
     def close(self, status: str = "FINISHED") -> None:
         """`status`: how the run ended, for the sinks (FINISHED, KILLED or FAILED)."""
+        self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None

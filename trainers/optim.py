@@ -34,17 +34,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
+    fused = {"fused": True} if cfg.fused else {}  # the config refuses fused rmsprop
     if cfg.name == "sgd":
-        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **fused)
     elif cfg.name == "adagrad":
-        opt = torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.eps)
+        opt = torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.eps, **fused)
     elif cfg.name == "rmsprop":
         opt = torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.alpha, eps=cfg.eps, momentum=cfg.momentum)
     elif cfg.name == "adam":
         # torch's Adam folds weight decay into the gradient (L2), unlike AdamW's decoupled decay.
-        opt = torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        opt = torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **fused)
     else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **fused)
     apply_hparams(opt, cfg)
     return opt
 

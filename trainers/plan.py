@@ -21,6 +21,11 @@ input and x*rsqrt(mean x^2) in fp32 whatever the dtype, and its output once more
 SwiGLU saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) where GELU saves 2 of width
 4h; under autocast each projection saves its own 16-bit cast of its input and of its weight.
 
+Leaner steps: a chunked loss (`memory.loss_chunk`) keeps no logits, only the gradients it made in forward
+(d hidden, d head weight) and one chunk's fp32 logits at a time; selective checkpointing keeps each block's
+input and its matmul and attention outputs (`selective_saved_bytes`); a fused optimizer step makes no
+temporaries. `trainers.fit` asks this planner which of them a run needs (`memory.fit: auto`).
+
 The layout (pp x dp x tp, ep inside dp, the step's micro-batches) is `trainers.layout.ParallelLayout.of`'s:
 a layout the workers would refuse is refused here with their line. Parameters are counted by
 `trainers.models.flops` (one rank's tensor- and expert-parallel share of each tensor). Tensor parallelism
@@ -44,6 +49,7 @@ from typing import Any, Literal
 from trainers._base import ConfigError
 from trainers.config import RunConfig, apply_overrides, parse_config
 from trainers.layout import ParallelLayout
+from trainers.loss import chunk_tokens
 from trainers.models.config import ModelConfig
 from trainers.models.flops import (
     block_params,
@@ -65,6 +71,7 @@ __all__ = [
     "Widths",
     "block_activation_bytes",
     "format_bytes",
+    "selective_saved_bytes",
     "layout_dict",
     "parse_bytes",
     "plan_memory",
@@ -213,14 +220,38 @@ def block_activation_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Wi
     return int(tokens * per_token + norms) + weights + rope
 
 
-def _head_saved(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, seq_len: int | None = None) -> int:
-    """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: the logits the trainer holds
-    and log_softmax's fp32 output (cross_entropy saves it). Under tensor parallelism the norm runs on the
+def selective_saved_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1) -> int:
+    """Bytes selective checkpointing keeps of one block besides its input (trainers/parallel/ac.py: the
+    outputs of every matmul and of attention; norms, RoPE, SwiGLU's pointwise ops and casts are recomputed).
+    Per token: q, k, v, the SDPA output (and its fp32 logsumexp per head), o_proj's output, and gate, up and
+    down's outputs (MoE: the router's logits and each kept assignment's three expert matmuls). Under tensor
+    parallelism the heads and hidden units divide by tp; o_proj's and down's outputs are whole-sequence
+    partial sums before their reduce-scatter."""
+    h, a = model.dim, model.n_heads // tp
+    hq, hkv = a * model.head_dim, model.kv_heads // tp * model.head_dim
+    attention = (2 * hq + 2 * hkv + h) * w.compute + 4 * a
+    f = model.hidden_dim // tp
+    if model.is_moe_layer(layer_id):
+        k = _kept_per_token(model, tokens)
+        ffn = model.moe.num_experts * w.compute + k * (2 * f + h) * w.compute
+    else:
+        ffn = (2 * f + h) * w.compute
+    return int(tokens * (attention + ffn))
+
+
+def _head_saved(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, seq_len: int | None = None,
+                chunk: int = 0) -> int:
+    """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: log_softmax's fp32 output (cross_entropy
+    saves it; the logits themselves are freed once it is made: the model returns the loss, not them). Under tensor parallelism the norm runs on the
     sequence shard, the head's input is the all-gathered norm output, and the logits are this rank's
-    vocabulary share (the loss is vocabulary-parallel)."""
-    norm = _sequence_shard(tokens, tp, seq_len) * 4 * (2 * model.dim + 1) + tokens * model.dim * w.compute
-    logits = tokens * _vocab_share(model, tp) * (w.compute + 4)
-    return int(norm) + logits
+    vocabulary share (the loss is vocabulary-parallel). A chunked loss (`chunk` tokens at a time,
+    trainers/loss.py) keeps no logits: it saves the gradients it computed in forward, d(hidden) in the
+    hidden states' dtype and d(head weight) in fp32."""
+    norm = _sequence_shard(tokens, tp, seq_len) * 4 * (2 * model.dim + 1)
+    if chunk:  # under tp: d(hidden) of the whole sequence, d(head weight) of this rank's rows
+        return int(norm) + tokens * model.dim * w.resid + 4 * _vocab_share(model, tp) * model.dim
+    log_softmax = tokens * _vocab_share(model, tp) * 4
+    return int(norm) + tokens * model.dim * w.compute + log_softmax
 
 
 def _vocab_share(model: ModelConfig, tp: int) -> int:
@@ -228,8 +259,14 @@ def _vocab_share(model: ModelConfig, tp: int) -> int:
     return math.ceil(model.vocab_size / tp)
 
 
-def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1) -> int:
-    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32 (+ its 16-bit cast)."""
+def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0) -> int:
+    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32 (+ its 16-bit cast). Chunked:
+    the larger of one chunk's fp32 logits (made into their gradient in place) with its fp32 hidden states
+    and d(hidden) in forward, and the scaled copies of the saved gradients its backward returns."""
+    if chunk:
+        c, rows = min(chunk, tokens), _vocab_share(model, tp)
+        forward = c * rows * 4 + 2 * c * model.dim * 4
+        return max(forward, tokens * model.dim * w.resid + 4 * rows * model.dim)
     return tokens * _vocab_share(model, tp) * (8 + (w.compute if w.compute != 4 else 0))
 
 
@@ -356,6 +393,8 @@ def _model_states(cfg: RunConfig, lay: ParallelLayout, dense: int, experts: int,
                       cfg.model.dim * cfg.model.hidden_dim // tp)
         largest = math.ceil(largest / dp) if engine == "fsdp" else largest  # a shard of it
         st.step_temp = 4 * local if device_type == "cuda" else 2 * 4 * min(largest, local)
+        if cfg.optimizer.fused:  # one kernel per parameter, in place
+            st.step_temp = 0
     return st
 
 
@@ -411,12 +450,15 @@ class MemoryPlan:
         return asdict(self)
 
 
-def plan_memory(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda") -> MemoryPlan:
-    """Peak memory per rank of one training step of `cfg` on `world_size` ranks (the worst rank)."""
+def plan_memory(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda",
+                grads_kept: bool = False) -> MemoryPlan:
+    """Peak memory per rank of one training step of `cfg` on `world_size` ranks (the worst rank).
+    `grads_kept`: a loop that zeroes gradients instead of freeing them (`zero_grad(set_to_none=False)`,
+    as the seed's naive loop) holds every gradient through the step; the Trainer frees them."""
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1; fix: the number of ranks, e.g. 8")
     lay = ParallelLayout.of(cfg, world_size)  # every layout rule: the same line as the workers'
-    plans = [_RankPlanner(cfg, lay, rank, device_type).plan() for rank in _ranks(cfg, lay)]
+    plans = [_RankPlanner(cfg, lay, rank, device_type, grads_kept).plan() for rank in _ranks(cfg, lay)]
     return max(plans, key=lambda p: p.peak_bytes)
 
 
@@ -426,20 +468,27 @@ _Moment = tuple[dict[str, int], dict[str, int]]  # (bytes by kind except buffers
 class _RankPlanner:
     """The moments of one pipeline rank's step (all ranks alike without a pipeline)."""
 
-    def __init__(self, cfg: RunConfig, lay: ParallelLayout, rank: _Rank, device_type: DeviceType):
+    def __init__(self, cfg: RunConfig, lay: ParallelLayout, rank: _Rank, device_type: DeviceType,
+                 grads_kept: bool = False):
         self.cfg, self.lay, self.rank, self.device_type = cfg, lay, rank, device_type
+        self.grads_kept = grads_kept
         model, self.w, seq, tp, ep = cfg.model, widths(cfg), cfg.data.seq_len, lay.tp, lay.ep
         self.tokens = lay.microbatch_size * seq  # whole sequences: what attention and the MLP see
         # The residual stream between blocks: this rank's sequence shard under tensor parallelism.
         self.shard_tokens = int(_sequence_shard(self.tokens, tp, seq))
-        every = cfg.memory.ac_every
-        self.checkpointed = {b for b in rank.blocks if every and b % every == 0}
+        every, self.chunk = cfg.memory.ac_every, cfg.memory.loss_chunk
+        self.checkpointed = {b for b in rank.blocks if every and b % every == 0 or cfg.memory.ac_selective}
         self.full = {b: block_activation_bytes(model, b, self.tokens, self.w, seq, tp) for b in rank.blocks}
         self.block_input = self.shard_tokens * model.dim * self.w.resid
-        self.saved = {b: self.block_input if b in self.checkpointed else self.full[b] for b in rank.blocks}
+        if cfg.memory.ac_selective:  # the block's input and the outputs of its matmuls and attention
+            self.kept = {b: self.block_input + selective_saved_bytes(model, b, self.tokens, self.w, tp)
+                         for b in rank.blocks}
+        else:
+            self.kept = {b: self.block_input for b in rank.blocks}
+        self.saved = {b: self.kept[b] if b in self.checkpointed else self.full[b] for b in rank.blocks}
         # token ids and targets (int64); under tp the vocabulary-parallel embedding also keeps its masked ids
         self.edge = (self.tokens * (16 if tp == 1 else 24) if rank.embeds else 0) + (
-            _head_saved(model, self.tokens, self.w, tp, seq) if rank.head else 0)
+            _head_saved(model, self.tokens, self.w, tp, seq, self.chunk) if rank.head else 0)
         # Parameters (trainers.models.flops: this rank's tp share of each tensor): `sharded` ones go
         # through the data-parallel engine; with ep > 1 the experts are kept whole on their ep rank
         # instead (1/ep of each MoE layer's experts, and 1/tp of their hidden units).
@@ -472,13 +521,18 @@ class _RankPlanner:
         return out
 
     def backward_start(self) -> _Moment:
-        """Every micro-batch's saved activations, the loss's gradient buffers (or the last block's)."""
+        """Every micro-batch's saved activations and the loss's gradient buffers (the chunked loss: its forward,
+        one chunk of logits at a time); without the head (a pipeline stage before the last), the last
+        block's backward starting (recomputed first, if checkpointed). The head's last block is recomputed
+        after the loss's backward has freed what the loss saved: `block_backward` has that moment."""
         model, blocks = self.cfg.model, self.rank.blocks
         acts = self.others + sum(self.saved.values()) + self.edge
-        if blocks and blocks[-1] in self.checkpointed:
-            acts += self.full[blocks[-1]] - self.block_input  # recomputed at once
-        temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp) if self.rank.head else 0]
-        temps += [self._block_temp(b) for b in blocks[-1:]]
+        if self.rank.head:
+            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk)]
+        else:
+            if blocks and blocks[-1] in self.checkpointed:
+                acts += self.full[blocks[-1]] - self.kept[blocks[-1]]  # recomputed at once
+            temps = [self._block_temp(b) for b in blocks[-1:]] or [0]
         gathered = self._gathered(blocks[-1] if blocks else None, reducing=False)
         return self._kinds(self._grads(0), acts), {**gathered, **self._always(), "backward temporaries": max(temps)}
 
@@ -523,11 +577,9 @@ class _RankPlanner:
         return self.cfg.parallel.engine == "fsdp" and self.lay.dp > 1 and self.lay.pp == 1
 
     def _earlier(self, b: int) -> int:
-        """Saved activations of the blocks before b, the token ids and the logits the trainer holds."""
+        """Saved activations of the blocks before b and the token ids (the loss's are freed by its backward)."""
         acts = sum(self.saved[x] for x in self.rank.blocks if x < b)
-        acts += self.tokens * (16 if self.lay.tp == 1 else 24) if self.rank.embeds else 0
-        logits = self.tokens * _vocab_share(self.cfg.model, self.lay.tp) * self.w.compute
-        return acts + (logits if self.rank.head else 0)
+        return acts + (self.tokens * (16 if self.lay.tp == 1 else 24) if self.rank.embeds else 0)
 
     def _kinds(self, gradients: float, activations: float) -> dict[str, int]:
         return {"parameters": self.states.parameters, "gradients": int(gradients),
@@ -539,6 +591,8 @@ class _RankPlanner:
         micro-batches' are kept (accumulation: sharded, or, with `grad_accumulation: unsharded` and
         under a pipeline, whole fp32 gradients on FSDP)."""
         par = self.cfg.parallel
+        if self.grads_kept:
+            return self.states.gradients
         if self.lay.accumulation > 1 or self.lay.pp > 1:
             if not par.sharded_accumulation:
                 return 4 * self.params if par.engine == "fsdp" else self.states.gradients
@@ -603,7 +657,9 @@ class _RankPlanner:
                 "micro_batch_tokens": self.tokens,
                 "in_flight_microbatches": rank.in_flight,
                 "loss_and_head_bytes": _head_saved(self.cfg.model, self.tokens, self.w, self.lay.tp,
-                                                   self.cfg.data.seq_len) if rank.head else 0,
+                                                   self.cfg.data.seq_len, self.chunk) if rank.head else 0,
+                "selective_kept_block_bytes": ({str(b): self.kept[b] for b in rank.blocks}
+                                               if self.cfg.memory.ac_selective else None),
                 "residual_stream_tokens": self.shard_tokens,
             },
             moe=self._moe(),
@@ -696,6 +752,9 @@ def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: D
 # to the host over PCIe.
 def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> list[tuple[dict[str, Any], str]]:
     par, out = cfg.parallel, []
+    if not cfg.memory.loss_chunk:  # the same math at about the same speed
+        chunk = chunk_tokens(cfg.model.vocab_size)
+        out.append(({"memory.loss_chunk": chunk}, "chunk the output projection and loss (no tokens x vocab logits)"))
     if par.engine == "fsdp" and par.stage == 2:
         out.append(({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters after forward"))
     if par.engine == "deepspeed" and par.stage < 3:
@@ -713,6 +772,9 @@ def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE
     for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
         out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
                      f"same global batch)"))
+    if cfg.memory.activation_checkpointing == "off":
+        out.append(({"memory.activation_checkpointing": "selective"}, "selective activation checkpointing "
+                     "(recompute norms, SwiGLU and RoPE; keep the matmuls' outputs)"))
     if cfg.memory.ac_every != 1:
         out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
     tp = par.tp

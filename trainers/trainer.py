@@ -20,7 +20,9 @@ from trainers._base import NonFiniteLossError, flat_keys
 from trainers.checkpoint import Checkpointer, CheckpointError, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
+from trainers.fit import fit_for_this_rank
 from trainers.hf.pretrained import load_pretrained, materialize
+from trainers.host_memory import hold_freed_heap, release_freed_heap
 from trainers.loss import lm_loss
 from trainers.metrics import MetricsLog, peak_memory_bytes
 from trainers.models import build_model, flops_per_token
@@ -29,6 +31,7 @@ from trainers.parallel import build_engine
 from trainers.parallel.engine import Engine
 from trainers.profiling import build_profiler, span
 from trainers.resume import check_compatible, compat_of
+from trainers.storage import is_remote, location
 from trainers.tracking import build_sinks
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_loss"]
@@ -60,14 +63,20 @@ class Trainer:
         callbacks: list[TrainerCallback] | tuple = (),
         progress: bool = True,
     ):
+        self.fit_choice = None
+        if cfg.memory.fit == "auto":  # before the engine: the micro-batch size shapes the layout
+            self.fit_choice = fit_for_this_rank(cfg)
+            cfg = self.fit_choice.cfg
         self.cfg, self.callbacks, self.progress = cfg, list(callbacks), progress
         self.engine = engine or build_engine(cfg)
+        if self.fit_choice is not None and self.engine.is_main:
+            print(self.fit_choice.line, flush=True)
         self.device = self.engine.device
         self.run_dir = cfg.out_dir
         self.manifest = check_inputs(cfg, shards=False)  # TokenWindows checks each shard as it reads it
         self.accum = cfg.train.accumulation(self.engine.dp_size)
-        self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len)
-        self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len)
+        self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len, cfg.data.cache)
+        self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len, cfg.data.cache)
         self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint.keep, self.engine.checkpoint_backend
@@ -113,7 +122,7 @@ class Trainer:
             return []
         if resume == "auto":
             return self.checkpointer.candidates()
-        path = Path(resume)
+        path = location(resume)  # a local folder or a URI
         if not is_complete(path):
             raise ConfigError(
                 f"checkpoint.resume={resume} is not a complete checkpoint; fix: point it at a step_XXXXXXXX "
@@ -130,7 +139,7 @@ class Trainer:
                 return path, skipped
             skipped.append({"checkpoint": str(path), "reason": problem})
         if skipped:
-            told = "; ".join(f"{Path(s['checkpoint']).name}: {s['reason']}" for s in skipped)
+            told = "; ".join(f"{s['checkpoint'].rstrip('/').rsplit('/', 1)[-1]}: {s['reason']}" for s in skipped)
             raise CheckpointError(
                 f"no readable checkpoint to resume from in {candidates[0].parent} ({told}); fix: restore "
                 f"those files, or start over with --set checkpoint.resume=none or a new run_dir"
@@ -152,7 +161,7 @@ class Trainer:
                 f"schedule.*); fix: start a new run from the checkpoint"
             )
         self.cfg = cfg
-        self._restore(Path(path), [], event="exploit", **event)
+        self._restore(location(path), [], event="exploit", **event)
         self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
 
     def _restore(
@@ -202,7 +211,8 @@ class Trainer:
 
     def fit(self) -> FitResult:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not is_remote(self.run_dir):  # an object store has no folders to make
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.engine.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         for cb in self.callbacks:
@@ -210,6 +220,7 @@ class Trainer:
         bar = self._progress_bar()
         train_loss = val_loss = None
         status = "KILLED"  # for trackers: stopped (Ctrl-C, a lost worker, a Tune trial's end), may go on
+        hold_freed_heap()  # on CPU, glibc would hand each step's activations back and fault them in again
         try:
             while self.step < cfg.train.steps:
                 record = self.train_step()
@@ -237,6 +248,7 @@ class Trainer:
                 bar.close()
             self.profiler.close()
             self.log.close(status)
+            release_freed_heap()
         return FitResult(self.run_dir, self.step, train_loss, val_loss, self.last_checkpoint)
 
     def train_step(self) -> dict[str, Any]:
@@ -349,7 +361,12 @@ class Trainer:
             "data_path": str(self.cfg.data.path),  # and where it finds the tokenizer
         }
         path = self.checkpointer.save(
-            self.step, self.engine.checkpoint_state(), trainer_state, rng={"torch": torch.get_rng_state()}
+            self.step,
+            self.engine.checkpoint_state(),
+            trainer_state,
+            rng={"torch": torch.get_rng_state()},
+            # A run dir on an object store gets the records up to this step before the step is committed.
+            before_commit=lambda _: self.log.flush(),
         )
         self.last_checkpoint = path
         self._emit("event", event="checkpoint", path=str(path))

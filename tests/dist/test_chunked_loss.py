@@ -1,5 +1,6 @@
-"""The chunked loss under 2-process FSDP2: the first step's loss and every gradient equal those of the
-whole-logits loss in the same layout within 1e-6 (fp32; one step, so both see the same weights)."""
+"""The chunked loss under 2-process FSDP2, on a 2-stage pipeline's last stage and vocabulary-parallel under
+tensor parallelism: the first step's loss and every gradient equal those of the whole-logits loss in the same layout within 1e-6 (fp32; one step, so
+both see the same weights)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,21 @@ MODELS = {
 }
 
 
-def _raw(corpus: Path, run_dir: Path, model: dict, chunk: int) -> dict:
+LAYOUTS = {
+    "fsdp": {"engine": "fsdp"},
+    "pp2-1f1b": {"engine": "fsdp", "pp": 2},  # 2 micro-batches through the schedule
+    "pp2-zbv": {"engine": "fsdp", "pp": 2, "pipeline_schedule": "zbv", "virtual_stages": 2},
+    "tp2": {"engine": "fsdp", "tp": 2},  # vocabulary-parallel, against loss_parallel's whole logits
+}
+
+
+def _raw(corpus: Path, run_dir: Path, model: dict, chunk: int, parallel: dict) -> dict:
     train = {"steps": 1, "micro_batch_size": 2, "eval_every": 0, "eval_batches": 2}
     return tiny_raw(
         corpus,
         run_dir,
         model=model,
-        parallel={"engine": "fsdp"},
+        parallel=parallel,
         memory={"loss_chunk": chunk},
         train=train,
         schedule={"name": "constant"},
@@ -33,16 +42,24 @@ def _raw(corpus: Path, run_dir: Path, model: dict, chunk: int) -> dict:
     )
 
 
-def test_chunked_loss_under_fsdp_equals_the_whole_loss(corpus_dir, tmp_path):
+SLOW = ("pp2-zbv", "tp2")  # the slow tier: each ~25 s more on 2 cores
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in LAYOUTS]
+)
+def test_chunked_loss_equals_the_whole_loss(layout, corpus_dir, tmp_path):
+    blocks = 4 if layout == "pp2-zbv" else 2  # zbv: 2 stages on each of the 2 ranks, a block each
     raws = {
-        f"{name}-{chunk}": _raw(corpus_dir, tmp_path / f"{name}-{chunk}", model, chunk)
+        f"{name}-{chunk}": _raw(corpus_dir, tmp_path / f"{name}-{chunk}", {**model, "n_layers": blocks}, chunk,
+                                LAYOUTS[layout])
         for name, model in MODELS.items()
         for chunk in (0, 24)
     }
     grads = merged(run_ranks(train_each, 2, raws))
     for name in MODELS:
         whole, chunked = grads[f"{name}-0"][1], grads[f"{name}-24"][1]
-        assert sorted(whole) == sorted(chunked)
+        assert sorted(whole) == sorted(chunked) and "lm_head.weight" in whole
         for fqn, g in whole.items():
             assert float((chunked[fqn] - g).norm() / g.norm().clamp_min(1e-30)) <= 1e-6, (name, fqn)
         for kind, key in (("train", "loss"), ("eval", "val_loss")):

@@ -93,12 +93,7 @@ def test_model_loss_chunked_equals_whole_with_every_gradient(name):
 def test_selective_checkpointing_keeps_gradients_and_sits_between_off_and_every():
     """Selective AC recomputes only the cheap ops: the same gradients as no AC, bit for bit, and a peak of
     live tensors between no AC and full AC on every block (the census bench/measure.py uses)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-    from measure import LiveTensorBytes
-
+    from trainers.metrics import LiveTensorBytes
     from trainers.parallel.ac import apply_activation_checkpointing
 
     cfg = ModelConfig(vocab_size=257, dim=64, n_layers=3, n_heads=4, max_seq_len=128)

@@ -166,10 +166,10 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        if targets is None:
-            return self._output(h)
         weight = self._head_weight()
-        if self.loss_chunk and weight is not None:
+        if targets is None or weight is None:  # logits, or a pipeline stage without the head: its hidden states
+            return self._output(h)
+        if self.loss_chunk:
             return chunked_lm_loss(h, weight, targets, self.loss_chunk)
         return lm_loss(self._output(h), targets)
 

@@ -106,6 +106,7 @@ def _stage_module(part: Transformer, layer_ids: list[int], first: bool, last: bo
     stage.norm = part.norm if last else None
     stage.lm_head = part.lm_head if last else None
     stage.rope_cos, stage.rope_sin = part.rope_cos, part.rope_sin
+    stage.loss_chunk = part.loss_chunk
     return stage
 
 
@@ -137,6 +138,9 @@ class PipelineEngine(FSDPEngine):
         self.model_cfg, self.optimizer_cfg = cfg.model, cfg.optimizer
         self.offload = cfg.parallel.offload == "all"
         self.v_shape, self.num_stages = lay.v_shape, lay.num_stages
+        # A chunked loss needs the head's weight inside the last stage's forward (FSDP gathers it there):
+        # every stage gets the targets, and the last one returns its micro-batch's loss, not logits.
+        self.loss_in_stage = cfg.memory.loss_chunk > 0
         self.split = split_stages(block_costs(cfg.model, cfg.data.seq_len), self.num_stages)
         self.stage_ids = lay.stage_ids()
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
@@ -179,7 +183,12 @@ class PipelineEngine(FSDPEngine):
         hidden = meta(b, s // self.layout.tp, m.dim)
         vocab = len(torch.empty(m.vocab_size, device="meta").chunk(self.layout.tp)[self.layout.tp_rank])
         inputs = meta(b, s, dtype=torch.long) if index == 0 else hidden
-        outputs = meta(b, s, vocab) if index == self.num_stages - 1 else hidden
+        if index < self.num_stages - 1:
+            outputs = hidden
+        elif self.loss_in_stage:
+            outputs = meta(dtype=torch.float32)  # the micro-batch's mean loss
+        else:
+            outputs = meta(b, s, vocab)
         return PipelineStage(
             part,
             index,
@@ -215,9 +224,14 @@ class PipelineEngine(FSDPEngine):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = targets if self.has_last else None
+        kwargs = {"targets": targets} if self.loss_in_stage else {}  # split into micro-batches as inputs are
         with self.loss_context():  # the schedule runs each loss's backward inside it
             self.schedule.step(
-                *args, target=target, losses=losses if self.has_last else None, return_outputs=False
+                *args,
+                target=target,
+                losses=losses if self.has_last else None,
+                return_outputs=False,
+                **kwargs,
             )
         self.finish_grads()
         if self.has_last:
@@ -227,6 +241,8 @@ class PipelineEngine(FSDPEngine):
         return self._from_last_stage(loss.float())
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.loss_in_stage:  # the last stage returned its loss already
+            return output
         return self._loss_fn(self._logits(output), target)
 
     def _logits(self, output: torch.Tensor) -> torch.Tensor:
@@ -258,15 +274,17 @@ class PipelineEngine(FSDPEngine):
                     batch, seq = inputs.shape  # this rank's sequence shard with tensor parallelism
                     h = torch.empty(batch, seq // self.layout.tp, self.model_cfg.dim, device=self.device)
                     dist.recv(h, group=self.pp_group, group_src=self.layout.stage_owner(s - 1, self.v_shape))
+                last = s == self.num_stages - 1
                 with self.autocast():
-                    h = self.parts[self.stage_ids.index(s)](h)
+                    h = self.parts[self.stage_ids.index(s)](h, targets if last and self.loss_in_stage else None)
                 if s < self.num_stages - 1 and self.layout.stage_owner(s + 1, self.v_shape) != owner:
                     dist.send(
                         h.float(), group=self.pp_group, group_dst=self.layout.stage_owner(s + 1, self.v_shape)
                     )
             if self.has_last:
                 with self.loss_context():
-                    total += plain(loss_fn(self._logits(h), targets)) * len(inputs)
+                    loss = h if self.loss_in_stage else loss_fn(self._logits(h), targets)
+                    total += plain(loss) * len(inputs)
         self.model.train()
         return self._from_last_stage(total)
 

@@ -1,0 +1,87 @@
+"""`memory.fit: auto` (trainers/fit.py): for runs that do not fit a given `memory.device_memory` as written,
+the trainer picks micro-batch size, activation checkpointing and loss chunking that the planner says fit,
+keeps the global batch, says what it chose in one line, and the step's measured peak of live tensors stays
+under the budget; a run that cannot fit stops with one line before it builds anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import tiny_raw
+from trainers.config import ConfigError, parse_config
+from trainers.fit import fit_memory
+from trainers.metrics import LiveTensorBytes, read_metrics
+from trainers.plan import USABLE_FRACTION, plan_memory
+from trainers.trainer import Trainer, TrainerCallback
+
+SEQ = 128
+MODELS = {  # each is too big as written for the budget below, and small enough to train in seconds
+    "dense-wide-vocab": {"vocab_size": 8192, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": SEQ},
+    "dense-deep": {"vocab_size": 257, "dim": 128, "n_layers": 6, "n_heads": 4, "max_seq_len": SEQ},
+    "moe": {"vocab_size": 2048, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": SEQ,
+            "moe": {"num_experts": 4, "top_k": 2}},
+}
+
+
+def _raw(corpus, run_dir, model: dict, **memory) -> dict:
+    train = {"steps": 2, "global_batch_size": 16, "micro_batch_size": 16, "eval_every": 0, "eval_batches": 1,
+             "tensorboard": False}
+    return tiny_raw(corpus, run_dir, model=model, data={"path": str(corpus), "seq_len": SEQ}, train=train,
+                    memory=memory, schedule={"name": "constant"}, checkpoint={"every": 0, "resume": "none"})
+
+
+class StepPeak(TrainerCallback):
+    """The live-tensor peak of step 2 (the state between steps registered first)."""
+
+    def __init__(self):
+        self.tracker = LiveTensorBytes()
+
+    def after_step(self, trainer, record):
+        if trainer.step == 1:
+            model, opt = trainer.model, trainer.engine.optimizer
+            state = [*model.parameters(), *model.buffers()]
+            state += [v for s in opt.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+            self.tracker.register(state)
+            self.tracker.__enter__()
+        elif trainer.step == 2:
+            self.tracker.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fit_auto_picks_a_run_that_fits_and_its_peak_stays_under_the_budget(name, corpus_dir, tmp_path, capsys):
+    written = parse_config(_raw(corpus_dir, tmp_path / "plan", MODELS[name]))
+    as_written = plan_memory(written, 1, "cpu").peak_bytes
+    budget = int(0.5 * as_written)  # half of what the run needs as written
+    fitted = fit_memory(written, 1, "cpu", budget, "test").cfg
+    assert plan_memory(fitted, 1, "cpu").peak_bytes <= budget * USABLE_FRACTION < as_written
+
+    raw = _raw(corpus_dir, tmp_path / "run", MODELS[name], fit="auto", device_memory=str(budget))
+    peak = StepPeak()
+    trainer = Trainer(parse_config(raw), callbacks=[peak], progress=False)
+    line = capsys.readouterr().out.strip().splitlines()[0]
+    assert line.startswith("memory.fit=auto: ") and "global batch 16 kept" in line, line
+    cfg = trainer.cfg
+    chosen = lambda c: (c.memory.loss_chunk, c.memory.activation_checkpointing, c.train.micro_batch_size)  # noqa: E731
+    assert cfg.train.global_batch_size == 16 and chosen(cfg) == chosen(fitted) != (0, "off", 16)
+    trainer.fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1, 2]
+    assert 0 < peak.tracker.peak <= budget, (peak.tracker.peak, budget, line)
+
+
+def test_a_run_that_fits_is_left_as_written(corpus_dir, tmp_path):
+    cfg = parse_config(_raw(corpus_dir, tmp_path, MODELS["dense-deep"]))
+    choice = fit_memory(cfg, 1, "cpu", 2**40, "test")
+    assert choice.cfg is cfg and choice.changes == {} and "fits as written" in choice.line
+
+
+def test_a_run_that_cannot_fit_says_so_in_one_line(corpus_dir, tmp_path):
+    cfg = parse_config(_raw(corpus_dir, tmp_path, MODELS["dense-wide-vocab"]))
+    with pytest.raises(ConfigError) as e:
+        fit_memory(cfg, 1, "cpu", 2**20, "memory.device_memory")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("memory.fit=auto: ") and "fix: " in msg
+
+
+def test_a_bad_device_memory_is_refused_with_the_field(corpus_dir, tmp_path):
+    with pytest.raises(ConfigError, match="memory.device_memory"):
+        parse_config(_raw(corpus_dir, tmp_path, MODELS["dense-deep"], fit="auto", device_memory="lots"))
