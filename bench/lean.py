@@ -17,13 +17,9 @@ Every row is also planned by `trainers.plan.plan_memory` (the naive loop with `g
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from measure import WORK, machine_cpu, other_cpu_share, reference_config, run_lockstep  # noqa: E402
+from run import environment  # noqa: E402
 
 from trainers.loss import chunk_tokens  # noqa: E402
 from trainers.plan import plan_memory  # noqa: E402
@@ -119,12 +116,6 @@ def measure_group(names: list[str], args: argparse.Namespace) -> list[dict[str, 
     return rows
 
 
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-    return out.stdout.strip() + ("+uncommitted" if dirty.strip() else "")
-
-
 def plot(result: dict[str, Any], path: Path) -> None:
     rows = result["rows"]
     names = [r["name"] for r in rows]
@@ -157,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or "naive" not in names or "all" not in names:
         print(f"--rows {args.rows}: need naive and all, and only of {', '.join(ROWS)}", file=sys.stderr)
         return 2
-    start = datetime.datetime.now(datetime.timezone.utc)
     loadavg_before, cpu_before = os.getloadavg(), machine_cpu()
     print(f"Lean steps: {len(names)} rows, each a fresh process; batch {args.batch} x seq {SEQ}, vocab {VOCAB}")
     rows = []
@@ -169,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     naive, all_ = by["naive"], by["all"]
     step_ratios = [a / n for a, n in zip(all_["step_times_s"], naive["step_times_s"])]
     result = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "commit": _commit(),
-        "date": start.isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        **environment(args),  # bench/run.py's: the command, git commit, date, versions, load average at start
         "model": {"vocab_size": VOCAB, "dim": 256, "n_layers": 4, "n_heads": 4, "seq_len": SEQ},
         "batch": args.batch,
         "batch_note": "the seed's batch of 32 halved: a naive CPU step at 32 takes ~15 s",

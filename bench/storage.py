@@ -18,13 +18,9 @@ HEADs, PUTs of each object, the checksum read-back) with no network bandwidth or
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from run import environment  # noqa: E402  (bench/run.py's: command, commit, load average, versions)
 
 from tests.s3_server import s3_server  # noqa: E402
 from trainers.checkpoint import Checkpointer, ModelOptimizerState  # noqa: E402
@@ -75,25 +72,6 @@ def checkpoint_bytes(ckpt: Checkpointer) -> int:
     latest = ckpt.latest()
     files = json.loads((latest / "COMMITTED").read_text())["files"]
     return sum(f["size"] for f in files.values())
-
-
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    git = ["git", "-C", str(ROOT)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-    return {
-        "command": shlex.join(sys.orig_argv),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "git_commit": commit,
-        "git_dirty": bool(dirty),
-        "torch_version": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_start": os.getloadavg(),
-        "settings": vars(args),
-    }
 
 
 def main() -> None:
