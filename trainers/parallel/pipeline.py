@@ -274,9 +274,10 @@ class PipelineEngine(FSDPEngine):
                     batch, seq = inputs.shape  # this rank's sequence shard with tensor parallelism
                     h = torch.empty(batch, seq // self.layout.tp, self.model_cfg.dim, device=self.device)
                     dist.recv(h, group=self.pp_group, group_src=self.layout.stage_owner(s - 1, self.v_shape))
-                last = s == self.num_stages - 1
+                # the targets as the schedule passes them (a keyword: TP's input plan takes the positional h)
+                kwargs = {"targets": targets} if s == self.num_stages - 1 and self.loss_in_stage else {}
                 with self.autocast():
-                    h = self.parts[self.stage_ids.index(s)](h, targets if last and self.loss_in_stage else None)
+                    h = self.parts[self.stage_ids.index(s)](h, **kwargs)
                 if s < self.num_stages - 1 and self.layout.stage_owner(s + 1, self.v_shape) != owner:
                     dist.send(
                         h.float(), group=self.pp_group, group_dst=self.layout.stage_owner(s + 1, self.v_shape)
