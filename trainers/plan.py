@@ -260,14 +260,16 @@ def _vocab_share(model: ModelConfig, tp: int) -> int:
 
 
 def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0) -> int:
-    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32 (+ its 16-bit cast). Chunked:
+    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32, next to the saved log_softmax (the
+    16-bit cast of d(logits) comes after the first two are freed: measured, bf16 autocast at the seed's shape
+    in bench/lean.py). Chunked:
     the larger of one chunk's fp32 logits (made into their gradient in place) with its fp32 hidden states
     and d(hidden) in forward, and the scaled copies of the saved gradients its backward returns."""
     if chunk:
         c, rows = min(chunk, tokens), _vocab_share(model, tp)
         forward = c * rows * 4 + 2 * c * model.dim * 4
         return max(forward, tokens * model.dim * w.resid + 4 * rows * model.dim)
-    return tokens * _vocab_share(model, tp) * (8 + (w.compute if w.compute != 4 else 0))
+    return tokens * _vocab_share(model, tp) * 8
 
 
 def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1,
