@@ -45,6 +45,7 @@ from trainers.data.tokenizer import (
     PretrainedTokenizer,
     Tokenizer,
 )
+from trainers.storage import check_location, is_uri, location
 
 __all__ = ["default_corpus", "prepare_corpus"]
 
@@ -190,7 +191,9 @@ def _check_args(
     for p in inputs:
         if not p.exists():
             raise ConfigError(f"--input {p} does not exist; fix: pass an existing file or folder")
-    if tokenizer not in ("byte", "bpe") and not Path(tokenizer).is_dir():
+    if tokenizer not in ("byte", "bpe") and is_uri(tokenizer):  # a model folder in a bucket
+        check_location(location(tokenizer), "--tokenizer", write=False)
+    if tokenizer not in ("byte", "bpe") and not location(tokenizer).is_dir():
         raise ConfigError(
             f"--tokenizer={tokenizer!r} is neither byte, bpe nor a folder; fix: use byte or bpe, or the "
             f"folder of a Hugging Face model (its tokenizer.json)"
@@ -299,7 +302,7 @@ def _build_tokenizer(kind: str, vocab_size: int, plan: _Plan) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     if kind != "bpe":  # a model folder: its tokenizer.json as it is
-        return PretrainedTokenizer.from_folder(Path(kind))
+        return PretrainedTokenizer.from_folder(location(kind))
     # Merges are learnt from the train split only, so val stays unseen text.
     docs = plan.documents(_SourceStats(), "train bpe")
     return BPETokenizer.train((text for key, text in docs if not plan.is_val(key)), vocab_size)

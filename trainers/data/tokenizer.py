@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from trainers._base import ConfigError
 from trainers.data.manifest import read_manifest
+from trainers.storage import location
 
 __all__ = [
     "EOS_TOKEN",
@@ -155,16 +156,17 @@ class PretrainedTokenizer(BPETokenizer):
         self.eos_id, self.vocab_size = eos, tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_folder(cls, folder: Path) -> PretrainedTokenizer:
-        """From an HF folder: tokenizer.json, with the eos token named by tokenizer_config.json (or
-        config.json's eos_token_id)."""
+    def from_folder(cls, folder: Path | Any) -> PretrainedTokenizer:
+        """From an HF folder, local or in a bucket: tokenizer.json, with the eos token named by
+        tokenizer_config.json (or config.json's eos_token_id)."""
+        folder = location(folder)
         path = folder / TOKENIZER_FILE
         if not path.is_file():
             raise ConfigError(
                 f"--tokenizer {folder}: no {TOKENIZER_FILE} there; fix: use the model folder that holds it "
                 f"(a fast tokenizer, as save_pretrained or `raytrain export` write it)"
             )
-        tok = HFTokenizer.from_file(str(path))
+        tok = HFTokenizer.from_str(path.read_text())
         settings = _read_json(folder / "tokenizer_config.json")
         eos = settings.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -203,13 +205,13 @@ def save_hf(tok: Tokenizer, folder: Path, model_max_length: int) -> None:
     (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos}, indent=2) + "\n")
 
 
-def _from_file(path: Path) -> HFTokenizer:
+def _from_file(path: Path | Any) -> HFTokenizer:
     if not path.is_file():
         raise ConfigError(f"{path} not found; fix: prepare the data folder again (raytrain data prepare)")
-    return HFTokenizer.from_file(str(path))
+    return HFTokenizer.from_str(path.read_text())  # a local file or an object in a bucket
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path | Any) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except ValueError as e:
@@ -228,9 +230,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def load_tokenizer(data_dir: str | Path) -> Tokenizer:
-    """The tokenizer a prepared-data folder was written with (from its manifest)."""
-    data_dir = Path(data_dir)
+def load_tokenizer(data_dir: str | Path | Any) -> Tokenizer:
+    """The tokenizer a prepared-data folder (local or in a bucket) was written with (from its manifest)."""
+    data_dir = location(data_dir)
     entry = read_manifest(data_dir)["tokenizer"]
     if entry["kind"] == ByteTokenizer.kind:
         return ByteTokenizer()

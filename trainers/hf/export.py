@@ -29,13 +29,13 @@ import yaml
 from trainers._base import ConfigError
 from trainers.checkpoint import Checkpointer, is_complete
 from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
-from trainers.hf.pretrained import INDEX_FILE, SINGLE_FILE, clean_fqn
+from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, clean_fqn
 from trainers.models.config import ModelConfig
 
 __all__ = ["DTYPES", "ExportResult", "export", "parse_size", "resolve_checkpoint"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16"}
+_SAFETENSORS_DTYPE = {torch_dtype: name for name, torch_dtype in SAFETENSORS_DTYPES.items()}
 _HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 DEFAULT_MAX_SHARD = 5 * 10**9  # transformers' save_pretrained default max_shard_size, "5GB"
 
@@ -100,30 +100,32 @@ def export(
 
 
 def _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact) -> ExportResult:
+    """A bucket's checkpoint is copied into a local temp folder first (export checks every file against its
+    sha256 in COMMITTED, which reads them all anyway); a bucket's OUT_DIR gets the folder written locally,
+    then uploaded with config.json last: transformers and model.init_from read config.json first, so a
+    reader that finds it finds every other file. Both locations are checked before any byte moves."""
     import dataclasses
     import tempfile
 
-    from trainers.storage import check_location, download_folder, is_uri, location, upload_folder
+    from trainers.storage import check_location, download_folder, is_remote, location, upload_folder
 
+    src, dest = location(source), location(out_dir)
+    check_location(src, "RUN_DIR_OR_CHECKPOINT", write=False)
+    check_location(dest, "OUT_DIR", write=True)
+    _check_out_dir(dest)
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
-        src, remote_ckpt = source, None
-        if is_uri(str(source)):
-            remote_ckpt = resolve_checkpoint(location(source))
+        checkpoint = resolve_checkpoint(src)
+        local = checkpoint
+        if is_remote(src):  # laid out as a run dir: the checkpoint beside the run's config.yaml
             run = Path(tmp) / "run"
-            src = download_folder(remote_ckpt, run / "checkpoints" / remote_ckpt.name)
-            config = remote_ckpt.parent.parent / "config.yaml"
+            local = download_folder(checkpoint, run / "checkpoints" / checkpoint.name)
+            config = checkpoint.parent.parent / "config.yaml"
             if config.is_file():
                 (run / "config.yaml").write_text(config.read_text())
-        dest = Path(tmp) / "out" if is_uri(str(out_dir)) else out_dir
-        if is_uri(str(out_dir)):
-            check_location(location(out_dir), "OUT_DIR", write=True)
-        result = export(src, dest, dtype, max_shard_size, allow_inexact)
-        if is_uri(str(out_dir)):
-            upload_folder(result.out_dir, location(out_dir), last=CONFIG_FILE)
-            result = dataclasses.replace(result, out_dir=location(out_dir))
-        if remote_ckpt is not None:
-            result = dataclasses.replace(result, checkpoint=remote_ckpt)
-        return result
+        result = export(local, Path(tmp) / "out" if is_remote(dest) else dest, dtype, max_shard_size, allow_inexact)
+        if is_remote(dest):
+            upload_folder(result.out_dir, dest, last=CONFIG_FILE)
+        return dataclasses.replace(result, out_dir=dest, checkpoint=checkpoint)
 
 
 def _bytes(folder: Path, files: list[str]) -> int:
@@ -389,8 +391,17 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+def _check_out_dir(out_dir: Path | Any) -> None:
+    from trainers.storage import is_remote
+
+    if is_remote(out_dir):
+        try:
+            taken = bool(out_dir.fs.ls(out_dir.path, detail=False)) or out_dir.fs.isfile(out_dir.path)
+        except FileNotFoundError:
+            taken = False
+    else:
+        taken = out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir()))
+    if taken:
         raise ConfigError(f"{out_dir} exists and is not empty; fix: choose a new OUT_DIR or remove it")
 
 

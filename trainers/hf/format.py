@@ -14,6 +14,7 @@ from typing import Any
 
 from trainers._base import ConfigError
 from trainers.models.config import ModelConfig
+from trainers.storage import check_location, describe_error, is_remote, location, read_bytes
 
 __all__ = [
     "CONFIG_FILE",
@@ -23,6 +24,7 @@ __all__ = [
     "inexact",
     "model_section_from_hf",
     "read_hf_config",
+    "read_small",
     "unsupported",
 ]
 
@@ -51,17 +53,31 @@ _MOE_FREE = {"aux_loss_coef", "z_loss_coef", "capacity_factor"}
 # ------------------------------------------------------------------------------------------- config
 
 
-def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+def read_small(folder: Any, name: str, what: str = "model.init_from") -> bytes | None:
+    """A small file of a model folder, local or in a bucket (config.json, the index, tokenizer.json); None
+    when it is not there. A store's errors (no credentials, no permission) as one line naming `what`."""
+    folder = location(folder)
+    try:
+        return read_bytes(folder / name)
+    except Exception as e:  # noqa: BLE001  (a store's errors become one line; others are raised as they are)
+        line = describe_error(e, f"{what}={folder}") if is_remote(folder) else None
+        if line is None:
+            raise
+        raise ConfigError(line) from None
+
+
+def read_hf_config(hf_dir: str | Path | Any) -> dict[str, Any]:
     """config.json of a Hugging Face model folder, with `rope_theta` where transformers 4.x put it."""
-    path = Path(hf_dir) / CONFIG_FILE
     where = f"model.init_from={hf_dir}"
-    if not path.is_file():
+    raw = read_small(hf_dir, CONFIG_FILE)
+    if raw is None:
+        check_location(location(hf_dir), "model.init_from", write=False)  # a missing bucket reads as no file
         raise ConfigError(
             f"{where}: no {CONFIG_FILE} there; fix: point it at a folder saved by transformers' "
             f"save_pretrained or `raytrain export` (config.json + *.safetensors)"
         )
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(raw)
     except ValueError as e:
         raise ConfigError(f"{where}: {CONFIG_FILE} is not JSON ({e}); fix: save the model again") from None
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -100,7 +116,9 @@ def unsupported(config: dict[str, Any], source: str) -> list[str]:
 def model_section_from_hf(section: dict[str, Any]) -> dict[str, Any]:
     """The `model` section of a run with `init_from` set: every key that config.json fixes is filled in
     from it; a key the YAML gives must agree (one line per mismatch, naming the fix)."""
-    hf_dir = Path(section["init_from"]).expanduser().absolute()  # workers may run in other folders
+    hf_dir = location(section["init_from"])
+    if not is_remote(hf_dir):
+        hf_dir = hf_dir.expanduser().absolute()  # workers may run in other folders
     source = f"model.init_from={hf_dir}"
     config = read_hf_config(hf_dir)
     problems = unsupported(config, f"{source}: {CONFIG_FILE}")

@@ -2,16 +2,24 @@
 
 The model is built on the meta device; an engine that shards (FSDP, pipeline, experts) shards it while it
 is still meta and then allocates only this rank's shards (`Engine.materialize`); `load_pretrained` fills
-every parameter with its part of the HF tensor, read by `safe_open` slices (rows of a dim-0 shard, the
-experts of an expert shard), so no rank ever holds a whole tensor it does not own. Engines that keep the
+every parameter with its part of the HF tensor, read as byte ranges of the file (rows of a dim-0 shard,
+the experts of an expert shard), so no rank ever holds a whole tensor it does not own. Engines that keep the
 whole model on every rank (none, ddp, deepspeed) get it materialised and filled before they wrap it.
+
+The folder may be local or in a bucket (s3://, gs://). A local file is read with the safetensors library
+(`safe_open`: memory-mapped slices). The library reads local files only, so in a bucket `SafetensorsFile`
+reads the format itself (an 8-byte header length, a JSON header of names, dtypes, shapes and byte offsets,
+then the tensors' bytes, row-major): the header once, then exactly the bytes of a tensor or of its rows, so
+each rank fetches only what it holds (range GETs; no file is downloaded whole).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 from safetensors import safe_open
@@ -19,10 +27,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainers._base import ConfigError
-from trainers.hf.format import expert_index, hf_names
+from trainers.hf.format import expert_index, hf_names, read_small
 from trainers.models.config import ModelConfig
+from trainers.storage import describe_error, fs_and_path, is_remote, location
 
-__all__ = ["PretrainedWeights", "check_pretrained", "clean_fqn", "load_pretrained", "materialize"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "PretrainedWeights",
+    "SafetensorsFile",
+    "check_pretrained",
+    "clean_fqn",
+    "load_pretrained",
+    "materialize",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,6 +47,14 @@ SINGLE_FILE = "model.safetensors"
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 # Tensors some savers add that are not weights (old Llama checkpoints saved RoPE's inverse frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors' dtype names (the format's spec); export writes F32/BF16 with the same table.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit on the JSON header
 
 
 def clean_fqn(name: str) -> str:
@@ -38,40 +63,131 @@ def clean_fqn(name: str) -> str:
     return name.removeprefix("module.")  # DistributedDataParallel's
 
 
-class PretrainedWeights:
-    """The safetensors files of an HF folder (one file, or shards listed by model.safetensors.index.json),
-    opened lazily; `read` returns a whole tensor or a range of its rows, as stored (any dtype)."""
+class SafetensorsFile:
+    """One .safetensors file in a bucket: the header read once (two ranged reads), then each tensor or a range
+    of its rows (dim 0, contiguous in the file) by one ranged read of exactly its bytes."""
 
-    def __init__(self, hf_dir: str | Path):
-        self.dir = Path(hf_dir)
-        self.weight_map = self._weight_map()
-        self._open: dict[str, object] = {}
+    def __init__(self, path: Any, where: str):
+        self.path, self.where = location(path), where
+        self._fs, self._file = fs_and_path(self.path)
+        size = struct.unpack("<Q", self._cat(0, 8))[0]
+        if not 0 < size <= _MAX_HEADER:
+            self._refuse(f"a header of {size} bytes")
+        try:
+            header = json.loads(self._cat(8, 8 + size))
+        except ValueError as e:
+            self._refuse(f"its header is not JSON ({e})")
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict[str, Any]] = header
+        self._data = 8 + size
 
-    def _weight_map(self) -> dict[str, str]:
-        index, single = self.dir / INDEX_FILE, self.dir / SINGLE_FILE
-        if index.is_file():
-            return json.loads(index.read_text())["weight_map"]
-        if single.is_file():
-            with safe_open(single, "pt") as f:
-                return {name: SINGLE_FILE for name in f.keys()}
-        raise ConfigError(
-            f"model.init_from={self.dir}: no {SINGLE_FILE} or {INDEX_FILE} there; fix: save the model with "
-            f"safetensors (save_pretrained's default) or point init_from at such a folder"
-        )
-
-    def _file(self, name: str):
-        file = self.weight_map[name]
-        if file not in self._open:
-            self._open[file] = safe_open(self.dir / file, "pt")
-        return self._open[file]
+    def keys(self) -> list[str]:
+        return sorted(self.header)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(name).get_shape())
+        return tuple(self.header[name]["shape"])
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        entry = self.header[name]
+        dtype, shape = SAFETENSORS_DTYPES.get(entry["dtype"]), list(entry["shape"])
+        start, end = entry["data_offsets"]
+        if dtype is None or end - start != math.prod(shape) * dtype.itemsize:
+            self._refuse(f"{name} is {entry['dtype']} {shape} in {end - start} bytes")
+        if rows is not None:
+            row = (end - start) // max(shape[0], 1)  # bytes per row
+            start, end, shape[0] = start + rows[0] * row, start + rows[1] * row, rows[1] - rows[0]
+        out = torch.empty(shape, dtype=dtype)
+        if end > start:  # the bytes straight into the tensor's storage (any dtype, bf16 too, as uint8)
+            out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(self._cat(self._data + start, self._data + end))
+        return out
+
+    def _cat(self, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the file: one ranged read; a store's errors as one line (a missing file
+        stays FileNotFoundError: the caller knows why it was expected)."""
+        try:
+            data = self._fs.cat_file(self._file, start=start, end=end)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a store's errors: no credentials, no permission, ...)
+            line = describe_error(e, self.where) if is_remote(self.path) else None
+            if line is None:
+                raise
+            raise ConfigError(line) from None
+        if len(data) != end - start:
+            self._refuse(f"{end - start} bytes expected at offset {start}, {len(data)} there (a cut file?)")
+        return data
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise ConfigError(
+            f"{self.where}: {self.path.name} is not a safetensors file as the format has it ({what}); fix: "
+            f"save the model again (save_pretrained's default, or `raytrain export`)"
+        )
+
+
+class _LocalSafetensors:
+    """A local .safetensors file through the safetensors library (the same interface as SafetensorsFile)."""
+
+    def __init__(self, path: Path):
+        if not Path(path).is_file():
+            raise FileNotFoundError(path)
+        self._file = safe_open(path, "pt")
+
+    def keys(self) -> list[str]:
+        return sorted(self._file.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(name).get_shape())
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         if rows is None:
-            return self._file(name).get_tensor(name)
-        return self._file(name).get_slice(name)[rows[0] : rows[1]]
+            return self._file.get_tensor(name)
+        return self._file.get_slice(name)[rows[0] : rows[1]]
+
+
+def _safetensors(path: Any, where: str) -> SafetensorsFile | _LocalSafetensors:
+    return SafetensorsFile(path, where) if is_remote(path) else _LocalSafetensors(path)
+
+
+class PretrainedWeights:
+    """The safetensors files of an HF folder (one file, or shards listed by model.safetensors.index.json),
+    local or in a bucket, opened lazily; `read` returns a whole tensor or a range of its rows, as stored
+    (any dtype)."""
+
+    def __init__(self, hf_dir: str | Path | Any):
+        self.dir = location(hf_dir)
+        self.where = f"model.init_from={self.dir}"
+        self._open: dict[str, SafetensorsFile | _LocalSafetensors] = {}
+        self.weight_map = self._weight_map()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = read_small(self.dir, INDEX_FILE)
+        if index is not None:
+            return json.loads(index)["weight_map"]
+        try:
+            single = self._open[SINGLE_FILE] = _safetensors(self.dir / SINGLE_FILE, self.where)
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{self.where}: no {SINGLE_FILE} or {INDEX_FILE} there; fix: save the model with "
+                f"safetensors (save_pretrained's default) or point init_from at such a folder"
+            ) from None
+        return {name: SINGLE_FILE for name in single.keys()}
+
+    def _opened(self, file: str) -> SafetensorsFile | _LocalSafetensors:
+        if file not in self._open:
+            try:
+                self._open[file] = _safetensors(self.dir / file, self.where)
+            except FileNotFoundError:
+                raise ConfigError(
+                    f"{self.where}: {file} is not there, though {INDEX_FILE} lists it; fix: copy the whole "
+                    f"folder (every *.safetensors file) or point init_from at a complete one"
+                ) from None
+        return self._open[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._opened(self.weight_map[name]).shape(name)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self._opened(self.weight_map[name]).read(name, rows)
 
     def close(self) -> None:
         self._open.clear()
@@ -179,15 +295,15 @@ def check_init_from(cfg: ModelConfig, data_dir: str | Path) -> None:
     """Before any worker starts: the folder's tensors fit the model, and the data was tokenized with the
     folder's tokenizer (when it has one: the same vocabulary, merges and special tokens)."""
     check_pretrained(cfg)
-    path = Path(cfg.init_from) / "tokenizer.json"
-    if not path.is_file():
+    text = read_small(cfg.init_from, "tokenizer.json")
+    if text is None:
         return  # nothing to compare; check_inputs still checks the data's vocabulary fits the model
     from tokenizers import Tokenizer as HFTokenizer
 
     from trainers.data.tokenizer import load_tokenizer
 
     ours = _vocabulary(json.loads(load_tokenizer(data_dir).to_hf().to_str()))
-    theirs = _vocabulary(json.loads(HFTokenizer.from_file(str(path)).to_str()))
+    theirs = _vocabulary(json.loads(HFTokenizer.from_str(text.decode()).to_str()))
     if ours != theirs:
         raise ConfigError(
             f"data.path={data_dir} was tokenized with another vocabulary than model.init_from="

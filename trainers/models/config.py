@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, PositiveInt, model_validator
 
 from trainers._base import StrictModel
+from trainers.storage import Location
 
 
 class MoEConfig(StrictModel):
@@ -43,9 +43,10 @@ class ModelConfig(StrictModel):
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig | None = None
-    # A Hugging Face Llama/Mixtral folder (config.json + *.safetensors) to start a new run from: the keys
-    # above that config.json fixes are read from it (a key the YAML also gives must agree). A resume wins.
-    init_from: Path | None = None
+    # A Hugging Face Llama/Mixtral folder (config.json + *.safetensors) to start a new run from, local or a
+    # bucket URI (s3://bucket/prefix): the keys above that config.json fixes are read from it (a key the
+    # YAML also gives must agree). A resume wins.
+    init_from: Location = None
 
     @model_validator(mode="before")
     @classmethod
