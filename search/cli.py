@@ -13,13 +13,12 @@ import logging
 import os
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 __all__ = ["add_commands"]
 
 USAGE = """raytrain tune EXP.yaml [--set KEY=VALUE] [--resume] [--address ADDR]
-       raytrain tune report EXP_DIR
+       raytrain tune report EXP_DIR [--output DIR]
        raytrain tune replay EXP_DIR [--trial best|TRIAL_ID] [--address ADDR]"""
 
 
@@ -61,13 +60,14 @@ def _run_parser() -> argparse.ArgumentParser:
 
 def _report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytrain tune report", usage=USAGE)
-    p.add_argument("exp_dir", help="the experiment folder (storage/name)")
+    p.add_argument("exp_dir", help="the experiment folder (storage/name; a bucket URI too)")
+    p.add_argument("--output", default=None, help="folder for the plots and summary (default: EXP_DIR/report)")
     return p
 
 
 def _replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytrain tune replay", usage=USAGE)
-    p.add_argument("exp_dir", help="the experiment folder (storage/name)")
+    p.add_argument("exp_dir", help="the experiment folder (storage/name; a bucket URI too)")
     p.add_argument("--trial", default="best", help="trial id whose schedule to replay (default: the best)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local Ray)")
     return p
@@ -167,8 +167,9 @@ def _interrupted(args: argparse.Namespace, exp: Any) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from search.report import write_report
+    from trainers.storage import location
 
-    out = write_report(Path(args.exp_dir))
+    out = write_report(location(args.exp_dir), location(args.output) if args.output else None)
     print(out.summary)
     print(f"plots: {', '.join(str(p) for p in out.plots)}")
     return 0
@@ -178,11 +179,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from raytrain_ext.launcher import ensure_ray, stop_ray
     from search.replay import replay
     from search.state import load_experiment_dir
+    from trainers.storage import location
 
     load_experiment_dir(args.exp_dir)  # a damaged experiment.json is one line, before Ray starts
     started = ensure_ray(args.address)
     try:
-        out = replay(Path(args.exp_dir), args.trial)
+        out = replay(location(args.exp_dir), args.trial)
     finally:
         if started:
             stop_ray()

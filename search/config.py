@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
+    Field,
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
@@ -44,6 +45,17 @@ from trainers.config import (
     check_inputs,
     parse_config,
     read_yaml_mapping,
+)
+from trainers.storage import (
+    Location,
+    check_location,
+    check_run_storage,
+    default_root,
+    is_remote,
+    is_uri,
+    location,
+    read_bytes,
+    write_text_atomic,
 )
 
 __all__ = ["EXPERIMENT_FILE", "ExperimentConfig", "load_experiment", "load_saved", "parse_experiment", "save"]
@@ -94,27 +106,22 @@ class ExperimentConfig(StrictModel):
     max_concurrent_trials: PositiveInt | None = None  # None = as many as the cluster's CPUs/GPUs hold
     keep_checkpoints: PositiveInt = 3  # newest Tune checkpoints per trial (plus any an exploit still needs)
     callbacks: list[str] = []  # TrainerCallbacks ("module:Name(...)") in every trial's Train run workers
-    storage: Path = Path("runs/tune")  # the experiment directory is storage/name
+    # the experiment directory is storage/name: a local folder, or a bucket (s3://bucket/tune, gs://...);
+    # default $RAYTRAIN_STORAGE/tune (a cluster's bucket, clusters/*.yaml), else runs/tune
+    storage: Location = Field(default_factory=lambda: default_root("tune"))
     seed: int = 0  # initial samples and explore decisions
     _base_raw: dict[str, Any] | None = PrivateAttr(None)
 
-    @field_validator("storage", mode="before")
-    @classmethod
-    def _local_storage(cls, value: Any) -> Any:
-        from trainers.storage import is_uri
-
-        if is_uri(str(value)):  # pins are hard links, lineage is appended: not on an object store yet
-            raise ValueError(
-                f"storage={value}: an experiment in a bucket is not supported yet (`raytrain train` runs are); "
-                f"fix: a local folder, or one on a file system every node mounts"
-            )
-        return value
-
-    @field_validator("base", "storage")
+    @field_validator("base")
     @classmethod
     def _absolute(cls, path: Path) -> Path:
         # resolved here, in the driver: trials run in Tune's per-trial working directories
         return path.resolve()
+
+    @field_validator("storage")
+    @classmethod
+    def _absolute_storage(cls, path: Any) -> Any:
+        return path if is_remote(path) else Path(path).resolve()
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
@@ -128,7 +135,7 @@ class ExperimentConfig(StrictModel):
     # ------------------------------------------------------------------------------------ derived
 
     @property
-    def exp_dir(self) -> Path:
+    def exp_dir(self) -> Path | Any:
         return self.storage / self.name
 
     @cached_property
@@ -214,25 +221,22 @@ def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:
     return exp
 
 
-def save(exp: ExperimentConfig) -> Path:
+def save(exp: ExperimentConfig) -> Path | Any:
     path = exp.exp_dir / EXPERIMENT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {"experiment": exp.model_dump(mode="json", exclude_unset=True), "base_raw": exp.base_raw},
-            indent=1,
-        )
-    )
+    dump = {"experiment": exp.model_dump(mode="json", exclude_unset=True), "base_raw": exp.base_raw}
+    write_text_atomic(path, json.dumps(dump, indent=1))
     return path
 
 
 def load_saved(exp_dir: str | Path) -> ExperimentConfig:
-    """The experiment an `EXP_DIR` ran (wherever that folder is now)."""
-    exp_dir = Path(exp_dir).resolve()
+    """The experiment an `EXP_DIR` ran (wherever that folder is now: a moved folder, a bucket)."""
+    exp_dir = location(exp_dir)
+    exp_dir = exp_dir if is_remote(exp_dir) else exp_dir.resolve()
     path = exp_dir / EXPERIMENT_FILE
-    if not path.is_file():
+    text = read_bytes(path)
+    if text is None:
         raise ConfigError(f"{exp_dir} holds no {EXPERIMENT_FILE}; fix: pass the folder `raytrain tune` wrote")
-    data = json.loads(path.read_text())
+    data = json.loads(text)
     raw = {**data["experiment"], "storage": str(exp_dir.parent), "name": exp_dir.name}
     exp = ExperimentConfig.model_validate(raw)
     exp._base_raw = data["base_raw"]
@@ -248,10 +252,10 @@ def _load_base(exp: ExperimentConfig) -> dict[str, Any]:
         raise ConfigError(f"base={e}") from None
     raw = apply_overrides(raw, [f"{k}={_yaml(v)}" for k, v in flat_keys(exp.overrides).items()])
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-    if "path" in data:  # trials run in other working directories
+    if "path" in data and not is_uri(data["path"]):  # trials run in other working directories
         data["path"] = str(Path(data["path"]).resolve())
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    if model.get("init_from"):  # the same for the pretrained model's folder
+    if model.get("init_from") and not is_uri(model["init_from"]):  # the same for the pretrained model's folder
         model["init_from"] = str(Path(model["init_from"]).resolve())
     return raw
 
@@ -344,6 +348,9 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
             cfg = exp.run_config(hparams, run_dir=str(exp.exp_dir / "probe"))
         except ConfigError as e:
             raise ConfigError(f"{label}: {e}") from None
+    # A bucket: there, with credentials, writable (storage) and readable (data), in one line each, first.
+    check_location(exp.exp_dir, "storage", write=True)
+    check_run_storage(cfg)
     check_inputs(cfg)
 
 

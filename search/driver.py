@@ -37,6 +37,7 @@ from search.state import (
 from search.tracking import finish_experiment_run, start_experiment_run
 from search.trial import TrialRun
 from trainers._base import ConfigError
+from trainers.storage import is_remote, location_on, pyarrow_fs
 
 __all__ = ["ExperimentResult", "check_target", "max_concurrent_trials", "run_experiment"]
 
@@ -70,7 +71,7 @@ def max_concurrent_trials(exp: ExperimentConfig, cluster: dict[str, float]) -> i
 
 @dataclass
 class ExperimentResult:
-    exp_dir: Path
+    exp_dir: Path | Any  # a local folder or a bucket location
     finished: bool  # False: interrupted (Ctrl-C: Tune stops the trials and returns); `--resume` continues
     best_trial: str | None  # None when no trial reported a finite metric (yet)
     best_metric: float
@@ -101,12 +102,13 @@ class LineageState(tune.Callback):
     is the one Tune runs in now (a moved experiment folder resumes too)."""
 
     def __init__(self) -> None:
-        self.exp_dir: Path | None = None
+        self.exp_dir: Path | Any | None = None
         self.cut_to: dict[str, int] | None = None
 
     def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
         if trials and self.exp_dir is None:
-            self.exp_dir = Path(trials[0].storage.experiment_fs_path)
+            storage = trials[0].storage
+            self.exp_dir = location_on(storage.storage_filesystem, storage.experiment_fs_path)
         if self.cut_to is not None and self.exp_dir is not None:  # resumed: no trial has started yet
             moved = cut_logs(self.exp_dir, self.cut_to)
             if moved:
@@ -152,8 +154,12 @@ def run_experiment(
     board = board_name(exp.name) if in_place(exp, slots) else None
     board_actor = Board.options(name=board).remote() if board else None
     trainable, space = _tuner_parts(exp, board)
+    # A bucket: Tune gets the same fsspec file system the trials write with (credentials from the environment).
+    fs, fs_path = pyarrow_fs(exp_dir) if is_remote(exp_dir) else (None, str(exp_dir))
     if resume:
-        tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=True)
+        tuner = tune.Tuner.restore(
+            fs_path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs
+        )
     else:
         scheduler = build_scheduler(exp.scheduler, exp.search_space, exp.steps, seed=exp.seed)
         if board and isinstance(scheduler, InPlace):
@@ -171,7 +177,8 @@ def run_experiment(
             ),
             run_config=tune.RunConfig(
                 name=exp.name,
-                storage_path=str(exp_dir.parent),
+                storage_path=fs_path.rsplit("/", 1)[0],
+                storage_filesystem=fs,
                 stop={TIME_ATTR: exp.steps},
                 verbose=verbose,
                 # The table a PBT user watches: each trial's metric, step and current hyperparameters (an

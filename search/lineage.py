@@ -1,7 +1,8 @@
 """Lineage of a population: what each trial reported, and every exploit (with its explore) that happened.
 
 Each trial appends to its own `EXP_DIR/lineage/<trial>.jsonl` (one writer per file: a trial runs in one
-actor at a time); `collect` merges them into Parquet tables:
+actor at a time; in a bucket, which has no append, each append replaces the object whole, so a reader sees
+the log before or after it); `collect` merges them into Parquet tables:
 
 - `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s
 - `EXP_DIR/lineage.parquet`: one row per exploit: time, step (where the trial continues: the donor's
@@ -30,6 +31,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trainers.storage import append_bytes, is_remote, list_sizes, location, read_bytes, write_bytes_atomic
+
 __all__ = [
     "LineageLog",
     "Schedule",
@@ -51,17 +54,22 @@ class LineageLog:
 
     def __init__(self, exp_dir: Path, trial: str):
         self.trial = trial
-        self.path = Path(exp_dir) / "lineage" / f"{trial}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = location(exp_dir) / "lineage" / f"{trial}.jsonl"
+        self._content: bytes | None = None  # in a bucket: the log as this writer last left it
 
     def last_report(self) -> dict[str, Any] | None:
-        rows = [r for r in _read_jsonl(self.path) if r["kind"] == "report"]
+        rows = [r for r in self._rows() if r["kind"] == "report"]
         return rows[-1] if rows else None
+
+    def _rows(self) -> list[dict[str, Any]]:
+        if self._content is None:
+            return _read_jsonl(self.path)
+        return _parse_jsonl(self._content)
 
     def has_exploit(self, exploit_id: str | None, donor: str, donor_time: float) -> bool:
         """Whether this exploit is recorded already: the same decision (its id), or without an id, the
         same donor checkpoint as the trial's latest exploit."""
-        mine = [r for r in _read_jsonl(self.path) if r["kind"] == "exploit"]
+        mine = [r for r in self._rows() if r["kind"] == "exploit"]
         if exploit_id is not None:
             return any(r.get("exploit_id") == exploit_id for r in mine)
         return bool(mine) and (mine[-1]["donor"], mine[-1]["donor_time"]) == (donor, donor_time)
@@ -100,42 +108,44 @@ class LineageLog:
 
     def _append(self, **row: Any) -> None:
         row = {"time": time.time(), "trial": self.trial, **row}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        after = append_bytes(self.path, (json.dumps(row) + "\n").encode(), self._content)
+        if is_remote(self.path):
+            self._content = after
 
 
 def log_sizes(exp_dir: Path) -> dict[str, int]:
     """Bytes in each trial's log now (by trial)."""
-    return {p.stem: p.stat().st_size for p in (Path(exp_dir) / "lineage").glob("*.jsonl")}
+    sizes = list_sizes(location(exp_dir) / "lineage", "*.jsonl")
+    return {name.removesuffix(".jsonl"): size for name, size in sizes.items()}
 
 
 def cut_logs(exp_dir: Path, sizes: dict[str, int]) -> dict[str, int]:
     """Cut each trial's log back to its size in `sizes` (0 for a log not in it), at a line's end: the rest
     is appended to `lineage/discarded/<trial>.jsonl`. No trial may be writing. Returns the lines moved."""
     moved = {}
-    for path in sorted((Path(exp_dir) / "lineage").glob("*.jsonl")):
-        data = path.read_bytes()
-        keep = data[: sizes.get(path.stem, 0)]
+    folder = location(exp_dir) / "lineage"
+    for name in sorted(list_sizes(folder, "*.jsonl")):
+        path = folder / name
+        data = read_bytes(path) or b""
+        keep = data[: sizes.get(name.removesuffix(".jsonl"), 0)]
         keep = keep[: keep.rfind(b"\n") + 1]  # a line being written at the save is not part of it
         rest = data[len(keep) :]
         if not rest:
             continue
-        aside = path.parent / "discarded" / path.name
-        aside.parent.mkdir(exist_ok=True)
-        with aside.open("ab") as f:
-            f.write(rest if rest.endswith(b"\n") else rest + b"\n")
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(keep)
-        tmp.replace(path)
-        moved[path.stem] = rest.count(b"\n") + (not rest.endswith(b"\n"))
+        append_bytes(folder / "discarded" / name, rest if rest.endswith(b"\n") else rest + b"\n")
+        write_bytes_atomic(path, keep)
+        moved[name.removesuffix(".jsonl")] = rest.count(b"\n") + (not rest.endswith(b"\n"))
     return moved
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
+def _read_jsonl(path: Any) -> list[dict[str, Any]]:
+    data = read_bytes(path)
+    return _parse_jsonl(data) if data is not None else []
+
+
+def _parse_jsonl(data: bytes) -> list[dict[str, Any]]:
     rows = []
-    for line in path.read_text().splitlines():
+    for line in data.decode().splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut by a kill mid-write
@@ -163,8 +173,8 @@ _EVENT_COLUMNS = (
 
 def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Merge the trials' logs into `reports.parquet` and `lineage.parquet`; returns (reports, events)."""
-    exp_dir = Path(exp_dir)
-    rows = [r for p in sorted((exp_dir / "lineage").glob("*.jsonl")) for r in _read_jsonl(p)]
+    exp_dir = location(exp_dir)
+    rows = [r for name in sorted(list_sizes(exp_dir / "lineage", "*.jsonl")) for r in _read_jsonl(exp_dir / "lineage" / name)]
     # Logs written before exploits had ids (or cut by hand) may hold one exploit twice: keep the first.
     unique: dict[Any, dict[str, Any]] = {}
     for r in sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"]):
@@ -205,13 +215,16 @@ def _write(
     if "failed" in columns:
         fields[columns.index("failed")] = pa.field("failed", pa.bool_())
         data["failed"] = [bool(v) for v in data["failed"]]
-    pq.write_table(pa.table(data, schema=pa.schema(fields)), path)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(data, schema=pa.schema(fields)), sink)
+    write_bytes_atomic(path, sink.getvalue().to_pybytes())
 
 
-def _read(path: Path, json_columns: tuple[str, ...]) -> list[dict[str, Any]]:
-    if not path.is_file():
+def _read(path: Any, json_columns: tuple[str, ...]) -> list[dict[str, Any]]:
+    data = read_bytes(path)
+    if data is None:
         return []
-    rows = pq.read_table(path).to_pylist()
+    rows = pq.read_table(pa.BufferReader(data)).to_pylist()
     for r in rows:
         for c in json_columns:
             r[c] = json.loads(r[c]) if r[c] is not None else None
@@ -219,11 +232,11 @@ def _read(path: Path, json_columns: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def read_reports(exp_dir: Path) -> list[dict[str, Any]]:
-    return _read(Path(exp_dir) / REPORTS_FILE, ("hparams",))
+    return _read(location(exp_dir) / REPORTS_FILE, ("hparams",))
 
 
 def read_events(exp_dir: Path) -> list[dict[str, Any]]:
-    return _read(Path(exp_dir) / EVENTS_FILE, ("old_hparams", "new_hparams", "donor_hparams"))
+    return _read(location(exp_dir) / EVENTS_FILE, ("old_hparams", "new_hparams", "donor_hparams"))
 
 
 # ----------------------------------------------------------------------------------------- queries

@@ -2,18 +2,20 @@
 
 Writes `EXP_DIR/report/`: `population.png` (each trial's metric over steps, exploits marked),
 `hparams.png` (each hyperparameter's value over steps per trial, the winner's schedule in black),
-`lineage.png` (the family tree: who copied whom, when) and `summary.txt`.
+`lineage.png` (the family tree: who copied whom, when) and `summary.txt` (`--output DIR`: there instead).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from search.lineage import Schedule, best_trial, collect, schedule_of
 from search.state import load_experiment_dir, read_scheduler_summary
+from trainers.storage import is_remote, location, upload_folder
 
 __all__ = ["ReportOutput", "outside_steps_fraction", "write_report"]
 
@@ -36,11 +38,14 @@ def outside_steps_fraction(reports: list[dict[str, Any]]) -> float | None:
     return 1.0 - sum(r["steps_s"] for r in rows) / wall if wall else None
 
 
-def write_report(exp_dir: Path) -> ReportOutput:
+def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
+    """Summary and plots into `output` (default EXP_DIR/report; for an experiment in a bucket, drawn here
+    and uploaded there)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    exp_dir = Path(exp_dir).resolve()
+    exp_dir = location(exp_dir)
+    exp_dir = exp_dir if is_remote(exp_dir) else exp_dir.resolve()
     exp = load_experiment_dir(exp_dir)
     scheduler = read_scheduler_summary(exp_dir)  # read first: a damaged file is one line, before any plot
     reports, events = collect(exp_dir)
@@ -48,18 +53,23 @@ def write_report(exp_dir: Path) -> ReportOutput:
         from trainers._base import ConfigError
 
         raise ConfigError(f"{exp_dir}: no trial has reported yet; fix: run `raytrain tune` first")
-    out = exp_dir / "report"
-    out.mkdir(exist_ok=True)
-    trials = sorted({r["trial"] for r in reports})
-    winner, row = best_trial(reports, exp.mode)
-    schedule = schedule_of(winner, reports, events)
-    plots = [
-        _plot_population(out / "population.png", reports, events, trials, exp.metric, winner),
-        _plot_hparams(out / "hparams.png", reports, events, trials, list(exp.search_space.mutable), schedule),
-        _plot_lineage(out / "lineage.png", reports, events, trials, winner),
-    ]
-    summary = _summary(exp, reports, events, trials, winner, row, schedule, scheduler)
-    (out / "summary.txt").write_text(summary + "\n")
+    target = location(output) if output is not None else exp_dir / "report"
+    with tempfile.TemporaryDirectory(prefix="raytrain-report-") as staging:
+        out = Path(staging) if is_remote(target) else Path(target)
+        out.mkdir(parents=True, exist_ok=True)
+        trials = sorted({r["trial"] for r in reports})
+        winner, row = best_trial(reports, exp.mode)
+        schedule = schedule_of(winner, reports, events)
+        plots = [
+            _plot_population(out / "population.png", reports, events, trials, exp.metric, winner),
+            _plot_hparams(out / "hparams.png", reports, events, trials, list(exp.search_space.mutable), schedule),
+            _plot_lineage(out / "lineage.png", reports, events, trials, winner),
+        ]
+        summary = _summary(exp, reports, events, trials, winner, row, schedule, scheduler)
+        (out / "summary.txt").write_text(summary + "\n")
+        if is_remote(target):
+            upload_folder(out, target, last="summary.txt")
+            plots = [target / p.name for p in plots]
     return ReportOutput(summary, plots)
 
 

@@ -6,17 +6,20 @@ picked for another trial to clone, before that trial restarts (ray #9036: `num_t
 under time-multiplexing any small value can). Here each trial keeps its newest `keep` checkpoints, plus
 every checkpoint still referenced by a trial as the one it will restore from (an exploit points the
 exploited trial at the donor's) or by the scheduler as a donor candidate.
+
+Tune's checkpoints are read and deleted through their own file system (an experiment in a bucket: the
+bucket's), the pins through their locations.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from ray import tune
+
+from trainers.storage import location, location_on, remove_tree
 
 __all__ = ["ProtectedRetention", "to_delete"]
 
@@ -38,6 +41,7 @@ class ProtectedRetention(tune.Callback):
     def on_checkpoint(
         self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
     ) -> None:
+        self.fs = checkpoint.filesystem  # every checkpoint of the experiment is on this one
         protected = self._protected(trials)
         if protected is None:  # a donor's save is still pending: decide at the next checkpoint
             return
@@ -51,20 +55,23 @@ class ProtectedRetention(tune.Callback):
                 continue
             manager._checkpoint_results = [r for r in results if r.checkpoint.path not in doomed]
             for path in doomed:
-                shutil.rmtree(Path(path), ignore_errors=True)
+                _delete(self.fs, path)
         self._prune_pins(trials, protected | {checkpoint.path})
 
     def _prune_pins(self, trials: list[Any], protected: set[str]) -> None:
         """A pin goes once no Tune checkpoint left points at it, nothing protects it, and it is not among
         its trial's newest `keep` (the newest may be about to be saved)."""
-        needed = {_pin_of(p) for p in protected} | {
-            _pin_of(r.checkpoint.path) for t in trials for r in t.run_metadata.checkpoint_manager._checkpoint_results
+        needed = {_pin_of(self.fs, p) for p in protected} | {
+            _pin_of(self.fs, r.checkpoint.path)
+            for t in trials
+            for r in t.run_metadata.checkpoint_manager._checkpoint_results
         }
-        roots = {Path(p).parent for p in needed if p is not None}
-        for root in roots:
-            pins = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
+        roots = {str(location(p).parent): location(p).parent for p in needed if p is not None}
+        for root in roots.values():
+            # oldest first: by name (made in time order, see search.trial), an older pin's by its mtime
+            pins = sorted(root.iterdir(), key=lambda p: (p.name[:1].isdigit(), _mtime(p), p.name))
             for pin in to_delete([str(p) for p in pins], self.keep, needed):
-                shutil.rmtree(pin, ignore_errors=True)
+                remove_tree(location(pin))
 
     def _protected(self, trials: list[Any]) -> set[str] | None:
         """Paths a restore may still need, or None while the scheduler waits on a save in flight."""
@@ -82,15 +89,31 @@ class ProtectedRetention(tune.Callback):
         return paths
 
 
-def _pin_of(path: str) -> str | None:
-    """The pin a checkpoint's metadata points at (a pin is its own), None for an older full checkpoint."""
+def _pin_of(fs: Any, path: str) -> str | None:
+    """The pin a Tune checkpoint's metadata points at (a pin is its own), None for an older full checkpoint."""
     try:
-        meta = json.loads((Path(path) / "meta.json").read_text())
+        with fs.open_input_stream(f"{path.rstrip('/')}/meta.json") as f:
+            meta = json.loads(f.read())
     except (OSError, ValueError):
         return None
     if "pin" in meta:
         return meta["pin"]
-    return str(path) if Path(path).parent.name == "pins" else None
+    here = location_on(fs, path)
+    return str(here) if here.parent.name == "pins" else None
+
+
+def _delete(fs: Any, path: str) -> None:
+    try:
+        fs.delete_dir(path)
+    except (FileNotFoundError, OSError):  # gone already (pyarrow raises OSError subclasses for a missing one)
+        pass
+
+
+def _mtime(path: Any) -> float:
+    try:
+        return path.stat().st_mtime or 0.0
+    except (OSError, AttributeError):
+        return 0.0
 
 
 _PENDING = object()

@@ -25,6 +25,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTra
 
 from search.space import SearchSpace
 from trainers._base import StrictModel
+from trainers.storage import location, location_on, pyarrow_fs
 
 __all__ = [
     "Board",
@@ -348,7 +349,7 @@ class InPlace:
         state = self._trial_state[trial]
         pin = (state.last_result or {}).get("pin")
         if trial in upper and pin:
-            state.last_checkpoint = tune.Checkpoint.from_directory(pin)
+            state.last_checkpoint = pin_checkpoint(pin)
             self._num_checkpoints += 1
         else:
             state.last_checkpoint = None
@@ -356,7 +357,7 @@ class InPlace:
             top_state = self._trial_state[top]
             top_pin = (top_state.last_result or {}).get("pin")
             if top_state.last_checkpoint is None and top_pin:
-                top_state.last_checkpoint = tune.Checkpoint.from_directory(top_pin)
+                top_state.last_checkpoint = pin_checkpoint(top_pin)
         donors = [t for t in upper if self._trial_state[t].last_checkpoint is not None and t is not trial]
         if trial in lower and donors:
             self._post(trial, state.last_train_time, self._exploit_in_place(trial, random.choice(donors)))
@@ -386,7 +387,7 @@ class InPlace:
             f"{k} {_short(old[k])} -> {_short(new_config.get(k))}" for k in old if old[k] != new_config.get(k)
         )
         logger.info("exploit: %s <- %s at step %d: %s", trial, donor, step, changes or "same values")
-        return {"pin": checkpoint.path, "config": new_config, "exploit_id": new_config.get(EXPLOIT_ID)}
+        return {"pin": pin_of_checkpoint(checkpoint), "config": new_config, "exploit_id": new_config.get(EXPLOIT_ID)}
 
     def _explored_keys(self, config: dict[str, Any]) -> list[str]:
         return [k for k in config if k not in (MEMBER, EXPLOIT_ID)]
@@ -395,6 +396,24 @@ class InPlace:
         if self.__dict__.get("_board") is None:
             self._board = ray.get_actor(self.board)
         self._board.post.remote(trial.trial_id, int(step), decision)
+
+
+REF = "ref"  # in a pin (search.trial): its metadata alone, what the Tune checkpoint of a donor points at
+
+
+def pin_checkpoint(pin: str) -> tune.Checkpoint:
+    """The Tune checkpoint of a pin (a local folder or a bucket URI): its `ref/` (metadata only, so that a
+    restore by Tune downloads nothing more), on the pin's own file system (a bucket's: the trials' fsspec one)."""
+    where = location(pin)
+    ref = where / REF
+    fs, path = pyarrow_fs(ref if ref.exists() else where)  # a pin made before refs existed: the pin itself
+    return tune.Checkpoint(path, filesystem=fs)
+
+
+def pin_of_checkpoint(checkpoint: tune.Checkpoint) -> str:
+    """The pin (as a location string) that `pin_checkpoint` made `checkpoint` for."""
+    where = location_on(checkpoint.filesystem, checkpoint.path)
+    return str(where.parent if where.name == REF else where)
 
 
 def _training_result(checkpoint: Any, metrics: dict[str, Any] | None) -> Any:

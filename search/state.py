@@ -16,6 +16,7 @@ from typing import Any
 from search.config import EXPERIMENT_FILE, ExperimentConfig, load_saved
 from search.schedulers import SCHEDULER_FILE
 from trainers._base import ConfigError, flat_keys
+from trainers.storage import is_remote, list_sizes, location, read_bytes
 
 __all__ = [
     "check_same_experiment",
@@ -31,7 +32,8 @@ _REWRITE = "fix: delete it and run `raytrain tune EXP.yaml --resume` with the ex
 
 def load_experiment_dir(exp_dir: str | Path) -> ExperimentConfig:
     """`search.config.load_saved`, with a damaged `experiment.json` as one line."""
-    path = Path(exp_dir).resolve() / EXPERIMENT_FILE
+    where = location(exp_dir)
+    path = (where if is_remote(where) else where.resolve()) / EXPERIMENT_FILE
     try:
         return load_saved(exp_dir)
     except ConfigError:
@@ -44,7 +46,7 @@ def check_same_experiment(exp: ExperimentConfig, exp_dir: Path) -> None:
     """`--resume` continues the experiment that `experiment.json` describes: Tune restores its own copy of
     the population, scheduler and budget, while the trials would build their runs from the YAML given
     now, and report/replay would read the file. Any difference is refused, naming the first key."""
-    if not (exp_dir / EXPERIMENT_FILE).exists():  # started by a script that did not save it
+    if read_bytes(exp_dir / EXPERIMENT_FILE) is None:  # started by a script that did not save it
         return
     saved = load_experiment_dir(exp_dir)
     now, then = _flat_experiment(exp), _flat_experiment(saved)
@@ -66,11 +68,12 @@ def _flat_experiment(exp: ExperimentConfig) -> dict[str, Any]:
 
 def read_scheduler_summary(exp_dir: str | Path) -> dict[str, Any] | None:
     """The scheduler summary, or None when the experiment has none (asha, random, or not saved yet)."""
-    path = Path(exp_dir) / SCHEDULER_FILE
-    if not path.exists():
+    path = location(exp_dir) / SCHEDULER_FILE
+    text = read_bytes(path)
+    if text is None:
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("perturbations"), int):
             raise ValueError("not a scheduler summary")
     except (OSError, ValueError) as e:
@@ -82,15 +85,21 @@ def has_tune_state(exp_dir: Path) -> bool:
     """Whether Tune saved this experiment's state (what `--resume` needs). Tune writes `tuner.pkl` as it
     starts and its first state at its first step: a folder with `tuner.pkl` alone was stopped at once and
     may be started again."""
-    return (exp_dir / "tuner.pkl").is_file() and any(exp_dir.glob("experiment_state-*.json"))
+    files = list_sizes(exp_dir)
+    return "tuner.pkl" in files and bool(_names(files, "experiment_state-", ".json"))
+
+
+def _names(files: dict[str, int], prefix: str, suffix: str) -> list[str]:
+    """The names of Tune's state files of one kind, oldest first (their names carry the session's start)."""
+    return sorted(n for n in files if n.startswith(prefix) and n.endswith(suffix))
 
 
 def saved_trial_statuses(exp_dir: Path) -> list[str]:
     """Each trial's status in Tune's newest saved state (PENDING, RUNNING, PAUSED, TERMINATED, ERROR)."""
-    states = sorted(exp_dir.glob("experiment_state-*.json"))
+    states = _names(list_sizes(exp_dir), "experiment_state-", ".json")
     if not states:
         return []
-    trials = json.loads(states[-1].read_text())["trial_data"]
+    trials = json.loads(read_bytes(location(exp_dir) / states[-1]))["trial_data"]
     return [json.loads(state)["status"] for state, _ in trials]
 
 
@@ -100,13 +109,14 @@ def check_tune_state(exp_dir: Path) -> None:
     driver, trusted like every file of a run folder."""
     import ray.cloudpickle as pickle
 
-    states = sorted(exp_dir.glob("experiment_state-*.json"))  # has_tune_state: at least one
-    checks = [(exp_dir / "tuner.pkl", pickle.loads), (states[-1], json.loads)]
-    callbacks = sorted(exp_dir.glob("callback-states-*.pkl"))
-    checks += [(callbacks[-1], pickle.loads)] if callbacks else []
+    files = list_sizes(exp_dir)
+    states = _names(files, "experiment_state-", ".json")  # has_tune_state: at least one
+    checks = [(exp_dir / "tuner.pkl", pickle.loads), (exp_dir / states[-1], json.loads)]
+    callbacks = _names(files, "callback-states-", ".pkl")
+    checks += [(exp_dir / callbacks[-1], pickle.loads)] if callbacks else []
     for path, load in checks:
         try:
-            load(path.read_bytes())
+            load(read_bytes(path))
         except Exception as e:  # anything a damaged pickle or JSON raises
             raise ConfigError(
                 f"--resume: Tune's {path} is damaged ({_why(e)}); fix: restore it from a copy, or start "

@@ -21,6 +21,7 @@ from typing import Any
 
 from search.config import ExperimentConfig
 from trainers._base import flat_keys
+from trainers.storage import read_bytes, write_text_atomic
 from trainers.tracking import MlflowConfig
 
 __all__ = ["catch_up", "finish_experiment_run", "start_experiment_run", "trial_tracking"]
@@ -123,10 +124,8 @@ def trial_tracking(exp: ExperimentConfig, trial: str) -> dict[str, Any]:
 
 def _exploit_tags(exp: ExperimentConfig, trial: str) -> dict[str, str]:
     """`exploit.<step>`: the donor, both scores and each hyperparameter's change (from the lineage log)."""
-    path = exp.exp_dir / "lineage" / f"{trial}.jsonl"
-    rows = (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
+    data = read_bytes(exp.exp_dir / "lineage" / f"{trial}.jsonl") or b""
+    rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
     tags = {}
     for r in (r for r in rows if r.get("kind") == "exploit"):
         old = r.get("old_hparams") or {}
@@ -143,15 +142,13 @@ def _num(x: Any) -> str:
 
 def _read(exp_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((exp_dir / PARENT_FILE).read_text())
+        return json.loads(read_bytes(exp_dir / PARENT_FILE) or b"{}")
     except (OSError, ValueError):
         return {}
 
 
 def _write(exp_dir: Path, state: dict[str, Any]) -> None:
-    path = exp_dir / PARENT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(state))
+    write_text_atomic(exp_dir / PARENT_FILE, json.dumps(state))
 
 
 def _first_line(e: BaseException) -> str:

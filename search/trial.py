@@ -24,6 +24,10 @@ How a trial trains between reports (`trial_runs` in the experiment YAML):
 A run that fails (NaN loss, a crash Ray could not recover) makes the trial report the worst metric at each
 interval without training, so that PBT replaces it through exploit (a new run from the donor); under ASHA
 or random search it ends.
+
+An experiment in a bucket keeps the same layout there: the Train runs write to it (their `run_dir` is
+under the experiment's), a pin is a copy made by the store (no hard links there), the lineage logs are
+replaced whole at each append, and every path below is a location (`trainers.storage.location`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import shutil
 import threading
 import time
 import uuid
@@ -44,10 +47,11 @@ from ray import tune
 
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
-from search.schedulers import EXPLOIT_ID, TIME_ATTR
+from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
 from search.tracking import trial_tracking
 from trainers.checkpoint_files import install_checkpoint, link_tree
 from trainers.metrics import read_metrics
+from trainers.storage import location, remove_tree, write_text_atomic
 
 __all__ = ["META", "PINS", "Gate", "TrialRun"]
 
@@ -139,7 +143,7 @@ class TrialRun(tune.Trainable):
         if self.awaiting is not None and self.board is not None:
             decision = ray.get(self.board.peek.remote(self.trial_id, self.awaiting))
             if isinstance(decision, dict):
-                pin = Path(decision["pin"])
+                pin = location(decision["pin"])
         meta = _read_meta(pin) if pin is not None else self._meta(None)
         if pin is not None:
             meta["pin"] = str(pin)
@@ -155,7 +159,7 @@ class TrialRun(tune.Trainable):
         if meta["step_dir"] is None:  # the saved trial had failed before its first checkpoint
             self.error = "restored a failed trial"
         elif "pin" in meta or root.parent.name == PINS:  # Tune's metadata, or a pin (an in-place donor)
-            self.pin = Path(meta.get("pin", root))
+            self.pin = location(meta.get("pin", root))
             self.step_dir = self.pin / meta["step_dir"]
         else:  # an older experiment's checkpoint with its tensors: keep a copy (Tune may clean it up)
             self.step_dir = self.dir / f"restored-{uuid.uuid4().hex[:6]}" / meta["step_dir"]
@@ -188,7 +192,7 @@ class TrialRun(tune.Trainable):
             return
         values = {k: decision["config"][k] for k in self.exp.search_space}
         changed = {k for k in values if values[k] != self.hparams.get(k)}
-        pin = Path(decision["pin"])
+        pin = location(decision["pin"])
         meta = _read_meta(pin)
         self._log_exploit(meta, decision["exploit_id"], new_hparams=values)
         self.hparams = values
@@ -236,10 +240,14 @@ class TrialRun(tune.Trainable):
         }
 
     def _pin(self, out: _Interval) -> Path:
-        """Hard-link the report's step folder into the trial's pins, with its metadata beside it."""
-        pin = self.dir / PINS / f"{out.step_dir.name}-{uuid.uuid4().hex[:6]}"
+        """Hard-link the report's step folder into the trial's pins (a copy by the store, in a bucket), with
+        its metadata beside it, also alone in `ref/`. Pins are named in the order they are made (the time
+        first: a trial's steps go back when it exploits a donor behind it), which retention keeps by."""
+        pin = self.dir / PINS / f"{time.time_ns():020d}-{out.step_dir.name}-{uuid.uuid4().hex[:6]}"
         link_tree(out.step_dir, pin / out.step_dir.name)
-        (pin / META).write_text(json.dumps(self._meta(out.metric)))
+        meta = json.dumps({**self._meta(out.metric), "pin": str(pin)})
+        write_text_atomic(pin / REF / META, meta)
+        write_text_atomic(pin / META, meta)  # last: a pin with its metadata is whole
         return pin
 
     # ----------------------------------------------------------------------------------- training
@@ -275,8 +283,8 @@ class TrialRun(tune.Trainable):
         rows = read_metrics(run_dir / "metrics.jsonl")
         last = {k: v for r in rows if r.get("step") == result.step for k, v in r.items()}
         before = self.step_dir.parent if self.step_dir is not None else None
-        if before is not None and before.name == "checkpoints" and before.parent.parent == self.dir:
-            shutil.rmtree(before, ignore_errors=True)  # the previous segment's: its pin holds what Tune needs
+        if before is not None and before.name == "checkpoints" and str(before.parent.parent) == str(self.dir):
+            remove_tree(before)  # the previous segment's: its pin holds what Tune needs
         return _Interval(
             result.step,
             _metric_of(self.exp, last),
@@ -367,9 +375,7 @@ class _LiveRun:
     def load(self, donor_dir: Path, values: dict[str, Any], donor: str, step: int) -> None:
         """An exploit in place: the donor's checkpoint becomes the run's newest (a restarted worker resumes
         it, with `values`), then the waiting workers load it."""
-        tmp = self.run_dir / f"{LIVE_VALUES}.tmp"
-        tmp.write_text(json.dumps({"values": values, "donor": donor}))
-        tmp.replace(self.run_dir / LIVE_VALUES)
+        write_text_atomic(self.run_dir / LIVE_VALUES, json.dumps({"values": values, "donor": donor}))
         installed = install_checkpoint(self.run_dir / "checkpoints", donor_dir)
         ray.get(self.gate.answer.remote(step, {"checkpoint": str(installed), "values": values, "donor": donor}))
 
@@ -381,7 +387,7 @@ class _LiveRun:
                 return _Interval(
                     step,
                     _metric_of(self.exp, item["metrics"]),
-                    Path(item["path"]),
+                    location(item["path"]),
                     _steps_time(self.run_dir, start, step),
                 )
             if not self.thread.is_alive():
@@ -415,7 +421,7 @@ def _run_config(
 
 
 def _read_meta(root: Path) -> dict[str, Any]:
-    return json.loads((Path(root) / META).read_text())
+    return json.loads((location(root) / META).read_text())
 
 
 def _worst(exp: ExperimentConfig) -> float:

@@ -48,6 +48,7 @@ from trainers.checkpoint_files import (
     STEP_DIR,
     _fsync_dir,
     _write_json,
+    delete_checkpoint,
     install_checkpoint,
     is_complete,
     link_tree,
@@ -124,12 +125,6 @@ def _sha256(path: Path) -> str:
     return sha256_of(path)
 
 
-def _delete_checkpoint(path: Path) -> None:
-    """Marker first: a folder half deleted by a crash is never taken for a checkpoint."""
-    if is_remote(path):
-        with contextlib.suppress(FileNotFoundError):
-            path.fs.rm_file((path / COMMITTED).path)
-    remove_tree(path)
 
 
 def _my_share(names: list[str]) -> list[str]:
@@ -255,7 +250,7 @@ class Checkpointer:
         rank = _rank()
         if rank == 0:
             if remote:
-                _delete_checkpoint(final)  # leftover of a crashed save (or this step saved before: replaced)
+                delete_checkpoint(final)  # leftover of a crashed save (or this step saved before: replaced)
             else:
                 shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed save
                 partial.mkdir(parents=True)
@@ -355,7 +350,7 @@ class Checkpointer:
             old = done[: max(len(done) - self.keep, 0)]
             stale = [n for n in names if n not in done and done and n < done[-1]]  # saves a crash cut short
             for name in old + stale:
-                _delete_checkpoint(self.root / name)
+                delete_checkpoint(self.root / name)
             return
         done = sorted(p for p in self.root.glob("step_*") if is_complete(p))
         for old in done[: max(len(done) - self.keep, 0)]:

@@ -15,6 +15,7 @@ permission, a wrong region) into the usual one-line `ConfigError` before any wor
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import re
@@ -29,13 +30,17 @@ from trainers._base import ConfigError
 
 __all__ = [
     "Location",
+    "append_bytes",
+    "copy_tree",
     "cache_root",
     "cached_copy",
     "check_location",
     "describe_error",
     "is_remote",
     "is_uri",
+    "list_sizes",
     "location",
+    "location_on",
     "pyarrow_fs",
     "remove_tree",
     "sha256_of",
@@ -137,6 +142,67 @@ def write_bytes_atomic(path: Any, data: bytes) -> None:
 
 def write_text_atomic(path: Any, text: str) -> None:
     write_bytes_atomic(path, text.encode())
+
+
+def append_bytes(path: Any, data: bytes, current: bytes | None = None) -> bytes:
+    """Append to a file that only this process writes; returns its content after. Locally an append (a
+    reader may see the last line cut, as a crash leaves it); on an object store, which has no append, the
+    object is replaced whole by one PUT (`current`: its content as this writer last left it, to spare the
+    GET), so a reader sees the file before or after the append. Meant for small logs (a trial's lineage)."""
+    if not is_remote(path):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as f:
+            f.write(data)
+        return b""  # not kept: the file is the record
+    before = current if current is not None else (read_bytes(path) or b"")
+    write_bytes_atomic(path, before + data)
+    return before + data
+
+
+def list_sizes(folder: Any, pattern: str = "*") -> dict[str, int]:
+    """{name: bytes} of the files directly in `folder` whose names match `pattern` (none if it is not
+    there): one listing, also on an object store."""
+    if not is_remote(folder):
+        folder = Path(folder)
+        return {p.name: p.stat().st_size for p in folder.glob(pattern) if p.is_file()} if folder.is_dir() else {}
+    try:
+        entries = folder.fs.ls(folder.path, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") == "file" and fnmatch.fnmatchcase(name, pattern):
+            out[name] = int(entry["size"])
+    return out
+
+
+def copy_tree(src: Any, dst: Any, last: str | None = None) -> None:
+    """Copy the remote folder `src` to `dst` on the same store, object by object on the server (the bytes
+    do not pass through this machine); the file named `last` (e.g. a commit marker) after all others. A
+    local `src` is uploaded (`last` last too)."""
+    if not is_remote(src):
+        upload_folder(src, dst, last=last)
+        return
+    base = src.path.rstrip("/") + "/"
+    names = sorted(p[len(base) :] for p in src.fs.find(src.path) if p.startswith(base))
+    names.sort(key=lambda n: n == last)
+    first = [n for n in names if n != last]
+    if first:
+        src.fs.copy([base + n for n in first], [f"{dst.path}/{n}" for n in first])
+    if last in names:
+        src.fs.copy(base + last, f"{dst.path}/{last}")
+
+
+def location_on(filesystem: Any, path: str) -> Path | Any:
+    """The location of `path` on a pyarrow file system (Ray's storage file system: `pyarrow_fs`'s, or a
+    local one): what Ray hands back as a `Checkpoint`'s or an experiment's path, without its protocol."""
+    handler = getattr(filesystem, "handler", None)
+    fs = getattr(handler, "fs", None)
+    if fs is None:  # pyarrow's own LocalFileSystem (or another of its native ones: local paths only here)
+        return Path(path)
+    return location(fs.unstrip_protocol(path))
 
 
 def remove_tree(path: Any) -> None:
@@ -270,6 +336,14 @@ def check_run_storage(cfg: Any) -> None:
     (DeepSpeed) are refused with a bucket run dir."""
     check_location(cfg.out_dir, "run_dir", write=True)
     check_location(cfg.data.path, "data.path", write=False)
+    check_location(cfg.model.init_from, "model.init_from", write=False)  # every rank reads its part there
+    mlflow = cfg.tracking.mlflow
+    if is_remote(cfg.out_dir) and mlflow is not None and mlflow.tracking_uri is None:
+        raise ConfigError(
+            f"run_dir={cfg.out_dir}: tracking.mlflow without tracking_uri keeps a SQLite store in the run dir, "
+            f"which cannot live in a bucket; fix: set tracking.mlflow.tracking_uri (your MLflow server, or "
+            f"sqlite:////a/local/mlflow.db)"
+        )
     if is_remote(cfg.out_dir) and cfg.parallel.engine == "deepspeed":
         raise ConfigError(
             f"run_dir={cfg.out_dir}: parallel.engine=deepspeed saves checkpoints to local folders only; fix: "
@@ -277,7 +351,7 @@ def check_run_storage(cfg: Any) -> None:
         )
 
 
-def upload_folder(local: Path, dest: Any, last: str = "manifest.json") -> None:
+def upload_folder(local: Path, dest: Any, last: str | None = "manifest.json") -> None:
     """Copy a local folder's files to a remote location, `last` after all others (a reader that finds it
     finds the rest: the manifest of prepared data names each shard and its sha256)."""
     local = Path(local)

@@ -19,10 +19,9 @@ def _rank() -> int:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from trainers.storage import write_text_atomic  # a local folder or a bucket
+
+    write_text_atomic(path, text)
 
 
 def _hold(what: str) -> None:

@@ -16,8 +16,6 @@ import yaml
 from raytrain_ext.cli import main
 from raytrain_ext.launcher import wait_for
 from tests.conftest import tiny_raw
-from tests.ray.conftest import RUNTIME_ENV, ray_env_restored
-from tests.s3_server import s3_server
 from trainers.metrics import read_metrics
 from trainers.storage import location, upload_folder
 
@@ -26,29 +24,6 @@ pytest.importorskip("s3fs")
 pytestmark = pytest.mark.ray
 
 STEPS, EVERY = 8, 2
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def ray_on_s3(s3, tmp_path_factory):
-    """A local Ray whose workers see the S3 server's endpoint and keys in their environment, and a cache of
-    their own (not the user's ~/.cache/raytrain)."""
-    import ray
-
-    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    cache = str(tmp_path_factory.mktemp("worker-cache"))
-    env = {"env_vars": {**RUNTIME_ENV["env_vars"], **aws, "RAYTRAIN_CACHE": cache}}
-    with ray_env_restored():
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,192 @@
+"""A PBT experiment whose `storage` and data are in a bucket of a local S3 server (moto on loopback, started
+here; credentials from the environment), run with `raytrain tune` as a user would on a cluster without a
+shared file system:
+
+- the weaker trial exploits the stronger one in place (synchronous PBT at the first interval): its next
+  loss is the donor's, read from the run's metrics in the bucket;
+- every file of the experiment is in the bucket (Tune's state and metadata-only checkpoints, the pins made
+  by the store's own copies, the lineage logs and tables), nothing in the local folders;
+- `raytrain tune report s3://...` writes its plots and summary there, and `raytrain tune replay s3://...`
+  retrains the exploited trial's schedule from scratch to the loss it reported;
+- the experiment interrupted after the exploit (SIGINT, as Ctrl-C) continues with `--resume` from the
+  bucket to the same end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import yaml
+from ray import tune
+
+from raytrain_ext.cli import main
+from search.config import load_experiment
+from search.lineage import read_events, read_reports
+from search.replay import replay
+from tests.conftest import tiny_raw
+from trainers.metrics import read_metrics
+from trainers.storage import location, upload_folder
+
+pytestmark = pytest.mark.ray
+
+INTERVAL, STEPS = 10, 20
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def _experiment(tmp, data: str, storage: str, name: str, **more) -> str:
+    base = tiny_raw(data, tmp / "unused", optimizer={"name": "adamw", "lr": 1e-3})
+    base["data"]["path"] = data
+    (tmp / f"{name}-base.yaml").write_text(yaml.safe_dump(base))
+    exp = {
+        "name": name,
+        "base": f"{name}-base.yaml",
+        "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        "initial": [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        "scheduler": {
+            "name": "pbt",
+            "interval": INTERVAL,
+            "quantile_fraction": 0.5,
+            "synch": True,
+            "resample_probability": 0.0,
+        },
+        "population": 2,
+        "budget": {"steps": STEPS},
+        "resources": {"workers": 1},
+        "storage": storage,
+        "keep_checkpoints": 1,
+        **more,
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    return str(path)
+
+
+def _train_rows(exp_dir, trial: str) -> dict[int, dict]:
+    rows = []
+    for path in (exp_dir / "runs" / trial).glob("*/metrics.jsonl"):
+        rows += read_metrics(path, "train")
+    return {r["step"]: r for r in sorted(rows, key=lambda r: r["time"])}
+
+
+def _trial_of(exp_dir, lr: float) -> str:
+    return next(r["trial"] for r in read_reports(exp_dir) if r["hparams"]["optimizer.lr"] == lr)
+
+
+@pytest.fixture(scope="module")
+def data_in_bucket(s3, corpus_dir):
+    bucket = s3.make_bucket()
+    data = f"s3://{bucket}/data/stdlib"
+    upload_folder(corpus_dir, location(data))
+    return bucket, data
+
+
+def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_bucket, tmp_path, capsys):
+    bucket, data = data_in_bucket
+    uri = f"s3://{bucket}/tune/pbt"
+    path = _experiment(tmp_path, data, f"s3://{bucket}/tune", "pbt")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a relative path written by mistake would land here
+    try:
+        assert main(["tune", path, "--quiet"]) == 0
+    finally:
+        os.chdir(cwd)
+    exp_dir = location(uri)
+
+    # The exploit, in place, from the donor's pin in the bucket.
+    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
+    (event,) = read_events(exp_dir)
+    assert (event["trial"], event["donor"], event["step"]) == (weak, strong, INTERVAL)
+    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
+    assert weak_rows[INTERVAL + 1]["loss"] == pytest.approx(strong_rows[INTERVAL + 1]["loss"], rel=1e-6)
+    assert weak_rows[INTERVAL]["loss"] > strong_rows[INTERVAL + 1]["loss"] + 0.5
+    assert sorted(weak_rows) == list(range(1, STEPS + 1)), "each step once in the live run's metrics"
+
+    # Everything in the bucket: Tune's state, metadata-only checkpoints pointing at pins there, the lineage.
+    keys = s3.keys(bucket, "tune/pbt/")
+    names = {k.removeprefix("tune/pbt/") for k in keys}
+    assert {"experiment.json", "tuner.pkl", "reports.parquet", "lineage.parquet", "scheduler_state.json"} <= names
+    assert {f"lineage/{strong}.jsonl", f"lineage/{weak}.jsonl"} <= names
+    tune_ckpts = [k for k in keys if k.startswith("tune/pbt/TrialRun_") and "/checkpoint_0" in k]
+    assert tune_ckpts and all(k.endswith("/meta.json") for k in tune_ckpts), "Tune's checkpoints: metadata only"
+    metas = [json.loads(location(f"s3://{bucket}/{k}").read_text()) for k in tune_ckpts]
+    for meta in metas:
+        pin = location(meta["pin"])
+        assert meta["pin"].startswith(f"s3://{bucket}/tune/pbt/runs/") and pin.parent.name == "pins"
+        assert (pin / meta["step_dir"] / "COMMITTED").is_file(), "the pin holds a committed copy"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "tune").exists()
+
+    # report: plots and summary written to the bucket.
+    capsys.readouterr()
+    assert main(["tune", "report", uri]) == 0
+    out = capsys.readouterr().out
+    assert "exploits: 1" in out and f"{uri}/report/population.png" in out
+    sizes = {k.rsplit("/", 1)[-1]: s for k, s in _sizes(s3, bucket, "tune/pbt/report/").items()}
+    assert set(sizes) == {"population.png", "hparams.png", "lineage.png", "summary.txt"}
+    assert min(sizes[n] for n in ("population.png", "hparams.png", "lineage.png")) > 10_000
+
+    # replay: the exploited trial's schedule (the donor's lr to step 10, then its explored one), from
+    # scratch as one run in the bucket, lands on the loss the trial reported.
+    rep = replay(exp_dir, weak)
+    assert [s for s, _ in rep.schedule.changes] == [0, INTERVAL]
+    assert rep.schedule.changes[0][1] == {"optimizer.lr": 1e-2}
+    assert str(rep.run_dir).startswith(f"{uri}/replay/")
+    assert rep.replayed == pytest.approx(rep.reported, rel=1e-5)
+
+
+def _sizes(s3, bucket: str, prefix: str) -> dict[str, int]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {obj["Key"]: obj["Size"] for page in pages for obj in page.get("Contents", [])}
+
+
+class InterruptAfterExploit(tune.Callback):
+    """Sends the driver a SIGINT (as Ctrl-C) once the exploited trial holds at its first step from the donor
+    (`tests.ray.hooks.HoldOnceFromDonor` marks it in the bucket)."""
+
+    def __init__(self, exp_dir):
+        self.exp_dir, self.sent = exp_dir, False
+
+    def get_state(self):
+        return {"sent": self.sent}
+
+    def set_state(self, state):
+        self.sent = state["sent"]
+
+    def on_step_end(self, iteration, trials, **info):
+        if not self.sent and (location(str(self.exp_dir)) / "held-once").exists():
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: an experiment interrupted and resumed
+def test_pbt_in_a_bucket_interrupted_after_the_exploit_resumes(ray_on_s3, s3, data_in_bucket, tmp_path):
+    from search.config import save
+    from search.driver import run_experiment
+
+    bucket, data = data_in_bucket
+    path = _experiment(
+        tmp_path, data, f"s3://{bucket}/tune", "resume", callbacks=["tests.ray.hooks:HoldOnceFromDonor()"]
+    )
+    exp = load_experiment(path)
+    save(exp)
+    first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
+    assert not first.finished and len(first.events) == 1
+    resumed = run_experiment(exp, resume=True, verbose=0)
+    assert resumed.finished
+    weak = _trial_of(exp.exp_dir, 1e-4)
+    last = {r["trial"]: r for r in sorted(resumed.reports, key=lambda r: r["time"])}
+    assert len(last) == 2 and {r["step"] for r in last.values()} == {STEPS}
+    assert last[weak]["hparams"] != {"optimizer.lr": 1e-4} and not last[weak]["failed"]
+    state = json.loads((exp.exp_dir / "scheduler_state.json").read_text())
+    assert state["perturbations"] == len(read_events(exp.exp_dir)) == 1
+    # The exploited trial's steps after the exploit are the donor's continuation: step 11's loss is the
+    # donor's, however the interrupt split the runs.
+    strong = _trial_of(exp.exp_dir, 1e-2)
+    weak_rows, strong_rows = _train_rows(exp.exp_dir, weak), _train_rows(exp.exp_dir, strong)
+    assert weak_rows[INTERVAL + 1]["loss"] == pytest.approx(strong_rows[INTERVAL + 1]["loss"], rel=1e-6)
