@@ -232,6 +232,7 @@ def load_saved(exp_dir: str | Path) -> ExperimentConfig:
     """The experiment an `EXP_DIR` ran (wherever that folder is now: a moved folder, a bucket)."""
     exp_dir = location(exp_dir)
     exp_dir = exp_dir if is_remote(exp_dir) else exp_dir.resolve()
+    check_location(exp_dir, "EXP_DIR", write=False)  # a bucket: there, with credentials (one line if not)
     path = exp_dir / EXPERIMENT_FILE
     text = read_bytes(path)
     if text is None:

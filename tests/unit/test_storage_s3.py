@@ -206,8 +206,11 @@ def test_a_run_in_a_bucket_resumes_with_the_losses_of_a_local_run(s3, s3_corpus,
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
 
 
+@pytest.mark.parametrize("command", ["train", "tune"])
 @pytest.mark.parametrize("case", ["missing bucket", "no credentials", "denied write"])
-def test_bad_bucket_errors_are_one_line_exit_2_before_any_worker(case, s3, s3_corpus, corpus_dir, tmp_path, capsys, monkeypatch):
+def test_bad_bucket_errors_are_one_line_exit_2_before_any_worker(
+    case, command, s3, s3_corpus, corpus_dir, tmp_path, capsys, monkeypatch
+):
     import ray
     from moto.core.authorization import enable_iam_authentication
 
@@ -225,18 +228,69 @@ def test_bad_bucket_errors_are_one_line_exit_2_before_any_worker(case, s3, s3_co
         _read_only_keys(s3, bucket, monkeypatch)
         enforced = enable_iam_authentication()  # the server checks IAM policies from here on
     _, path = _run_yaml(tmp_path, s3_corpus if case != "no credentials" else corpus_dir, run_dir)
+    argv = ["train", str(path), "--no-progress"]
+    if command == "tune":  # an experiment whose storage is there: the same line, naming `storage`
+        path = _experiment_yaml(tmp_path, path, run_dir.rsplit("/", 1)[0])
+        argv = ["tune", str(path), "--quiet"]
     try:
         with enforced:
-            code = main(["train", str(path), "--no-progress"])
+            code = main(argv)
     finally:
         clear_clients()
     assert code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("raytrain: error: run_dir=s3://") and "fix:" in line
+    field = "run_dir" if command == "train" else "storage"
+    assert line.startswith(f"raytrain: error: {field}=s3://") and "fix:" in line
     expected = {"missing bucket": "no bucket no-such-bucket-raytrain", "no credentials": "no credentials",
                 "denied write": "permission denied"}[case]
     assert expected in line, line
     assert not ray.is_initialized(), "refused before Ray (and any worker) started"
+
+
+def _experiment_yaml(tmp_path, base, storage: str, **more):
+    exp = {
+        "name": "x",
+        "base": str(base),
+        "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        "scheduler": {"name": "pbt", "interval": 4},
+        "population": 2,
+        "budget": {"steps": 8},
+        "storage": storage,
+        **more,
+    }
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    return path
+
+
+def test_mlflow_local_store_with_a_bucket_is_one_line(s3, s3_corpus, tmp_path, capsys):
+    from raytrain_ext.cli import main
+
+    bucket = s3.make_bucket()
+    raw, path = _run_yaml(tmp_path, s3_corpus, f"s3://{bucket}/runs/x")
+    raw["tracking"] = {"mlflow": {}}
+    path.write_text(yaml.safe_dump(raw))
+    exp = _experiment_yaml(tmp_path, path, f"s3://{bucket}/tune")
+    for argv in (["train", str(path), "--no-progress"], ["tune", str(exp), "--quiet"]):
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "tracking.mlflow without tracking_uri" in line and "fix: set tracking.mlflow.tracking_uri" in line
+
+
+def test_report_of_an_experiment_in_a_missing_bucket_or_without_credentials_is_one_line(s3, capsys, monkeypatch):
+    from raytrain_ext.cli import main
+
+    assert main(["tune", "report", "s3://no-such-bucket-raytrain/tune/x"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "EXP_DIR=s3://no-such-bucket-raytrain/tune/x: no bucket no-such-bucket-raytrain" in line, line
+    for key in NO_CREDENTIALS:
+        monkeypatch.delenv(key, raising=False)
+    try:
+        assert main(["tune", "report", "s3://b-any/tune/x"]) == 2
+    finally:
+        clear_clients()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "no credentials" in line and "fix:" in line, line
 
 
 def _read_only_keys(s3, bucket, monkeypatch):
