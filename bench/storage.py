@@ -11,6 +11,10 @@ stopped by its handle at the end). Medians over `--repeats` rounds; each round s
 retention deletes the old one as in a run. Writes JSON (command, commit, load average before and after) and a
 bar chart beside it.
 
+Each round also pins the saved checkpoint as a PBT trial does (`link_tree`: hard links on disk, copies made
+by the store in a bucket) and installs that pin into another run as an exploit in place does
+(`install_checkpoint`): `pin_s`, `install_s`.
+
 What it measures is the protocol's cost against an S3 API on loopback: the HTTP round trips (listings,
 HEADs, PUTs of each object, the checksum read-back) with no network bandwidth or latency of a real region.
 """
@@ -35,9 +39,10 @@ from run import environment  # noqa: E402  (bench/run.py's: command, commit, loa
 
 from tests.s3_server import s3_server  # noqa: E402
 from trainers.checkpoint import Checkpointer, ModelOptimizerState  # noqa: E402
+from trainers.checkpoint_files import install_checkpoint, link_tree  # noqa: E402
 from trainers.models import build_model  # noqa: E402
 from trainers.models.config import ModelConfig  # noqa: E402
-from trainers.storage import location  # noqa: E402
+from trainers.storage import location, remove_tree  # noqa: E402
 
 
 def reference_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -51,7 +56,8 @@ def reference_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def one_round(ckpt: Checkpointer, step: int, model, opt) -> dict[str, float]:
+def one_round(ckpt: Checkpointer, step: int, model, opt, trial: Any) -> dict[str, float]:
+    """`trial`: the folder of a PBT trial beside the run (its pins, and the run an exploit installs into)."""
     state = {"app": ModelOptimizerState(model, opt)}
     t0 = time.perf_counter()
     path = ckpt.save(step, state, {"step": step}, rng={"torch": torch.get_rng_state()})
@@ -65,7 +71,22 @@ def one_round(ckpt: Checkpointer, step: int, model, opt) -> dict[str, float]:
     assert problem is None, problem
     loaded = fresh["app"].model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items()), "loaded != saved"
-    return {"save_s": t1 - t0, "verify_s": t2 - t1, "read_s": t4 - t3, "load_s": (t2 - t1) + (t4 - t3)}
+    pin = trial / "pins" / f"pin-{step}"
+    t5 = time.perf_counter()
+    link_tree(path, pin / path.name)
+    t6 = time.perf_counter()
+    installed = install_checkpoint(trial / "run" / "checkpoints", pin / path.name)
+    t7 = time.perf_counter()
+    assert Checkpointer.verify(installed) is None
+    remove_tree(pin)
+    return {
+        "save_s": t1 - t0,
+        "verify_s": t2 - t1,
+        "read_s": t4 - t3,
+        "load_s": (t2 - t1) + (t4 - t3),
+        "pin_s": t6 - t5,
+        "install_s": t7 - t6,
+    }
 
 
 def checkpoint_bytes(ckpt: Checkpointer) -> int:
@@ -90,11 +111,12 @@ def main() -> None:
             "local": Checkpointer(Path(tmp) / "checkpoints", keep=1),
             "s3": Checkpointer(location(f"s3://{bucket}/run/checkpoints"), keep=1),
         }
-        for ckpt in places.values():  # a warm-up round each (imports, the S3 client's first connection)
-            one_round(ckpt, 1, model, opt)
+        trials = {"local": Path(tmp) / "trial", "s3": location(f"s3://{bucket}/trial")}
+        for name, ckpt in places.items():  # a warm-up round each (imports, the S3 client's first connection)
+            one_round(ckpt, 1, model, opt, trials[name])
         for r in range(args.repeats):
             for name, ckpt in places.items():  # alternating: the machine's load touches both alike
-                rounds[name].append(one_round(ckpt, r + 2, model, opt))
+                rounds[name].append(one_round(ckpt, r + 2, model, opt, trials[name]))
         # The same tensors; .metadata and the RNG file differ by a few bytes (paths and archive names).
         size = {name: checkpoint_bytes(ckpt) for name, ckpt in places.items()}
         assert abs(size["s3"] - size["local"]) < 1024, size
@@ -112,7 +134,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    for key in ("save_s", "load_s", "verify_s", "read_s"):
+    for key in ("save_s", "load_s", "verify_s", "read_s", "pin_s", "install_s"):
         print(
             f"{key:9s} local {medians['local'][key]:.3f} s   s3 {medians['s3'][key]:.3f} s   "
             f"ratio {result['ratio_s3_over_local'][key]:.2f}"
@@ -126,15 +148,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["save_s", "load_s"]
+    keys = ["save_s", "load_s", "pin_s", "install_s"]
     med = result["median"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     width = 0.35
     for i, (name, color) in enumerate((("local", "#4c72b0"), ("s3", "#dd8452"))):
         xs = [k + (i - 0.5) * width for k in range(len(keys))]
         bars = ax.bar(xs, [med[name][k] for k in keys], width, label="local disk" if name == "local" else "S3 (moto, loopback)", color=color)
         ax.bar_label(bars, fmt="%.2f s", fontsize=8)
-    ax.set_xticks(range(len(keys)), [f"save\n(x{result['ratio_s3_over_local']['save_s']:.1f})", f"load incl. verify\n(x{result['ratio_s3_over_local']['load_s']:.1f})"])
+    labels = {"save_s": "save", "load_s": "load incl. verify", "pin_s": "PBT pin", "install_s": "exploit install"}
+    ratio = result["ratio_s3_over_local"]
+    ax.set_xticks(range(len(keys)), [f"{labels[k]}\n(x{ratio[k]:.1f})" for k in keys])
     ax.set_ylabel("seconds (median)")
     mib = result["model"]["checkpoint_bytes"]["local"] / 2**20
     ax.set_title(f"Checkpoint of the reference model ({mib:.0f} MiB, model + AdamW), one process", fontsize=9)
