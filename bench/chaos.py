@@ -119,11 +119,12 @@ def _attempt_losses(run_dir: Path) -> list[dict[str, Any]]:
 
 def _first_step_after_resume(run_dir: Path, since: float) -> float | None:
     """When the first step of the attempt that followed a kill at `since` was trained: the attempt begins
-    with the Trainer's resume event (a step in flight at the kill may still finish after it)."""
+    with the Trainer's resume event, or its start event when the kill came before the first checkpoint (a
+    step in flight at the kill may still finish after it)."""
     resumes = [
         e["time"]
         for e in read_metrics(run_dir / "metrics.jsonl", "event")
-        if e["event"] == "resume" and e["time"] > since
+        if e["event"] in ("start", "resume") and e["time"] > since
     ]
     if not resumes:
         return None
