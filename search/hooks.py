@@ -56,7 +56,8 @@ class WaitAtGate(LatestMetrics):
             answer = "stop"
         if isinstance(answer, dict):  # an exploit: the trial installed the donor's checkpoint as our newest
             cfg = with_values(trainer.cfg, answer["values"])
-            trainer.load_in_place(Path(answer["checkpoint"]), cfg, donor=answer["donor"])
+            extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
+            trainer.load_in_place(Path(answer["checkpoint"]), cfg, donor=answer["donor"], **extra)
         elif answer != "go":
             raise StopRun(f"the trial stopped the run at step {trainer.step}")
 

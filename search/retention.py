@@ -68,8 +68,7 @@ class ProtectedRetention(tune.Callback):
         }
         roots = {str(location(p).parent): location(p).parent for p in needed if p is not None}
         for root in roots.values():
-            # oldest first: by name (made in time order, see search.trial), an older pin's by its mtime
-            pins = sorted(root.iterdir(), key=lambda p: (p.name[:1].isdigit(), _mtime(p), p.name))
+            pins = sorted(root.iterdir(), key=_pin_age)
             for pin in to_delete([str(p) for p in pins], self.keep, needed):
                 remove_tree(location(pin))
 
@@ -109,11 +108,15 @@ def _delete(fs: Any, path: str) -> None:
         pass
 
 
-def _mtime(path: Any) -> float:
+def _pin_age(pin: Any) -> tuple[int, float, str]:
+    """Sorts pins oldest first: by name, which starts with the time it was made (search.trial); a pin made
+    before names did (an experiment resumed across versions) first, by its folder's mtime."""
+    if pin.name[:1].isdigit():
+        return 1, 0.0, pin.name
     try:
-        return path.stat().st_mtime or 0.0
-    except (OSError, AttributeError):
-        return 0.0
+        return 0, pin.stat().st_mtime, pin.name
+    except OSError:
+        return 0, 0.0, pin.name
 
 
 _PENDING = object()

@@ -24,7 +24,7 @@ from trainers._base import flat_keys
 from trainers.storage import read_bytes, write_text_atomic
 from trainers.tracking import MlflowConfig
 
-__all__ = ["catch_up", "finish_experiment_run", "start_experiment_run", "trial_tracking"]
+__all__ = ["catch_up", "finish_experiment_run", "start_experiment_run", "in_place_tags", "trial_tracking"]
 
 PARENT_FILE = "mlflow/parent.json"  # in the experiment folder: the store, experiment name and parent run
 
@@ -120,6 +120,13 @@ def trial_tracking(exp: ExperimentConfig, trial: str) -> dict[str, Any]:
     if state.get("parent_run_id"):
         out["tracking.mlflow.parent_run_id"] = state["parent_run_id"]
     return out
+
+
+def in_place_tags(exp: ExperimentConfig, trial: str) -> dict[str, str]:
+    """The `exploit.<step>` tags of a trial whose exploit is loaded into its running Train run ({} when the
+    experiment does not track): no new run starts to carry `trial_tracking`'s, so the exploit event takes
+    them to the run's own tracker (`MlflowTracker.send`), which sets them with the `changed.<key>` ones."""
+    return _exploit_tags(exp, trial) if _read(exp.exp_dir) else {}
 
 
 def _exploit_tags(exp: ExperimentConfig, trial: str) -> dict[str, str]:

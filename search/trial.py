@@ -48,7 +48,7 @@ from ray import tune
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
-from search.tracking import trial_tracking
+from search.tracking import in_place_tags, trial_tracking
 from trainers.checkpoint_files import install_checkpoint, link_tree
 from trainers.metrics import read_metrics
 from trainers.storage import location, remove_tree, write_text_atomic
@@ -199,7 +199,7 @@ class TrialRun(tune.Trainable):
         donor_dir = pin / meta["step_dir"]
         live = self.runner is not None and self.error is None
         if live and self.runner.waits_at(step) and all(k.startswith(_LIVE_KEYS) for k in changed):
-            self.runner.load(donor_dir, values, meta["trial"], step)
+            self.runner.load(donor_dir, values, meta["trial"], step, in_place_tags(self.exp, self.trial_id))
         elif self.runner is not None:  # a value a running Trainer cannot take on: a new run from the donor
             self.runner.stop()
             self.runner = None
@@ -372,12 +372,15 @@ class _LiveRun:
     def go(self, step: int) -> None:
         ray.get(self.gate.answer.remote(step, "go"))
 
-    def load(self, donor_dir: Path, values: dict[str, Any], donor: str, step: int) -> None:
+    def load(
+        self, donor_dir: Path, values: dict[str, Any], donor: str, step: int, tags: dict[str, str] | None = None
+    ) -> None:
         """An exploit in place: the donor's checkpoint becomes the run's newest (a restarted worker resumes
-        it, with `values`), then the waiting workers load it."""
+        it, with `values`), then the waiting workers load it (`tags`: for the run's trackers)."""
         write_text_atomic(self.run_dir / LIVE_VALUES, json.dumps({"values": values, "donor": donor}))
         installed = install_checkpoint(self.run_dir / "checkpoints", donor_dir)
-        ray.get(self.gate.answer.remote(step, {"checkpoint": str(installed), "values": values, "donor": donor}))
+        answer = {"checkpoint": str(installed), "values": values, "donor": donor, "tags": tags or {}}
+        ray.get(self.gate.answer.remote(step, answer))
 
     def next(self, start: int, stop: int) -> _Interval:
         while True:
@@ -415,7 +418,10 @@ def _run_config(
         hparams,
         name=run_dir.name,
         run_dir=str(run_dir),
-        **{"checkpoint.resume": str(resume) if resume else "none", "checkpoint.keep": keep},
+        # No donor: `auto` in a run dir made new for this run (its name is unique) finds nothing at the start,
+        # and on a restart of the run's workers its own newest commit, also one installed by an exploit
+        # before Ray's controller registered the run's report (`none` would start that restart from scratch).
+        **{"checkpoint.resume": str(resume) if resume else "auto", "checkpoint.keep": keep},
         **trial_tracking(exp, run_dir.parent.name),  # run_dir = EXP_DIR/runs/<trial>/<run>
     )
 

@@ -72,3 +72,21 @@ def _no_leaks():
     changed -= {"PYTEST_CURRENT_TEST"}
     assert not leaked_pg, "test left a torch.distributed process group initialised"
     assert not changed, f"test leaked environment variables: {sorted(changed)}"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A local S3 server (moto's server mode on loopback, tests/s3_server.py) for the module, with its endpoint
+    and keys in this environment while it runs."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    from tests.s3_server import s3_server
+
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A cache of remote files (RAYTRAIN_CACHE) of the test's own, not the user's ~/.cache/raytrain."""
+    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))

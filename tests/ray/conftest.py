@@ -46,35 +46,32 @@ def ray_env_restored():
         os.environ.update(before)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """A local S3 server (moto, loopback) for the module, with its endpoint and keys in this environment."""
-    pytest.importorskip("moto")
-    pytest.importorskip("s3fs")
-    from tests.s3_server import s3_server
-
-    with s3_server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def ray_on_s3(s3, tmp_path_factory):
-    """A local Ray whose workers see the S3 server's endpoint and keys in their environment, and a cache of
-    their own (not the user's ~/.cache/raytrain). The dashboard is on, as `raytrain tune` has it (Ray Train's
-    placement-group cleaner asks its State API whether a Train controller died)."""
+@contextlib.contextmanager
+def local_ray(runtime_env: dict):
+    """A new local Ray for a module that runs Tune (address="local": even when another Ray runs on this
+    machine), shut down by its handle. The dashboard is on, as `raytrain tune` has it: Ray Train's
+    PlacementGroupCleaner asks the State API (served by the dashboard) whether a Train controller died; an
+    interrupted experiment kills its trials' controllers, and without the cleaner their workers' placement
+    groups would outlive them in this driver and starve the resumed trials."""
     import ray
 
     assert not ray.is_initialized(), "a Ray from another test module is still running"
-    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    cache = str(tmp_path_factory.mktemp("worker-cache"))
-    env = {"env_vars": {**RUNTIME_ENV["env_vars"], **aws, "RAYTRAIN_CACHE": cache}}
     with ray_env_restored():
         import tensorboardX  # noqa: F401  (Tune's logger imports it, and it sets CRC32C_SW_MODE on import)
+        from ray.tune.schedulers.pb2 import PB2  # noqa: F401  (its scikit-learn sets KMP_* on import)
 
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=True, runtime_env=env, log_to_driver=False
-        )
+        ray.init(address="local", num_cpus=2, include_dashboard=True, runtime_env=runtime_env, log_to_driver=False)
         try:
             yield ray
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_on_s3(s3, tmp_path_factory):
+    """A local Ray whose workers see the S3 server's endpoint and keys in their environment (tests/conftest.py's
+    `s3`), and a cache of their own (not the user's ~/.cache/raytrain)."""
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    cache = str(tmp_path_factory.mktemp("worker-cache"))
+    with local_ray({"env_vars": {**RUNTIME_ENV["env_vars"], **aws, "RAYTRAIN_CACHE": cache}}) as ray:
+        yield ray

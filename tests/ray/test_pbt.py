@@ -28,8 +28,9 @@ from search.config import load_experiment, save
 from search.driver import run_experiment
 from search.lineage import read_events, read_reports
 from tests.conftest import tiny_raw
-from tests.ray.conftest import RUNTIME_ENV, ray_env_restored
+from tests.ray.conftest import RUNTIME_ENV, local_ray
 from trainers.metrics import read_metrics
+from trainers.storage import location
 
 pytestmark = pytest.mark.ray
 
@@ -38,25 +39,8 @@ INTERVAL, STEPS = 10, 20
 
 @pytest.fixture(scope="module")
 def ray_pbt():
-    import ray
-
-    assert not ray.is_initialized(), "a Ray from another test module is still running"
-    with ray_env_restored():
-        import tensorboardX  # noqa: F401  (Tune's logger imports it, and it sets CRC32C_SW_MODE on import)
-        from ray.tune.schedulers.pb2 import PB2  # noqa: F401  (its scikit-learn sets KMP_* on import)
-
-        # address="local": a new Ray even when another one runs on this machine. The dashboard is on, as
-        # `raytrain tune` has it: Ray Train's PlacementGroupCleaner asks the State API (served by the
-        # dashboard) whether a Train controller died. The interrupted experiment below kills its trials'
-        # controllers, and without the cleaner their workers' placement groups would outlive them in this
-        # driver and starve the resumed trials (a user's Ctrl-C ends the driver, which frees them too).
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=True, runtime_env=RUNTIME_ENV, log_to_driver=False
-        )
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
+    with local_ray(RUNTIME_ENV) as ray:
+        yield ray
 
 
 def _experiment(
@@ -176,7 +160,7 @@ class InterruptAfterExploit(tune.Callback):
     resumed run would then hold with nobody to stop it)."""
 
     def __init__(self, exp_dir: Path):
-        self.exp_dir, self.sent = exp_dir, False
+        self.exp_dir, self.sent = str(exp_dir), False  # a local folder or a bucket's URI
 
     def get_state(self):  # the resumed experiment restores its callbacks: do not interrupt it again
         return {"sent": self.sent}
@@ -185,7 +169,7 @@ class InterruptAfterExploit(tune.Callback):
         self.sent = state["sent"]
 
     def on_step_end(self, iteration, trials, **info):
-        if not self.sent and (self.exp_dir / "held-once").exists():
+        if not self.sent and (location(self.exp_dir) / "held-once").exists():
             self.sent = True
             os.kill(os.getpid(), signal.SIGINT)
 

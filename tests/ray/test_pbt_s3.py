@@ -16,67 +16,32 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
-import yaml
-from ray import tune
 
 from raytrain_ext.cli import main
 from search.config import load_experiment
-from search.lineage import read_events, read_reports
+from search.lineage import read_events
 from search.replay import replay
-from tests.conftest import tiny_raw
-from trainers.metrics import read_metrics
+from tests.ray.test_pbt import INTERVAL, STEPS, InterruptAfterExploit, _train_rows, _trial_of
+from tests.ray.test_pbt import _experiment as pbt_experiment
 from trainers.storage import location, upload_folder
 
-pytestmark = pytest.mark.ray
-
-INTERVAL, STEPS = 10, 20
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("own_cache")]
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
-
-
-def _experiment(tmp, data: str, storage: str, name: str, **more) -> str:
-    base = tiny_raw(data, tmp / "unused", optimizer={"name": "adamw", "lr": 1e-3})
-    base["data"]["path"] = data
-    (tmp / f"{name}-base.yaml").write_text(yaml.safe_dump(base))
-    exp = {
-        "name": name,
-        "base": f"{name}-base.yaml",
-        "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
-        "initial": [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
-        "scheduler": {
-            "name": "pbt",
-            "interval": INTERVAL,
-            "quantile_fraction": 0.5,
-            "synch": True,
-            "resample_probability": 0.0,
-        },
-        "population": 2,
-        "budget": {"steps": STEPS},
-        "resources": {"workers": 1},
-        "storage": storage,
-        "keep_checkpoints": 1,
+def _experiment(tmp, data: str, storage: str, name: str, **more):
+    return pbt_experiment(
+        tmp,
+        data,
+        name,
+        {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        storage=storage,
+        keep_checkpoints=1,
         **more,
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(exp))
-    return str(path)
-
-
-def _train_rows(exp_dir, trial: str) -> dict[int, dict]:
-    rows = []
-    for path in (exp_dir / "runs" / trial).glob("*/metrics.jsonl"):
-        rows += read_metrics(path, "train")
-    return {r["step"]: r for r in sorted(rows, key=lambda r: r["time"])}
-
-
-def _trial_of(exp_dir, lr: float) -> str:
-    return next(r["trial"] for r in read_reports(exp_dir) if r["hparams"]["optimizer.lr"] == lr)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +59,7 @@ def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_buc
     cwd = os.getcwd()
     os.chdir(tmp_path)  # a relative path written by mistake would land here
     try:
-        assert main(["tune", path, "--quiet"]) == 0
+        assert main(["tune", str(path), "--quiet"]) == 0
     finally:
         os.chdir(cwd)
     exp_dir = location(uri)
@@ -120,6 +85,10 @@ def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_buc
         pin = location(meta["pin"])
         assert meta["pin"].startswith(f"s3://{bucket}/tune/pbt/runs/") and pin.parent.name == "pins"
         assert (pin / meta["step_dir"] / "COMMITTED").is_file(), "the pin holds a committed copy"
+    # Retention (keep_checkpoints=1) deletes pins in the bucket too: at most the newest and one an exploit
+    # may still need, of the 2-3 each trial made.
+    pins = {t: {k.split("/")[5] for k in keys if k.startswith(f"tune/pbt/runs/{t}/pins/")} for t in (strong, weak)}
+    assert all(1 <= len(p) <= 2 for p in pins.values()), pins
     assert not (tmp_path / "runs").exists() and not (tmp_path / "tune").exists()
 
     # report: plots and summary written to the bucket.
@@ -143,25 +112,6 @@ def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_buc
 def _sizes(s3, bucket: str, prefix: str) -> dict[str, int]:
     pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return {obj["Key"]: obj["Size"] for page in pages for obj in page.get("Contents", [])}
-
-
-class InterruptAfterExploit(tune.Callback):
-    """Sends the driver a SIGINT (as Ctrl-C) once the exploited trial holds at its first step from the donor
-    (`tests.ray.hooks.HoldOnceFromDonor` marks it in the bucket)."""
-
-    def __init__(self, exp_dir):
-        self.exp_dir, self.sent = exp_dir, False
-
-    def get_state(self):
-        return {"sent": self.sent}
-
-    def set_state(self, state):
-        self.sent = state["sent"]
-
-    def on_step_end(self, iteration, trials, **info):
-        if not self.sent and (location(str(self.exp_dir)) / "held-once").exists():
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGINT)
 
 
 @pytest.mark.slow  # ~3 min on 2 cores: an experiment interrupted and resumed

@@ -21,14 +21,9 @@ from trainers.storage import location, upload_folder
 
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("own_cache")]
 
 STEPS, EVERY = 8, 2
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
 
 
 def _write_run(tmp_path, name, run_dir, data):

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.ray
 BUDGET = 40  # steps: 10 rounds of 4 steps (0.3% of seeds miss the target in a NumPy replica of the loop)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # the second seed: slow tier
 def test_pbt_reaches_the_optimum(ray_pbt, tmp_path, seed):  # noqa: F811
     result = run_toy(seed, BUDGET, tmp_path)
     assert result["best_q"] >= 1.19, result["curves"]

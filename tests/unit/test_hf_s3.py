@@ -16,11 +16,12 @@ import torch
 transformers = pytest.importorskip("transformers")  # the `hf` extra
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 import raytrain_ext.worker  # noqa: E402, F401  at collection: a first `import ray` sets RAY_CLIENT_MODE (the leak guard)
 from raytrain_ext.cli import main  # noqa: E402
 from tests.conftest import tiny_raw  # noqa: E402
-from tests.s3_server import NO_CREDENTIALS, clear_clients, s3_server  # noqa: E402
+from tests.s3_server import NO_CREDENTIALS, clear_clients  # noqa: E402
 from trainers.config import parse_config  # noqa: E402
 from trainers.data.tokenizer import load_tokenizer, save_hf  # noqa: E402
 from trainers.hf.pretrained import PretrainedWeights  # noqa: E402
@@ -30,17 +31,6 @@ from trainers.trainer import Trainer  # noqa: E402
 
 TRAIN = {"steps": 2, "global_batch_size": 4, "micro_batch_size": 4, "eval_every": 0, "tensorboard": False}
 MISSING = "s3://no-such-bucket-raytrain"
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as server:
-        yield server
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="module")

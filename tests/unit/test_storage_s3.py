@@ -16,7 +16,7 @@ import yaml
 
 import raytrain_ext.worker  # noqa: F401  at collection: a first `import ray` sets RAY_CLIENT_MODE (the leak guard)
 from tests.conftest import tiny_raw
-from tests.s3_server import NO_CREDENTIALS, clear_clients, s3_server
+from tests.s3_server import NO_CREDENTIALS, clear_clients
 from trainers.checkpoint import Checkpointer, ModelOptimizerState, is_complete
 from trainers.config import parse_config
 from trainers.data.dataset import TokenWindows
@@ -26,17 +26,7 @@ from trainers.storage import location
 
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as server:
-        yield server
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture(scope="module")

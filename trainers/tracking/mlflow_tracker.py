@@ -78,6 +78,8 @@ class MlflowTracker(Tracker):
                 tags.update(_event_tag(r))
                 if r.get("event") == "checkpoint":
                     self.last_checkpoint = r.get("path")
+                if r.get("event") == "exploit":  # loaded in place (a PBT trial): the run's params changed
+                    tags.update(self._exploit_tags(r))
         for i in range(0, len(metrics), _METRICS_PER_CALL):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + _METRICS_PER_CALL])
         self._log_tags(tags)
@@ -124,6 +126,14 @@ class MlflowTracker(Tracker):
             }
         )
 
+    def _exploit_tags(self, record: dict[str, Any]) -> dict[str, str]:
+        """The tags an exploit in place brings (the trial's `exploit.<step>` ones), and `changed.<key>` for
+        each new value that differs from the run's params, as a new run's `_log_params` would set them."""
+        values = {k: str(v)[:_VALUE_CHARS] for k, v in (record.get("values") or {}).items()}
+        params = {k: str(v)[:_VALUE_CHARS] for k, v in self.params.items()}
+        changed = {f"changed.{k}": v for k, v in values.items() if k in params and params[k] != v}
+        return {**(record.get("tags") or {}), **changed}
+
     def _log_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
@@ -161,7 +171,7 @@ def _event_tag(record: dict[str, Any]) -> dict[str, str]:
     event = record.get("event", "event")
     if event == "checkpoint":
         return {"checkpoint": str(record.get("path"))}
-    fields = {k: v for k, v in record.items() if k not in ("kind", "event", "step")}
+    fields = {k: v for k, v in record.items() if k not in ("kind", "event", "step", "tags")}
     return {f"event.{record.get('step', 0):08d}.{event}": json.dumps(fields, default=str)}
 
 
