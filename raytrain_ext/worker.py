@@ -30,7 +30,7 @@ import ray.train
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from trainers._base import ConfigError, NonFiniteLossError
-from trainers.checkpoint import CheckpointError
+from trainers.checkpoint import CheckpointError, checkpoint_step
 from trainers.config import RunConfig, parse_config, with_values
 from trainers.launch import run_local
 from trainers.storage import is_remote, write_text_atomic
@@ -60,19 +60,28 @@ class StopRun(Exception):
 
 
 class LatestMetrics(TrainerCallback):
-    """Keeps the latest value of each train/eval metric, for a report at a checkpoint."""
+    """Keeps the latest value of each train/eval metric as of every step not yet reported, for the report of
+    a checkpoint: one written in the background commits a few steps after the step it holds, and is reported
+    with that step's metrics."""
 
     def __init__(self) -> None:
         self.latest: dict[str, Any] = {}
+        self.at_step: dict[int, dict[str, Any]] = {}
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self.latest.update({k: v for k, v in record.items() if isinstance(v, (int, float))})
+        self.at_step[trainer.step] = dict(self.latest)
 
     def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self.latest.update(record)
+        self.at_step[trainer.step] = dict(self.latest)
 
-    def report(self, trainer: Trainer) -> dict[str, Any]:
-        return {**self.latest, "step": trainer.step, "world_size": trainer.engine.world_size}
+    def report(self, trainer: Trainer, step: int | None = None) -> dict[str, Any]:
+        """The metrics as of `step` (default: the trainer's), for its checkpoint's report."""
+        step = trainer.step if step is None else step
+        metrics = self.at_step.get(step, self.latest)
+        self.at_step = {s: m for s, m in self.at_step.items() if s > step}
+        return {**metrics, "step": step, "world_size": trainer.engine.world_size}
 
 
 class ReportToRay(LatestMetrics):
@@ -80,7 +89,7 @@ class ReportToRay(LatestMetrics):
     `ray.train.report` the same number of times: checkpoints are collective."""
 
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        metrics = self.report(trainer)
+        metrics = self.report(trainer, checkpoint_step(path))
         ray.train.report(
             metrics,
             checkpoint=as_ray_checkpoint(path),

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ext.worker import LatestMetrics, StopRun
+from trainers.checkpoint_files import checkpoint_step
 from trainers.config import with_values
 from trainers.trainer import Trainer, TrainerCallback
 
@@ -23,8 +24,8 @@ class StopAtStep(TrainerCallback):
         self.step = step
 
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
-        if trainer.step >= self.step:
-            raise StopRun(f"segment ends at step {trainer.step}")
+        if checkpoint_step(path) >= self.step:
+            raise StopRun(f"segment ends at step {checkpoint_step(path)}")
 
 
 class WaitAtGate(LatestMetrics):
@@ -34,7 +35,8 @@ class WaitAtGate(LatestMetrics):
     for this step: go on, stop here, or load a donor's checkpoint in place (a PBT exploit), with new
     hyperparameters. From step `wait_from` on (PBT decides there) the ranks wait for that answer; before
     it, or with `wait_from=None` (ASHA, random search: nothing to load), they only look whether the trial
-    has said stop, and train on without waiting for Tune's round trip."""
+    has said stop, and train on without waiting for Tune's round trip. A checkpoint written in the
+    background commits a few steps after the step it holds: the report and the answer are that step's."""
 
     def __init__(self, gate: str, wait_from: int | None = 0) -> None:
         super().__init__()
@@ -44,14 +46,16 @@ class WaitAtGate(LatestMetrics):
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
         import ray
 
+        step = checkpoint_step(path)
         try:
             self.gate = self.gate or ray.get_actor(self.gate_name)
+            metrics = self.report(trainer, step)
             if trainer.engine.is_main:  # no wait: calls from one caller arrive in order
-                self.gate.post.remote({"metrics": self.report(trainer), "path": str(path)})
-            if trainer.step >= trainer.cfg.train.steps:  # the last one: the run ends by itself
+                self.gate.post.remote({"metrics": metrics, "path": str(path)})
+            if step >= trainer.cfg.train.steps:  # the last one: the run ends by itself
                 return
-            waits = self.wait_from is not None and trainer.step >= self.wait_from
-            answer = ray.get((self.gate.wait if waits else self.gate.peek).remote(trainer.step))
+            waits = self.wait_from is not None and step >= self.wait_from
+            answer = ray.get((self.gate.wait if waits else self.gate.peek).remote(step))
         except (ValueError, ray.exceptions.RayActorError):  # the trial is gone
             answer = "stop"
         if isinstance(answer, dict):  # an exploit: the trial installed the donor's checkpoint as our newest
@@ -59,7 +63,7 @@ class WaitAtGate(LatestMetrics):
             extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
             trainer.load_in_place(Path(answer["checkpoint"]), cfg, donor=answer["donor"], **extra)
         elif answer != "go":
-            raise StopRun(f"the trial stopped the run at step {trainer.step}")
+            raise StopRun(f"the trial stopped the run at step {step}")
 
 
 class ApplySchedule(TrainerCallback):

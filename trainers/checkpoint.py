@@ -1,5 +1,5 @@
-"""Checkpoints: a template whose public methods hold the guards (atomic commit, retention, discovery)
-and a backend that writes and reads the tensors.
+"""Checkpoints: a template whose public methods hold the guards (atomic commit, retention, discovery, at most
+one save in flight) and a backend that stages, writes and reads the tensors.
 
 Layout under `root/`:
     step_00000040/            a complete checkpoint (only ever created by an atomic rename)
@@ -8,11 +8,22 @@ Layout under `root/`:
                                engine's *.pt does: load only checkpoints your runs wrote (README: Trust)
         trainer_state.json     step, samples consumed, loss-scaler state, ... (no pickle)
         rng/rank00000.pt       per-rank RNG states (tensors only; loaded with weights_only=True)
-        COMMITTED              written last, before the rename: the step and every file's size and sha256
+        COMMITTED              written last, before the rename: the step, the hash's name and every file's
+                               size and piece checksums (`trainers.checksums`)
     step_00000060.partial/     a save in progress or one interrupted by a crash: never loaded
 
-A restore verifies the files against COMMITTED (each rank hashes a slice of them); `candidates` lists the
-complete checkpoints newest first, so that a caller can fall back past a corrupt one.
+Two modes (`checkpoint.mode`):
+- `sync`: the training step waits for the whole save: write, checksums, COMMITTED, rename, retention.
+- `async` (the default): the step waits only for staging, a copy of the state into host memory (buffers
+  reused between saves, pinned on CUDA: DCP's `DefaultStager`); a writer thread then does everything
+  `sync` does, with its own gloo process group for the collectives DCP and the commit need. `collect()`
+  tells every rank at once (one small all-reduce per step while a save is in flight) that the save
+  committed, so that reports name committed checkpoints only. A second save waits for the first.
+Writing and reading use DCP's threads (`checkpoint.threads`); checksums are piece-wise xxh3-128 hashed in
+parallel, spread over the ranks, so neither costs a single-threaded pass.
+
+A restore verifies the files against COMMITTED; `candidates` lists the complete checkpoints newest first,
+so that a caller can fall back past a corrupt one.
 
 On an object store (`root` an s3://, gs:// URI: `trainers.storage`) there is no atomic rename: every rank
 writes its shards straight into `step_XXXXXXXX/` (DCP's FsspecWriter, no staging copy), and COMMITTED,
@@ -24,14 +35,18 @@ first, so a half-deleted folder is never taken for a checkpoint either.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import io
 import json
 import os
 import shutil
+import threading
+import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -48,24 +65,35 @@ from trainers.checkpoint_files import (
     STEP_DIR,
     _fsync_dir,
     _write_json,
+    checkpoint_step,
     delete_checkpoint,
     install_checkpoint,
     is_complete,
     link_tree,
     read_trainer_state,
 )
-from trainers.storage import is_remote, location, remove_tree, sha256_of, size_of, write_text_atomic
+from trainers.checksums import HASH, PIECE_BYTES, check_files, digest_pieces, pieces_of
+from trainers.storage import is_remote, location, size_of, write_text_atomic
 
 __all__ = [
     "link_tree",
     "CheckpointError",
     "Checkpointer",
     "CheckpointBackend",
+    "Committed",
     "DCPBackend",
     "ModelOptimizerState",
+    "SaveFigures",
+    "checkpoint_step",
     "is_complete",
 ]
 
+# Without a process group DCP warns that it assumes a single process: that is what a single-process run
+# means, and a user cannot act on it. (A module-level filter: `catch_warnings` is not thread-safe, and the
+# writer thread saves beside the training thread.)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+WRITER_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank whose writer died: the others' barriers give up
 
 
 def _rank() -> int:
@@ -76,38 +104,37 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _barrier(group: Any = None) -> None:
+    if _world() > 1:
+        dist.barrier(group=group)
 
 
-def _gather(value: Any) -> list[Any]:
+def _gather(value: Any, group: Any = None) -> list[Any]:
     """Every rank's `value` (a small picklable object), on every rank."""
     if _world() == 1:
         return [value]
     out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
+
+
+def default_threads() -> int:
+    """Writer/reader/checksum threads per rank when `checkpoint.threads` is 0: what the host offers, at
+    most 8 (DCP's writers are bounded by the disk beyond that)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read: missing or changed files, or none left to fall back to."""
 
 
-_SUMS = ".sums"  # per-rank checksum lists of a save in progress, merged into COMMITTED
-
-
 def _files(root: Path) -> list[str]:
-    """The checkpoint's files (relative, sorted), but the marker and checksum lists."""
+    """The checkpoint's files (relative, sorted), but the marker."""
     if is_remote(root):
         base = root.path.rstrip("/") + "/"
         names = (p[len(base) :] for p in root.fs.find(root.path) if p.startswith(base))
-        return sorted(n for n in names if n != COMMITTED and n.split("/")[0] != _SUMS)
-    return sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_file() and p.name != COMMITTED and _SUMS not in p.relative_to(root).parts
-    )
+        return sorted(n for n in names if n != COMMITTED)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != COMMITTED)
 
 
 def _children(root: Path, pattern: str) -> list[str]:
@@ -119,29 +146,6 @@ def _children(root: Path, pattern: str) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
-
-
-def _sha256(path: Path) -> str:
-    return sha256_of(path)
-
-
-
-
-def _my_share(names: list[str]) -> list[str]:
-    # Each rank hashes every world-th file: a big model's checkpoint is hashed in parallel.
-    return names[_rank() :: _world()]
-
-
-def _check_file(root: Path, name: str, expected: dict[str, Any]) -> str | None:
-    path = root / name
-    size = size_of(path)
-    if size is None:
-        return f"{name} is missing"
-    if size != expected["size"]:
-        return f"{name} has {size} bytes, {expected['size']} were written"
-    if _sha256(path) != expected["sha256"]:
-        return f"{name} does not match its sha256"
-    return None
 
 
 class ModelOptimizerState(Stateful):
@@ -165,47 +169,119 @@ class ModelOptimizerState(Stateful):
 
 
 class CheckpointBackend(Protocol):
-    def save(self, path: Path, state: dict[str, Stateful]) -> None: ...
-    def load(self, path: Path, state: dict[str, Stateful]) -> None: ...
+    """Writes and reads a checkpoint's tensors. `stage` (optional) returns a host copy of `state` that `save`
+    can write while training goes on; a backend without it saves synchronously."""
+
+    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> None: ...
+    def load(self, path: Path, state: dict[str, Stateful], threads: int = 1) -> None: ...
+
+
+class _ParallelReader(FileSystemReader):
+    """DCP's file reader, its files read by `threads` threads (DCP's own reads them one after another)."""
+
+    def __init__(self, path: str, threads: int):
+        super().__init__(path)
+        self.threads = threads
+
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        read = super().read_data  # each call reads one file's items into their (distinct) tensors
+        with ThreadPoolExecutor(max(1, min(self.threads, len(per_file))), thread_name_prefix="dcp-read") as pool:
+            for done in [pool.submit(read, replace(plan, items=items), planner) for items in per_file.values()]:
+                done.result()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
 
 
 class DCPBackend:
-    """torch.distributed.checkpoint: every rank writes its shards; loading reshards."""
+    """torch.distributed.checkpoint: every rank writes its shards (`threads` files at once); loading
+    reshards. Staging copies the state into host buffers kept for the next save (pinned on CUDA)."""
 
-    def save(self, path: Path, state: dict[str, Stateful]) -> None:
-        with _one_process_is_meant():
-            if is_remote(path):  # each rank writes its shards straight to the store
-                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    def __init__(self) -> None:
+        self._stager: Any = None
 
-                dcp.save(state, storage_writer=FsspecWriter(str(path), **path.storage_options))
-            else:
-                dcp.save(state, checkpoint_id=str(path))
+    def stage(self, state: dict[str, Stateful]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    def load(self, path: Path, state: dict[str, Stateful]) -> None:
-        with _one_process_is_meant():
-            if is_remote(path):  # each rank reads the byte ranges of its shards
-                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        return self._stager.stage({key: value.state_dict() for key, value in state.items()})
 
-                dcp.load(state, storage_reader=FsspecReader(str(path), **path.storage_options))
-            else:
-                dcp.load(state, checkpoint_id=str(path))
+    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> None:
+        # The plan is cached between saves of the same layout (only a delta goes to the coordinator).
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        if is_remote(path):  # each rank writes its shards straight to the store
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            writer = FsspecWriter(str(path), thread_count=threads, **path.storage_options)
+        else:
+            writer = FileSystemWriter(str(path), thread_count=threads)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_world() == 1)
+
+    def load(self, path: Path, state: dict[str, Stateful], threads: int = 1) -> None:
+        if is_remote(path):  # each rank reads the byte ranges of its shards
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            dcp.load(state, storage_reader=FsspecReader(str(path), **path.storage_options))
+        else:
+            dcp.load(state, storage_reader=_ParallelReader(str(path), threads))
 
 
-@contextlib.contextmanager
-def _one_process_is_meant() -> Iterator[None]:
-    """Without a process group DCP warns that it assumes a single process: that is what a single-process run
-    means, and a user cannot act on it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+@dataclass
+class SaveFigures:
+    """What one save cost, for its `checkpoint` event (seconds; `bytes`: the checkpoint's files)."""
+
+    mode: str  # sync | async
+    blocking_s: float = 0.0  # what training waited for: the save before (wait_s) + staging, or the whole save
+    wait_s: float = 0.0  # of that, waiting for the save in flight before this one to commit
+    stage_s: float = 0.0
+    write_s: float = 0.0  # the tensors, RNG and trainer state on disk, every rank
+    checksum_s: float = 0.0
+    commit_s: float = 0.0  # from the save's start to its commit
+    bytes: int = 0
+
+
+@dataclass
+class Committed:
+    step: int
+    path: Path
+    figures: SaveFigures
+
+
+@dataclass
+class _InFlight:
+    step: int
+    figures: SaveFigures
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    path: Path | None = None
+    error: BaseException | None = None
 
 
 class Checkpointer:
     """Atomic saves with retention, and discovery of the newest complete checkpoint."""
 
-    def __init__(self, root: Path, keep: int, backend: CheckpointBackend | None = None):
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        backend: CheckpointBackend | None = None,
+        mode: str = "sync",
+        threads: int = 0,
+    ):
         self.root, self.keep = location(root), keep
         self.backend = backend or DCPBackend()
+        self.threads = threads or default_threads()
+        # async needs a backend that can stage (DeepSpeed's engine writes from its own state: sync)
+        self.mode = mode if hasattr(self.backend, "stage") else "sync"
+        self._in_flight: _InFlight | None = None
+        self._groups: tuple[Any, Any] | None = None  # (writer's, poll's): gloo groups for world > 1
+
+    # ------------------------------------------------------------------------------------ discovery
 
     def latest(self) -> Path | None:
         done = self.candidates()
@@ -218,21 +294,28 @@ class Checkpointer:
         return done[::-1]
 
     @staticmethod
-    def verify(path: Path) -> str | None:
-        """Collective: None when every file matches its size and sha256 in COMMITTED, else why not (the
+    def verify(path: Path, threads: int = 0) -> str | None:
+        """Collective: None when every file matches its size and checksums in COMMITTED, else why not (the
         same answer on every rank). Checkpoints committed without checksums pass on their marker alone."""
         path = location(path)
         try:
-            expected = json.loads((path / COMMITTED).read_text()).get("files")
+            marker = json.loads((path / COMMITTED).read_text())
         except (OSError, ValueError) as e:
-            expected, problem = None, f"{COMMITTED} is unreadable ({e})"
+            problem: str | None = f"{COMMITTED} is unreadable ({e})"
         else:
             problem = None
-        if problem is None and expected is not None:
-            problems = (_check_file(path, name, expected[name]) for name in _my_share(sorted(expected)))
-            problem = next((p for p in problems if p is not None), None)
+            if marker.get("files") is not None:
+                sizes = {name: size_of(path / name) for name in marker["files"]}
+                problem = check_files(path, marker, sizes, _rank(), _world(), threads or default_threads())
         found = [p for p in _gather(problem) if p is not None]
         return found[0] if found else None
+
+    # ----------------------------------------------------------------------------------------- saving
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save being written in the background, if any."""
+        return self._in_flight.step if self._in_flight is not None else None
 
     def save(
         self,
@@ -242,81 +325,190 @@ class Checkpointer:
         rng: dict[str, torch.Tensor] | None = None,
         before_commit: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Collective: every rank calls it. Visible under its final name only once complete."""
+        """Collective, synchronous: returns once the checkpoint is committed (the mode aside)."""
+        return self.save_with_figures(step, state, trainer_state, rng, before_commit=before_commit).path
+
+    def save_with_figures(
+        self,
+        step: int,
+        state: dict[str, Stateful],
+        trainer_state: dict[str, Any],
+        rng: dict[str, torch.Tensor] | None = None,
+        wait_s: float = 0.0,
+        before_commit: Callable[[Path], None] | None = None,
+    ) -> Committed:
+        """`save`, with what it cost (`wait_s`: how long the caller waited for a save in flight before)."""
+        self._refuse_second_save()
+        figures = SaveFigures("sync", wait_s=wait_s)
+        start = time.perf_counter()
+        path = self._write_and_commit(step, state, trainer_state, rng, figures, None, before_commit)
+        figures.commit_s = time.perf_counter() - start
+        figures.blocking_s = figures.wait_s + figures.commit_s
+        return Committed(step, path, figures)
+
+    def start_save(
+        self,
+        step: int,
+        state: dict[str, Stateful],
+        trainer_state: dict[str, Any],
+        rng: dict[str, torch.Tensor] | None = None,
+        wait_s: float = 0.0,
+        before_commit: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Collective, asynchronous: returns once `state` is staged; the writer thread commits it, and
+        `collect` says when. The save in flight before, if any, must have been collected (`wait_s`: how long
+        the caller waited for that)."""
+        self._refuse_second_save()
+        start = time.perf_counter()
+        staged = self.backend.stage(state)  # type: ignore[attr-defined]
+        rng = {k: v.clone() for k, v in rng.items()} if rng is not None else None
+        figures = SaveFigures("async", wait_s=wait_s, stage_s=time.perf_counter() - start)
+        figures.blocking_s = wait_s + figures.stage_s
+        job = self._in_flight = _InFlight(step, figures, start)
+        group = self._writer_groups()[0]
+
+        def write() -> None:
+            try:
+                job.path = self._write_and_commit(step, staged, trainer_state, rng, figures, group, before_commit)
+                figures.commit_s = time.perf_counter() - job.started
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread by collect()
+                job.error = e
+            finally:
+                job.done.set()
+
+        # A daemon: a process stopping with a save in flight is not held open by it (the partial folder
+        # it leaves is never loaded, and retention removes it).
+        threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True).start()
+
+    def collect(self, wait: bool) -> Committed | None:
+        """Collective while a save is in flight: the save, once it committed on every rank (all ranks get
+        the same answer at the same call); None while it is still being written (`wait=False`) or when none
+        is in flight. Raises CheckpointError on every rank when the write failed on any."""
+        job = self._in_flight
+        if job is None:
+            return None
+        if wait:
+            job.done.wait()
+        status = torch.tensor([0 if job.done.is_set() else 1, 1 if job.error is not None else 0])
+        if _world() > 1:  # one small all-reduce: every rank agrees on when a commit is seen
+            dist.all_reduce(status, group=self._writer_groups()[1])
+        if int(status[0]) > 0:
+            return None
+        self._in_flight = None
+        if int(status[1]) > 0:
+            cause = f"{type(job.error).__name__}: {_first_line(job.error)}" if job.error else "on another rank"
+            raise CheckpointError(
+                f"the save of step {job.step} failed ({cause}); the newest committed checkpoint is still the "
+                f"resume point; fix: check the disk or bucket (space, permissions) and resume"
+            ) from job.error
+        assert job.path is not None
+        return Committed(job.step, job.path, job.figures)
+
+    def abandon(self) -> int | None:
+        """Stop waiting for the save in flight (the process is stopping on an error; other ranks may be
+        gone): its writer may still finish, else its partial folder is never loaded. Returns its step."""
+        job, self._in_flight = self._in_flight, None
+        return job.step if job is not None else None
+
+    def _refuse_second_save(self) -> None:
+        if self._in_flight is not None:  # one save in flight at a time: the caller collects it first
+            raise RuntimeError(f"the save of step {self._in_flight.step} is still in flight: collect it first")
+
+    def _writer_groups(self) -> tuple[Any, Any]:
+        """Gloo groups of their own for the writer thread's collectives and for `collect`'s poll, so that
+        neither interleaves with the training thread's (made once, collectively, at the first async save)."""
+        if self._groups is None:
+            if _world() == 1:
+                self._groups = (None, None)
+            else:
+                self._groups = (
+                    dist.new_group(backend="gloo", timeout=WRITER_GROUP_TIMEOUT),
+                    dist.new_group(backend="gloo", timeout=WRITER_GROUP_TIMEOUT),
+                )
+        return self._groups
+
+    def _write_and_commit(
+        self,
+        step: int,
+        state: dict[str, Any],
+        trainer_state: dict[str, Any],
+        rng: dict[str, torch.Tensor] | None,
+        figures: SaveFigures,
+        group: Any,
+        before_commit: Callable[[Path], None] | None,
+    ) -> Path:
+        """Collective over `group`: write, checksum, commit, retain. Visible under its final name only once
+        complete."""
         final = self.root / f"step_{step:08d}"
         remote = is_remote(self.root)
         # On an object store the save goes straight into the step folder: the marker written last commits it.
         partial = final if remote else final.with_name(final.name + ".partial")
         rank = _rank()
+        start = time.perf_counter()
         if rank == 0:
             if remote:
                 delete_checkpoint(final)  # leftover of a crashed save (or this step saved before: replaced)
             else:
                 shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed save
                 partial.mkdir(parents=True)
-        _barrier()
-        self.backend.save(partial, state)
+        _barrier(group)
+        self.backend.save(partial, state, group=group, threads=self.threads)
         if rng is not None:
-            if remote:
-                buffer = io.BytesIO()
-                torch.save(rng, buffer)
-                (partial / "rng" / f"rank{rank:05d}.pt").write_bytes(buffer.getvalue())
-            else:
+            buffer = io.BytesIO()
+            torch.save(rng, buffer)
+            if not remote:
                 (partial / "rng").mkdir(exist_ok=True)
-                torch.save(rng, partial / "rng" / f"rank{rank:05d}.pt")
+            (partial / "rng" / f"rank{rank:05d}.pt").write_bytes(buffer.getvalue())
         if rank == 0:
             if remote:
                 write_text_atomic(partial / "trainer_state.json", json.dumps(trainer_state, indent=1))
             else:
                 _write_json(partial / "trainer_state.json", trainer_state)
-        _barrier()
-        self._write_sums(partial)
-        _barrier()
+        _barrier(group)
+        figures.write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        files = self._checksums(partial, group)
+        figures.checksum_s = time.perf_counter() - start
+        figures.bytes = sum(f["size"] for f in files.values())
         if rank == 0:
-            if before_commit is not None:  # a test hook: simulate a crash before the commit
+            if before_commit is not None:  # a test hook: simulate a crash (or a slow disk) before the commit
                 before_commit(partial)
-            marker = {"step": step, "files": self._merged_sums(partial)}
+            marker = {"step": step, "hash": HASH, "piece_bytes": PIECE_BYTES, "files": files}
             if remote:
                 write_text_atomic(final / COMMITTED, json.dumps(marker, indent=1))
-                self._retain()
-                _barrier()
-                return final
-            _write_json(partial / COMMITTED, marker)
-            _fsync_dir(partial)
-            if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.root)
+            else:
+                _write_json(partial / COMMITTED, marker)
+                _fsync_dir(partial)
+                if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
+                    shutil.rmtree(final)
+                os.replace(partial, final)
+                _fsync_dir(self.root)
             self._retain()
-        _barrier()
+        _barrier(group)
         return final
+
+    def _checksums(self, partial: Path, group: Any) -> dict[str, dict[str, Any]]:
+        """Every file's size and piece digests, the pieces spread over the ranks and their threads."""
+        names = _files(partial)
+        sizes: dict[str, int] = {}
+        for name in names:
+            size = size_of(partial / name)
+            if size is None:  # listed, then gone: another process is deleting the folder
+                raise CheckpointError(f"{partial / name} vanished during the save")
+            sizes[name] = size
+        digests: dict[tuple[str, int], str] = {}
+        for part in _gather(digest_pieces(partial, pieces_of(sizes)[_rank() :: _world()], self.threads), group):
+            digests.update(part)
+        files = {name: {"size": size, "pieces": []} for name, size in sizes.items()}
+        for name, index, _, _ in pieces_of(sizes):
+            if (name, index) not in digests:  # never commit unsummed bytes
+                raise CheckpointError(f"{partial}: no checksum for piece {index} of {name}")
+            files[name]["pieces"].append(digests[(name, index)])
+        return files
 
     def install(self, src: Path) -> Path:
         """See `install_checkpoint`: `src` becomes this run's newest checkpoint."""
         return install_checkpoint(self.root, src)
-
-    @staticmethod
-    def _write_sums(partial: Path) -> None:
-        sums = {
-            name: {"size": size_of(partial / name), "sha256": _sha256(partial / name)}
-            for name in _my_share(_files(partial))
-        }
-        if is_remote(partial):
-            write_text_atomic(partial / _SUMS / f"rank{_rank():05d}.json", json.dumps(sums))
-            return
-        (partial / _SUMS).mkdir(exist_ok=True)
-        _write_json(partial / _SUMS / f"rank{_rank():05d}.json", sums)
-
-    @staticmethod
-    def _merged_sums(partial: Path) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for name in _children(partial / _SUMS, "rank*.json"):
-            merged.update(json.loads((partial / _SUMS / name).read_text()))
-        remove_tree(partial / _SUMS)
-        missing = set(_files(partial)) - set(merged)
-        if missing:  # a rank listed the folder before another's files appeared: never commit unsummed
-            raise CheckpointError(f"{partial}: no checksum for {sorted(missing)[:3]}")
-        return merged
 
     @staticmethod
     def trainer_state(path: Path) -> dict[str, Any]:
@@ -329,7 +521,7 @@ class Checkpointer:
         path = location(path)
         trainer_state = self.trainer_state(path)
         try:
-            self.backend.load(path, state)
+            self.backend.load(path, state, threads=self.threads)
             rng_file = path / "rng" / f"rank{_rank():05d}.pt"
             rng = None
             if is_remote(rng_file):
@@ -344,6 +536,8 @@ class Checkpointer:
         return trainer_state, rng
 
     def _retain(self) -> None:
+        """Keep the newest `keep` committed checkpoints. Only a save's commit calls it, and one save is in
+        flight at a time, so the partial folders it removes are crashes' leftovers, never a live save."""
         if is_remote(self.root):
             names = [n for n in _children(self.root, "step_*") if STEP_DIR.match(n)]
             done = [n for n in names if is_complete(self.root / n)]

@@ -20,6 +20,7 @@ from trainers.storage import copy_tree, is_remote, location, remove_tree
 __all__ = [
     "COMMITTED",
     "STEP_DIR",
+    "checkpoint_step",
     "delete_checkpoint",
     "install_checkpoint",
     "is_complete",
@@ -36,6 +37,14 @@ def is_complete(path: Path) -> bool:
     complete; on an object store (no rename) the marker is the last object a save writes."""
     path = location(path)
     return STEP_DIR.match(path.name) is not None and (path / COMMITTED).is_file()
+
+
+def checkpoint_step(path: Any) -> int:
+    """The step a checkpoint folder holds, from its name (`step_00000040` -> 40)."""
+    match = STEP_DIR.match(location(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a step_XXXXXXXX checkpoint folder")
+    return int(match.group(1))
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

@@ -260,6 +260,10 @@ class CheckpointConfig(StrictModel):
     every: NonNegativeInt = 0  # save every N steps (0 = only at the end)
     keep: PositiveInt = 3  # newest complete checkpoints kept on disk
     resume: str = "auto"  # auto (latest in run_dir, if any) | none | a checkpoint directory
+    # async: a save blocks training only while the state is copied to host memory, then is written, checked
+    # and committed in the background (one at a time); sync: training waits for the whole save
+    mode: Literal["async", "sync"] = "async"
+    threads: NonNegativeInt = 0  # writer/reader/checksum threads per rank (0: the host's cores, at most 8)
 
 
 class ScalingConfig(StrictModel):

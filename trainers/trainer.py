@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from trainers._base import NonFiniteLossError, flat_keys
-from trainers.checkpoint import Checkpointer, CheckpointError, is_complete
+from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
 from trainers.config import ConfigError, RunConfig, check_inputs
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.fit import fit_for_this_rank
@@ -38,7 +38,9 @@ __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_
 
 
 class TrainerCallback:
-    """User hooks; every method is a no-op by default."""
+    """User hooks; every method is a no-op by default. `after_checkpoint` runs once `path` is committed: with
+    `checkpoint.mode: async` that is a few steps after the step it holds (`checkpoint_step(path)`), while
+    `trainer.step` has moved on."""
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
@@ -79,7 +81,11 @@ class Trainer:
         self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len, cfg.data.cache)
         self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", cfg.checkpoint.keep, self.engine.checkpoint_backend
+            self.run_dir / "checkpoints",
+            cfg.checkpoint.keep,
+            self.engine.checkpoint_backend,
+            mode=cfg.checkpoint.mode,
+            threads=cfg.checkpoint.threads,
         )
         resume = self._resume_path()  # before the model: a resume wins over model.init_from
         pretrained = cfg.model.init_from if resume[0] is None else None
@@ -130,13 +136,15 @@ class Trainer:
             )
         return [path]  # a given checkpoint (e.g. a PBT donor's): no fallback to others
 
-    def _resume_path(self) -> tuple[Path | None, list[dict[str, str]]]:
-        """The newest checkpoint whose files match their checksums, and those skipped on the way (why)."""
+    def _resume_path(self) -> tuple[Path | None, list[dict[str, str]], float]:
+        """The newest checkpoint whose files match their checksums, those skipped on the way (why), and the
+        seconds the checks took."""
         candidates, skipped = self._resume_candidates(), []
+        start = time.perf_counter()
         for path in candidates:
-            problem = self.checkpointer.verify(path)
+            problem = self.checkpointer.verify(path, self.checkpointer.threads)
             if problem is None:
-                return path, skipped
+                return path, skipped, time.perf_counter() - start
             skipped.append({"checkpoint": str(path), "reason": problem})
         if skipped:
             told = "; ".join(f"{s['checkpoint'].rstrip('/').rsplit('/', 1)[-1]}: {s['reason']}" for s in skipped)
@@ -144,7 +152,7 @@ class Trainer:
                 f"no readable checkpoint to resume from in {candidates[0].parent} ({told}); fix: restore "
                 f"those files, or start over with --set checkpoint.resume=none or a new run_dir"
             )
-        return None, skipped
+        return None, skipped, time.perf_counter() - start
 
     def load_in_place(self, path: Path, cfg: RunConfig, **event: Any) -> None:
         """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
@@ -161,12 +169,21 @@ class Trainer:
                 f"schedule.*); fix: start a new run from the checkpoint"
             )
         self.cfg = cfg
-        self._restore(location(path), [], event="exploit", **event)
+        # The records this run made after its reported checkpoint belong to the branch the exploit abandons.
+        branch = checkpoint_step(self.last_checkpoint) if self.last_checkpoint is not None else None
+        self._restore(location(path), [], event="exploit", branch=branch, **event)
         self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
 
     def _restore(
-        self, path: Path | None, skipped: list[dict[str, str]], event: str = "resume", **fields: Any
+        self,
+        path: Path | None,
+        skipped: list[dict[str, str]],
+        verify_s: float = 0.0,
+        event: str = "resume",
+        branch: int | None = None,
+        **fields: Any,
     ) -> None:
+        """Load `path` (None: a fresh start). `branch`: keep the metrics only up to there (an exploit's)."""
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
             start = {"init_from": str(self.cfg.model.init_from)} if self.cfg.model.init_from else {}
@@ -178,7 +195,9 @@ class Trainer:
         check_compatible(saved.get("compat"), compat_of(self.cfg, self.manifest), path)
         same_optimizer = saved.get("optimizer") == self.cfg.optimizer.name
         state = self.engine.checkpoint_state(with_optimizer=same_optimizer)
+        start = time.perf_counter()
         trainer_state, rng = self.checkpointer.load(path, state)
+        restore_s = time.perf_counter() - start
         self.engine.apply_hparams(self.cfg.optimizer)  # hyperparameters may differ from the saved run
         self.step = int(trainer_state["step"])
         self.bad_steps = int(trainer_state.get("bad_steps", 0))
@@ -186,12 +205,14 @@ class Trainer:
         if rng is not None:
             torch.set_rng_state(rng["torch"])
         self.last_checkpoint = path
-        self.log.resume_from(self.step)
+        self.log.resume_from(self.step if branch is None else min(self.step, branch))
         self._emit(
             "event",
             event=event,
             checkpoint=str(path),
             **fields,
+            restore_s=round(restore_s, 4),
+            **({"verify_s": round(verify_s, 4)} if event == "resume" else {}),
             world_size=self.engine.world_size,
             saved_world_size=trainer_state.get("world_size"),
             **({"skipped": skipped} if skipped else {}),
@@ -224,6 +245,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 record = self.train_step()
+                self._collect(wait=False)  # a save written in the background that committed meanwhile
                 train_loss = record["loss"] if math.isfinite(record["loss"]) else train_loss
                 done = self.step == cfg.train.steps
                 if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
@@ -239,9 +261,14 @@ class Trainer:
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             lr=f"{record['lr']:.2e}",
                         )
+            self._collect(wait=True)  # the end of fit waits for the last save to commit
             status = "FINISHED"
-        except (NonFiniteLossError, ConfigError, CheckpointError):
+        except (NonFiniteLossError, ConfigError, CheckpointError) as e:
             status = "FAILED"
+            self._stop_with_save_in_flight(e)
+            raise
+        except BaseException as e:
+            self._stop_with_save_in_flight(e)
             raise
         finally:
             if bar is not None:
@@ -348,7 +375,15 @@ class Trainer:
             cb.after_eval(self, record)
         return val_loss
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Collective. `checkpoint.mode: sync`: returns the committed checkpoint. `async`: returns None once
+        the state is staged; the commit is reported (event, callbacks) at a later step boundary by `_collect`.
+        At most one save is in flight: a save waits for the one before to commit (`wait_s`)."""
+        step, start = self.step, time.perf_counter()
+        self._collect(wait=True)
+        wait_s = time.perf_counter() - start
+        if self.step != step:  # the commit's callbacks loaded another checkpoint in place (a PBT exploit)
+            return None
         trainer_state = {
             "step": self.step,
             "samples": self.step * self.cfg.train.global_batch_size,
@@ -360,23 +395,64 @@ class Trainer:
             "model": self.cfg.model.model_dump(mode="json"),  # what `raytrain export` describes,
             "data_path": str(self.cfg.data.path),  # and where it finds the tokenizer
         }
-        path = self.checkpointer.save(
-            self.step,
-            self.engine.checkpoint_state(),
-            trainer_state,
-            rng={"torch": torch.get_rng_state()},
-            # A run dir on an object store gets the records up to this step before the step is committed.
-            before_commit=lambda _: self.log.flush(),
+        # A run dir on an object store gets the records up to this step before the step is committed.
+        self.log.flush()
+        state, rng = self.engine.checkpoint_state(), {"torch": torch.get_rng_state()}
+        if self.checkpointer.mode == "async":
+            self.checkpointer.start_save(self.step, state, trainer_state, rng, wait_s=wait_s)
+            return None
+        committed = self.checkpointer.save_with_figures(self.step, state, trainer_state, rng, wait_s=wait_s)
+        self._on_commit(committed)
+        return committed.path
+
+    def _collect(self, wait: bool) -> None:
+        """Collective while a save is in flight: report it if it committed (with `wait`: once it has)."""
+        committed = self.checkpointer.collect(wait)
+        if committed is not None:
+            self._on_commit(committed)
+
+    def _on_commit(self, committed: Committed, callbacks: bool = True) -> None:
+        """A committed checkpoint: its event (at its own step, with what it cost) and the callbacks (a Ray
+        report, a PBT trial's gate), which thus only ever see committed checkpoints."""
+        self.last_checkpoint = committed.path
+        figures = {k: round(v, 4) if isinstance(v, float) else v for k, v in vars(committed.figures).items()}
+        self._emit("event", event="checkpoint", path=str(committed.path), **figures, step=committed.step)
+        for cb in self.callbacks if callbacks else ():
+            cb.after_checkpoint(self, committed.path)
+
+    def _stop_with_save_in_flight(self, error: BaseException) -> None:
+        """Stopping on `error` with a save in flight: on one process, or an error every rank meets at the same
+        point, wait for its commit (it is then the resume point); else (a lost peer could hold its barriers
+        forever) leave it: it commits if its writer still can, and is never loaded if not. Says which."""
+        step = self.checkpointer.in_flight
+        if step is None:
+            return
+        why = type(error).__name__
+        if self.engine.world_size == 1 or isinstance(error, (NonFiniteLossError, ConfigError)):
+            try:
+                committed = self.checkpointer.collect(wait=True)
+            except CheckpointError as e:
+                self._say(f"stopping ({why}): the save of step {step} failed ({e})")
+                return
+            if committed is not None:
+                self._on_commit(committed, callbacks=False)  # no report: the run is stopping on an error
+                self._say(f"stopping ({why}): waited for the save of step {step}, committed: {committed.path}")
+            return
+        self.checkpointer.abandon()
+        self._emit("event", event="checkpoint_abandoned", checkpoint_step=step, reason=why)
+        self._say(
+            f"stopping ({why}) with the save of step {step} in flight: not waited for (another rank may be "
+            f"gone); a resume takes the newest committed checkpoint"
         )
-        self.last_checkpoint = path
-        self._emit("event", event="checkpoint", path=str(path))
-        for cb in self.callbacks:
-            cb.after_checkpoint(self, path)
-        return path
+
+    def _say(self, line: str) -> None:
+        if self.engine.is_main:
+            print(line, flush=True)
 
     # ---------------------------------------------------------------------------------------- helpers
 
     def _emit(self, kind: str, **fields: Any) -> None:
+        """A record at the current step (an event about another step passes `step=`)."""
         self.log.write({"kind": kind, "step": self.step, "time": time.time(), **fields})
 
     def _progress_bar(self):

@@ -19,6 +19,7 @@ from raytrain_ext.worker import load_callback
 from tests.conftest import tiny_raw
 from trainers._base import ConfigError
 from trainers.checkpoint import COMMITTED, Checkpointer
+from trainers.checkpoint_files import checkpoint_step
 from trainers.config import parse_config
 from trainers.metrics import read_metrics
 from trainers.run_lock import LOCK_FILE, RunDirLock
@@ -32,7 +33,7 @@ class _CrashAfter(TrainerCallback):
         self.step = step
 
     def after_checkpoint(self, trainer, path):
-        if trainer.step == self.step:
+        if checkpoint_step(path) == self.step:  # committed; an async save commits a few steps later
             raise KeyboardInterrupt  # a killed process: no clean shutdown
 
 
@@ -77,7 +78,7 @@ def test_commit_marker_holds_each_files_checksum_and_verify_finds_damage(tiny_co
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
     victim.write_bytes(bytes(data))
-    assert Checkpointer.verify(path) == f"{victim.name} does not match its sha256"
+    assert Checkpointer.verify(path) == f"{victim.name} does not match its xxh3_128 checksum"
     _truncate(victim)
     assert "bytes" in Checkpointer.verify(path) and victim.name in Checkpointer.verify(path)
     victim.unlink()

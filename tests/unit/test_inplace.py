@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from trainers.checkpoint_files import COMMITTED, install_checkpoint
+from trainers.checkpoint_files import COMMITTED, checkpoint_step, install_checkpoint
 from trainers.config import with_values
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback
@@ -24,7 +24,8 @@ class _ExploitAt(TrainerCallback):
         self.step, self.donor, self.done = step, donor, False
 
     def after_checkpoint(self, trainer, path):
-        if trainer.step == self.step and not self.done:
+        # An async save commits a few steps after its step: those steps are the branch the exploit abandons.
+        if checkpoint_step(path) == self.step and not self.done:
             self.done = True
             installed = install_checkpoint(trainer.run_dir / "checkpoints", self.donor)
             trainer.load_in_place(installed, with_values(trainer.cfg, {"optimizer.lr": NEW_LR}), donor="d")

@@ -436,10 +436,10 @@ class DeepSpeedCheckpointBackend:
     """`save_checkpoint`/`load_checkpoint` by explicit tag; a load at another data-parallel size than the
     save goes through DeepSpeed's universal checkpoint (converted on rank 0, once per checkpoint)."""
 
-    def save(self, path: Path, state: dict[str, Any]) -> None:
+    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> None:
         state["deepspeed"].engine.save_checkpoint(str(path), tag=TAG)
 
-    def load(self, path: Path, state: dict[str, Any]) -> None:
+    def load(self, path: Path, state: dict[str, Any], threads: int = 1) -> None:
         ds_state: DeepSpeedState = state["deepspeed"]
         engine, path = ds_state.engine, Path(path)
         if not (path / TAG).is_dir():
