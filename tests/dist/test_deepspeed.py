@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tests.conftest import tiny_raw
 from tests.dist.harness import run_ranks
+from trainers.checkpoint_files import checkpoint_step
 from trainers.config import ConfigError, ParallelConfig, parse_config
 from trainers.launch import run_local
 from trainers.metrics import read_metrics
@@ -60,7 +61,7 @@ class _StopAfterCheckpoint(TrainerCallback):
         self.step = step
 
     def after_checkpoint(self, trainer, path):
-        if trainer.step == self.step:
+        if checkpoint_step(path) == self.step:
             raise _Stop
 
 

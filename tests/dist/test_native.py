@@ -25,6 +25,7 @@ from torch.multiprocessing import ProcessExitedException
 from bench.model_state import count, held_tensors
 from tests.conftest import tiny_raw
 from tests.dist.harness import run_ranks
+from trainers.checkpoint_files import checkpoint_step
 from trainers.checkpoint import Checkpointer, is_complete
 from trainers.config import parse_config
 from trainers.metrics import read_metrics
@@ -115,7 +116,7 @@ class _StopAfterCheckpoint(TrainerCallback):
         self.step = step
 
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        if trainer.step == self.step:
+        if checkpoint_step(path) == self.step:  # an async save commits a few steps after its step
             raise _Stopped
 
 
@@ -242,7 +243,7 @@ def test_ddp_checkpoint_writes_each_tensor_once(one_process, two_processes):
         return sorted((result.run_dir / "checkpoints" / f"step_{STEPS:08d}").glob("*.distcp"))
 
     ddp, single = shards(two_processes["ddp"]), shards(one_process["fp32"])
-    assert len(ddp) == 2, "each rank writes a part"
+    assert {p.name.split("_")[2] for p in ddp} == {"0", "1"}, "each rank writes a part"
     # Replicated tensors: DCP's save planner gives each to one rank; written twice they would double.
     assert sum(p.stat().st_size for p in ddp) < 1.1 * sum(p.stat().st_size for p in single)
 
@@ -272,11 +273,13 @@ def test_resume_at_another_world_size(before, after, corpus_dir, tmp_path, one_p
 
     first = _run(before, raw(before), stop_after=5)
     second = _run(after, raw(after))
-    assert (sorted(first), sorted(second)) == (list(range(1, 6)), list(range(6, STEPS + 1)))
+    # The first run stopped once step 5 committed: async, it may have trained a step or two past it.
+    assert sorted(first)[:5] == list(range(1, 6)) and sorted(second) == list(range(6, STEPS + 1))
     ref = one_process["fp32"]
     _assert_close(_Result(run_dir, {}), ref)
-    # Step by step, the same multiset of windows as the uninterrupted run: none repeated, none skipped.
-    assert {**first, **second} == ref.samples
+    # Step by step, the windows of the uninterrupted run: none skipped, and steps trained again (past the
+    # checkpoint) on the same windows.
+    assert {**first, **second} == ref.samples and all(first[s] == ref.samples[s] for s in first)
     (resume,) = [r for r in _Result(run_dir, {}).rows("event") if r["event"] == "resume"]
     assert (resume["step"], resume["saved_world_size"], resume["world_size"]) == (5, before, after)
 

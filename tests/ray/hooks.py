@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
+from trainers.checkpoint_files import checkpoint_step
 from trainers.trainer import Trainer, TrainerCallback
 
 HOLD_TIMEOUT_S = 180.0
@@ -71,7 +73,7 @@ class HoldAtCheckpoint(TrainerCallback):
         self.step, self.world = step, world
 
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        if trainer.step == self.step and trainer.engine.world_size == self.world:
+        if checkpoint_step(path) == self.step and trainer.engine.world_size == self.world:
             _write_atomic(trainer.run_dir / "held" / f"step{self.step}_world{self.world}_rank{_rank()}", "")
             _hold(f"held at step {self.step} on {self.world} workers")
 
@@ -173,7 +175,8 @@ class HoldOnceFromDonor(TrainerCallback):
 class KillMeMidSave(TrainerCallback):
     """On `rank`, in the save of `step`, the first time: once DCP has written every rank's shards and before
     the commit, write the checkpoint folder's listing and this process's pid into the local folder
-    `marker_dir`, then wait to be killed (a run dir in a bucket: the test reads the marker here)."""
+    `marker_dir`, then wait to be killed (a run dir in a bucket: the test reads the marker here). With
+    `checkpoint.mode: async` the wait is in the writer thread: training goes on until the next save waits."""
 
     def __init__(self, step: int, rank: int, marker_dir: str) -> None:
         self.step, self.rank, self.marker_dir = step, rank, Path(marker_dir)
@@ -182,17 +185,25 @@ class KillMeMidSave(TrainerCallback):
         inner, hook = trainer.checkpointer.backend, self
 
         class Saving:
-            def save(self, path, state):
-                inner.save(path, state)
+            def stage(self, state):
+                return inner.stage(state)
+
+            def save(self, path, state, **kwargs):
+                inner.save(path, state, **kwargs)
                 pid_file = hook.marker_dir / "pid"
-                if trainer.step == hook.step and _rank() == hook.rank and not pid_file.exists():
-                    base = path.path.rstrip("/") + "/"
-                    listing = sorted(p[len(base):] for p in path.fs.find(path.path))
+                step = int(re.search(r"step_(\d{8})", str(path)).group(1))
+                if step == hook.step and _rank() == hook.rank and not pid_file.exists():
+                    if hasattr(path, "fs"):
+                        base = path.path.rstrip("/") + "/"
+                        listing = sorted(p[len(base):] for p in path.fs.find(path.path))
+                    else:
+                        listing = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
                     _write_atomic(hook.marker_dir / "listing.json", json.dumps(listing))
+                    _write_atomic(hook.marker_dir / "trainer_step", str(trainer.step))
                     _write_atomic(pid_file, str(os.getpid()))
                     _hold(f"waiting for SIGKILL inside the save of step {hook.step}")
 
-            def load(self, path, state):
-                inner.load(path, state)
+            def load(self, path, state, **kwargs):
+                inner.load(path, state, **kwargs)
 
         trainer.checkpointer.backend = Saving()
