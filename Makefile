@@ -53,6 +53,7 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/pbt_vs_random.py --data $(DATA)
 	$(PY) bench/pbt_overhead.py --data $(DATA)
 	$(PY) bench/storage.py
+	$(PY) bench/checkpoint.py --data $(DATA)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -42,8 +42,9 @@ TITLES = {"worker": "ray::RayTrainWorker", "controller": "ray::TrainController"}
 EVERY = 10
 
 
-def _command(data: str, run_dir: Path, steps: int) -> list[str]:
+def _command(data: str, run_dir: Path, steps: int, mode: str) -> list[str]:
     sets = [
+        f"checkpoint.mode={mode}",
         f"data.path={data}",
         f"run_dir={run_dir}",
         f"train.steps={steps}",
@@ -131,21 +132,21 @@ def _first_step_after_resume(run_dir: Path, since: float) -> float | None:
     return min((r["time"] for r in _attempt_losses(run_dir) if r["time"] > resumes[0]), default=None)
 
 
-def _reference(data: str, out: Path, steps: int) -> dict[int, float]:
+def _reference(data: str, out: Path, steps: int, mode: str) -> dict[int, float]:
     run_dir = out / "reference"
     shutil.rmtree(run_dir, ignore_errors=True)
-    proc = _start(_command(data, run_dir, steps), out / "reference.log")
+    proc = _start(_command(data, run_dir, steps, mode), out / "reference.log")
     if proc.wait(timeout=1800) != 0:
         raise RuntimeError(f"the uninterrupted run failed: {out / 'reference.log'}")
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl", "train")}
 
 
-def chaos(data: str, out: Path, steps: int, kills: int, seed: int) -> dict[str, Any]:
+def chaos(data: str, out: Path, steps: int, kills: int, seed: int, mode: str = "async") -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    reference = _reference(data, out, steps)
+    reference = _reference(data, out, steps, mode)
     run_dir, log, rng = out / "chaos", out / "chaos.log", random.Random(seed)
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = _command(data, run_dir, steps)
+    cmd = _command(data, run_dir, steps, mode)
     driver, sessions, records = _start(cmd, log), [], []
     sessions.append(driver.pid)
     # Kill k lands in the k-th of `kills` equal stretches of the run, at a random step inside it, all before
@@ -164,6 +165,7 @@ def chaos(data: str, out: Path, steps: int, kills: int, seed: int) -> dict[str, 
                 raise RuntimeError(
                     f"kill {k}: the driver ended ({driver.returncode}) or no {target}; see {log}"
                 )
+            in_flight = any((run_dir / "checkpoints").glob("step_*.partial"))  # a write under way
             killed_at, t_kill = _steps_done(run_dir), time.time()
             os.kill(pid, signal.SIGKILL)
             if target == "driver":
@@ -178,6 +180,7 @@ def chaos(data: str, out: Path, steps: int, kills: int, seed: int) -> dict[str, 
                     "step": killed_at,
                     "recovered": recovered,
                     "recovery_s": round(first - t_kill, 2) if first else None,
+                    "write_in_flight": in_flight,
                     "kill_time": t_kill,
                 }
             )
@@ -214,6 +217,8 @@ def chaos(data: str, out: Path, steps: int, kills: int, seed: int) -> dict[str, 
             if records
             else None,
             "targets": {t: sum(r["target"] == t for r in records) for t in TARGETS},
+            "checkpoint_mode": mode,
+            "kills_during_a_write": sum(r["write_in_flight"] for r in records),
         },
     }
 
@@ -224,11 +229,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-mode", default="async", choices=("async", "sync"))
     p.add_argument("--work", default=str(ROOT / "bench" / "_work" / "chaos"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos.json"))
     args = p.parse_args(argv)
     env = environment(args)
-    result = chaos(str(Path(args.data).resolve()), Path(args.work), args.steps, args.kills, args.seed)
+    result = chaos(str(Path(args.data).resolve()), Path(args.work), args.steps, args.kills, args.seed,
+                   args.checkpoint_mode)
     result["environment"] = {**env, "loadavg_at_end": os.getloadavg()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

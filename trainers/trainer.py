@@ -245,13 +245,16 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 record = self.train_step()
-                self._collect(wait=False)  # a save written in the background that committed meanwhile
+                if self._collect(wait=False):  # a background save committed; its report loaded another
+                    continue  # checkpoint in place (a PBT exploit): go on from that step, nothing else here
                 train_loss = record["loss"] if math.isfinite(record["loss"]) else train_loss
                 done = self.step == cfg.train.steps
                 if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
                     val_loss = self.evaluate()
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
                     self.save()
+                if done and self._collect(wait=True):  # the end of fit waits for the last save to commit
+                    continue
                 if bar is not None:
                     bar.update(1)
                     if self.step % cfg.train.log_every == 0 or done:
@@ -261,7 +264,6 @@ class Trainer:
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             lr=f"{record['lr']:.2e}",
                         )
-            self._collect(wait=True)  # the end of fit waits for the last save to commit
             status = "FINISHED"
         except (NonFiniteLossError, ConfigError, CheckpointError) as e:
             status = "FAILED"
@@ -379,11 +381,10 @@ class Trainer:
         """Collective. `checkpoint.mode: sync`: returns the committed checkpoint. `async`: returns None once
         the state is staged; the commit is reported (event, callbacks) at a later step boundary by `_collect`.
         At most one save is in flight: a save waits for the one before to commit (`wait_s`)."""
-        step, start = self.step, time.perf_counter()
-        self._collect(wait=True)
-        wait_s = time.perf_counter() - start
-        if self.step != step:  # the commit's callbacks loaded another checkpoint in place (a PBT exploit)
+        start = time.perf_counter()
+        if self._collect(wait=True):  # the commit's callbacks loaded another checkpoint in place (an exploit)
             return None
+        wait_s = time.perf_counter() - start
         trainer_state = {
             "step": self.step,
             "samples": self.step * self.cfg.train.global_batch_size,
@@ -405,11 +406,14 @@ class Trainer:
         self._on_commit(committed)
         return committed.path
 
-    def _collect(self, wait: bool) -> None:
-        """Collective while a save is in flight: report it if it committed (with `wait`: once it has)."""
+    def _collect(self, wait: bool) -> bool:
+        """Collective while a save is in flight: report it if it committed (with `wait`: once it has).
+        Returns whether its callbacks moved the trainer to another step (a checkpoint loaded in place)."""
+        step = self.step
         committed = self.checkpointer.collect(wait)
         if committed is not None:
             self._on_commit(committed)
+        return self.step != step
 
     def _on_commit(self, committed: Committed, callbacks: bool = True) -> None:
         """A committed checkpoint: its event (at its own step, with what it cost) and the callbacks (a Ray

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -207,3 +208,39 @@ class KillMeMidSave(TrainerCallback):
                 inner.load(path, state, **kwargs)
 
         trainer.checkpointer.backend = Saving()
+
+
+class SlowWrites(TrainerCallback):
+    """A slow disk for asynchronous saves: each background write waits until training has gone `steps` steps
+    past the step it holds (the run's last save is not held: nothing trains after it). Forces the order the
+    tests check (training goes on while a checkpoint is written; reports come at its commit)."""
+
+    def __init__(self, steps: int = 2) -> None:
+        self.steps = steps
+        self.trained = threading.Condition()
+        self.step = 0
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        inner, hook = trainer.checkpointer.backend, self
+
+        class Slow:
+            def stage(self, state):
+                return inner.stage(state)
+
+            def save(self, path, state, **kwargs):
+                step = int(re.search(r"step_(\d{8})", str(path)).group(1))
+                if step < trainer.cfg.train.steps:
+                    with hook.trained:
+                        if not hook.trained.wait_for(lambda: hook.step >= step + hook.steps, HOLD_TIMEOUT_S):
+                            raise TimeoutError(f"training never reached step {step + hook.steps}")
+                inner.save(path, state, **kwargs)
+
+            def load(self, path, state, **kwargs):
+                inner.load(path, state, **kwargs)
+
+        trainer.checkpointer.backend = Slow()
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        with self.trained:
+            self.step = trainer.step
+            self.trained.notify_all()

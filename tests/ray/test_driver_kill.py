@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 24, 4
 
 
-def _start(run: Path) -> subprocess.Popen:
+def _start(run: Path, *extra: str) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -36,6 +36,7 @@ def _start(run: Path) -> subprocess.Popen:
         "--no-progress",
         "--callback",
         "tests.ray.hooks:RecordSamples",
+        *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # Its own session, as a terminal gives a command: its Ray's processes are in it, and only them.

@@ -42,6 +42,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
         ({"model": {"dim": 64, "n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),
         ({"optimizer": {"lr": -1}}, "optimizer.lr"),
         ({"optimizer": {"name": "lion"}}, "optimizer.name"),
+        ({"checkpoint": {"mode": "fast"}}, "checkpoint.mode"),
         ({"train": {"global_batch_size": 10, "micro_batch_size": 4}}, "train.global_batch_size"),
         ({"data": {"path": "d", "seq_len": 512}, "model": {"max_seq_len": 256}}, "data.seq_len"),
         ({"model": {"moe": {"num_experts": 2, "top_k": 3}}}, "model.moe.top_k"),

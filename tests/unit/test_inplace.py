@@ -60,6 +60,13 @@ def test_load_in_place_equals_a_resume_from_the_donor(tiny_config):
         assert torch.equal(p, q)
     events = [e["event"] for e in _rows(cfg.out_dir, "event") if e["event"] != "checkpoint"]
     assert events == ["start", "exploit"], "loaded in place: no new start or resume"
+    # The exploit was loaded when the step-10 save committed, a step or more later (async): the run goes on
+    # from the donor's step 10 without saving, evaluating or reporting step 10 again (a second report of 10
+    # would meet the gate's stored answer and apply the same exploit twice).
+    saves = [e["step"] for e in _rows(cfg.out_dir, "event") if e["event"] == "checkpoint"]
+    assert saves == [EVERY, STEPS], saves
+    evals = [r["step"] for r in _rows(cfg.out_dir, "eval")]
+    assert evals == sorted(set(evals)), evals
     assert _rows(cfg.out_dir, "eval")[-1]["val_loss"] == _rows(ref_cfg.out_dir, "eval")[-1]["val_loss"]
 
 

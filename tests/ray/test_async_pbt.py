@@ -1,0 +1,63 @@
+"""PBT with asynchronous checkpoints and a slow disk (issue 24): reports (and so exploits) name committed
+checkpoints only, made at their commit with the metrics of their own step, and training does not wait for
+the writes. tests/ray/hooks.py:SlowWrites holds each write until training has gone two steps further."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from search.config import load_experiment, save
+from search.driver import run_experiment
+from search.lineage import read_reports
+from tests.ray.test_pbt import INTERVAL, STEPS, _experiment, _train_rows, _trial_of, ray_pbt  # noqa: F401
+from trainers.checkpoint_files import COMMITTED
+from trainers.metrics import read_metrics
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~2 min on 2 cores: one PBT experiment
+
+
+def test_pbt_reports_only_committed_checkpoints_and_training_does_not_wait_for_their_writes(
+    ray_pbt, corpus_dir, tmp_path  # noqa: F811
+):
+    path = _experiment(
+        tmp_path, corpus_dir, "slow-disk", {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        keep_checkpoints=1,
+        callbacks=["tests.ray.hooks:SlowWrites(steps=2)"],
+    )
+    exp = load_experiment(path)
+    save(exp)
+    result = run_experiment(exp, verbose=0)
+    exp_dir = result.exp_dir
+    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
+
+    # The exploit happened, from a committed donor checkpoint, loaded in place.
+    (event,) = [e for e in result.events if e["trial"] == weak]
+    assert (event["donor"], event["step"]) == (strong, INTERVAL)
+    (live,) = (exp_dir / "runs" / weak).glob("live-*")
+    (loaded,) = [e for e in read_metrics(live / "metrics.jsonl", "event") if e["event"] == "exploit"]
+    assert (Path(loaded["checkpoint"]) / COMMITTED).is_file()
+    for trial in (strong, weak):
+        for meta in (exp_dir.glob(f"TrialRun_{trial}_*/checkpoint_*/meta.json")):
+            m = json.loads(meta.read_text())
+            assert (Path(m["pin"]) / m["step_dir"] / COMMITTED).is_file(), "Tune holds committed checkpoints only"
+
+    # The strong member trained steps 11 and 12 while step 10 was written; its report came at the commit,
+    # with the metrics of step 10.
+    (run,) = (exp_dir / "runs" / strong).glob("live-*")
+    rows = read_metrics(run / "metrics.jsonl")
+    (saved,) = [r for r in rows if r.get("event") == "checkpoint" and r["step"] == INTERVAL]
+    assert {INTERVAL + 1, INTERVAL + 2} <= {r["step"] for r in rows[: rows.index(saved)] if r["kind"] == "train"}
+    assert saved["mode"] == "async" and saved["blocking_s"] < saved["commit_s"]
+    (report,) = [r for r in read_reports(exp_dir) if r["trial"] == strong and r["step"] == INTERVAL]
+    (val,) = [r["val_loss"] for r in rows if r["kind"] == "eval" and r["step"] == INTERVAL]
+    assert report["metric"] == val, "the report of step 10 carries step 10's val_loss"
+
+    # Each member finished the budget; the recipient's steps after the exploit ran on the donor's weights.
+    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
+    assert sorted(weak_rows) == sorted(strong_rows) == list(range(1, STEPS + 1))
+    assert weak_rows[INTERVAL + 1]["loss"] == pytest.approx(strong_rows[INTERVAL + 1]["loss"], rel=1e-6)
