@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,15 +37,23 @@ def pieces_of(sizes: dict[str, int], piece_bytes: int = PIECE_BYTES) -> list[Pie
     return out
 
 
-def _read(root: Any, name: str, offset: int, length: int) -> bytes:
+_buffers = threading.local()  # one piece-sized buffer per hashing thread, reused: no fresh pages per piece
+
+
+def _read(root: Any, name: str, offset: int, length: int) -> bytes | memoryview:
     path = root / name
     if is_remote(path):
         return path.fs.cat_file(path.path, start=offset, end=offset + length) if length else b""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None or len(buffer) < length:
+        buffer = _buffers.buffer = bytearray(max(length, PIECE_BYTES))
+    view = memoryview(buffer)[:length]
     fd = os.open(path, os.O_RDONLY)
     try:
-        return os.pread(fd, length, offset)
+        got = os.preadv(fd, [view], offset)
     finally:
         os.close(fd)
+    return view[:got]
 
 
 def _digest(root: Any, piece: Piece) -> str:

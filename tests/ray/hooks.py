@@ -139,15 +139,17 @@ class KillMemberAtStep(TrainerCallback):
 
 
 class WaitForReports(TrainerCallback):
-    """In the run whose learning rate is `lr`, after step `at`: wait until the experiment's lineage in
-    `exp_dir` holds `count` reports of `step` (the population's other members caught up), so that an
-    asynchronous PBT decides this member's next report against them."""
+    """In the run whose learning rate is `lr`, once its own checkpoint of `step` is committed and reported:
+    wait until the experiment's lineage in `exp_dir` holds `count` reports of `step` (the population's other
+    members caught up), so that an asynchronous PBT decides this member's next report against them. (Not in
+    `after_step`: with asynchronous saves the member's own report of `step` comes a step or more later, at
+    the commit, so waiting there would wait for itself.)"""
 
-    def __init__(self, exp_dir: str, lr: float, at: int, step: int, count: int) -> None:
-        self.exp_dir, self.lr, self.at, self.step, self.count = Path(exp_dir), lr, at, step, count
+    def __init__(self, exp_dir: str, lr: float, step: int, count: int) -> None:
+        self.exp_dir, self.lr, self.step, self.count = Path(exp_dir), lr, step, count
 
-    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        if trainer.step != self.at or trainer.cfg.optimizer.lr != self.lr:
+    def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        if checkpoint_step(path) != self.step or trainer.cfg.optimizer.lr != self.lr:
             return
         deadline = time.monotonic() + HOLD_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -297,9 +297,9 @@ def _run(tmp: Path, corpus: Path, name: str, scheduler: dict, steps: int = STEPS
 
 @pytest.mark.slow  # ~2 min on 2 cores; the default tier has the synchronous experiment and the unit tests
 def test_async_pbt_exploits_in_place_with_one_start_per_trial(ray_pbt, corpus_dir, tmp_path):
-    # The weak member waits after step 11 until both have reported step 10: its report of step 20 then
-    # meets the strong one's score and checkpoint (else it may race through its budget alone).
-    wait = f"tests.ray.hooks:WaitForReports(exp_dir={str(tmp_path / 'runs' / 'async')!r}, lr=0.0001, at=11, step=10, count=2)"
+    # The weak member waits after its report of step 10 until both have reported step 10: its report of
+    # step 20 then meets the strong one's score and checkpoint (else it may race through its budget alone).
+    wait = f"tests.ray.hooks:WaitForReports(exp_dir={str(tmp_path / 'runs' / 'async')!r}, lr=0.0001, step=10, count=2)"
     result = _run(tmp_path, corpus_dir, "async", {"synch": False}, steps=3 * INTERVAL, callbacks=[wait])
     exp_dir = result.exp_dir
     strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
