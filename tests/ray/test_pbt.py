@@ -313,6 +313,42 @@ def test_async_pbt_exploits_in_place_with_one_start_per_trial(ray_pbt, corpus_di
     assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
 
 
+@pytest.mark.slow  # ~2 min on 2 cores
+def test_an_exploit_of_a_donor_behind_rolls_back_once_with_one_current_report_per_step(
+    ray_pbt, corpus_dir, tmp_path
+):
+    """Asynchronous PBT, the donor behind: the strong member holds after step 1 until the weak one reported
+    step 10 (the weak's first decision has no score to compare: go on), and after step 11 until the weak
+    reported step 20, which its decision then compares with the strong's step 10: the weak exploits the
+    strong's step-10 checkpoint and trains 11..20 again (a rollback). The weak holds after step 11 until
+    both reported step 10. Its second report of step 20 needs a new decision: the old answer at step 20 (the
+    exploit) loaded the same exploit again, and again."""
+    exp_dir = tmp_path / "runs" / "rollback"
+    hold = "tests.ray.hooks:WaitForReports(exp_dir={!r}, lr={}, at={}, step={}, count={})"
+    callbacks = [
+        hold.format(str(exp_dir), 0.01, 1, 10, 1),
+        hold.format(str(exp_dir), 0.01, 11, 20, 1),
+        hold.format(str(exp_dir), 0.0001, 11, 10, 2),
+    ]
+    result = _run(tmp_path, corpus_dir, "rollback", {"synch": False}, steps=3 * INTERVAL, callbacks=callbacks)
+    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
+    mine = sorted((e for e in result.events if e["trial"] == weak), key=lambda e: e["time"])
+    first = mine[0]
+    assert (first["donor"], first["step"], first["from_step"]) == (strong, INTERVAL, 2 * INTERVAL), "a rollback"
+    # each exploit applied once: one `exploit` event in the live run per exploit in the lineage
+    (run,) = (exp_dir / "runs" / weak).glob("live-*")
+    loaded = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "exploit"]
+    assert len(loaded) == len(mine) and len({e["exploit_id"] for e in mine}) == len(mine)
+    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
+    # the abandoned branch's report is marked (a later decision may roll back again: one mark each); each
+    # (trial, step) has one current report
+    abandoned = [(r["trial"], r["step"], r["time"] < first["time"]) for r in result.reports if r["abandoned"]]
+    assert (weak, 2 * INTERVAL, True) in abandoned
+    current = [(r["trial"], r["step"]) for r in result.reports if not r["abandoned"]]
+    assert sorted(current) == sorted((t, s) for t in (strong, weak) for s in (10, 20, 30))
+    assert read_reports(exp_dir) == result.reports
+
+
 @pytest.mark.slow  # two more experiments (~4 min on 2 cores)
 @pytest.mark.parametrize("scheduler", ["pb2", "random"])
 def test_pb2_and_random_search_make_one_start_per_trial(ray_pbt, corpus_dir, tmp_path, scheduler):
