@@ -53,6 +53,7 @@ __all__ = [
     "build_trainer",
     "check_run",
     "ensure_ray",
+    "event_line",
     "stop_ray",
     "run_config_for_workers",
     "train",
@@ -520,13 +521,8 @@ class _ProgressWatcher:
                         val = row["val_loss"]
                     elif row.get("kind") == "train":
                         last = row
-                    elif row.get("event") == "resize":
-                        bar.write(
-                            f"step {row['step']}: resized {row['old_world_size']} -> {row['new_world_size']} "
-                            f"workers (accumulation {row['accumulation']})"
-                        )
-                    elif row.get("event") == "resume":
-                        bar.write(f"resumed from step {row['step']} on {row['world_size']} workers")
+                    elif event_line(row) is not None:
+                        bar.write(event_line(row))
                 if lines and last is not None:
                     bar.n = last["step"]
                     bar.set_postfix(
@@ -539,6 +535,20 @@ class _ProgressWatcher:
                     return
         finally:
             bar.close()
+
+
+def event_line(row: dict[str, Any]) -> str | None:
+    """The console line of a run's event (metrics.jsonl), or None for events the progress bar does not tell."""
+    if row.get("event") == "resize":
+        return (
+            f"step {row['step']}: resized {row['old_world_size']} -> {row['new_world_size']} "
+            f"workers (accumulation {row['accumulation']})"
+        )
+    if row.get("event") == "resume":
+        line = f"resumed from step {row['step']} on {row['world_size']} workers"
+        skipped = [f"{s['checkpoint'].rstrip('/').rsplit('/', 1)[-1]} ({s['reason']})" for s in row.get("skipped", [])]
+        return line + (f"; skipped damaged checkpoint {', '.join(skipped)}" if skipped else "")
+    return None
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> None:
