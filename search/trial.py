@@ -137,7 +137,7 @@ class TrialRun(tune.Trainable):
             "wall_s": wall,
             "pin": str(self.pin) if self.pin is not None and not failed else None,
             # what the trial runs with and how often it was exploited, as its log holds them: the scheduler
-            # takes these over what Tune restored (search.schedulers._Resumable.on_trial_result)
+            # takes these over what Tune restored (search.schedulers.InPlace._adopt_trial_log)
             "hparams": dict(self.hparams),
             "exploits": self.log.exploits(),
             "done": done,
