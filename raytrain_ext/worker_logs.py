@@ -25,6 +25,7 @@ LOG_FILE = "workers.log"  # in the run dir: the tracebacks taken off the console
 _SOURCES = ("RayTrainWorker", "TrainController", "PlacementGroupCleaner")  # a Train run's actors (and the raylet)
 _STARTS = (
     "Traceback (most recent call last):",
+    "Exception in thread ",
     "Error in training function:",
     "Graceful shutdown of backend failed",
     "A worker died or was killed while executing a task",

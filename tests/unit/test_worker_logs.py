@@ -33,6 +33,9 @@ def test_a_traceback_block_goes_to_the_log_and_other_lines_stay():
     # the rest of the block in the actor's next batch (indented) follows it; a new, plain line does not
     assert split_tracebacks(["    ^^^^", "x"], open_before=True) == ([], ["    ^^^^", "x"], True)
     assert split_tracebacks(["step 9 done"], open_before=True) == (["step 9 done"], [], False)
+    # a Ray Train actor's thread that died (its own line first, then the traceback)
+    thread = ["Exception in thread PlacementGroupCleanerMonitor:", "Traceback (most recent call last):"]
+    assert split_tracebacks(thread, open_before=False) == ([], thread, True)
 
 
 def test_a_dead_worker_is_one_line_naming_it_how_it_ended_and_the_restart_step():
