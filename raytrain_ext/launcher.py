@@ -38,6 +38,7 @@ from raytrain_ext.cleanup import (
 )
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train_fn
+from raytrain_ext.worker_logs import WorkerLogs
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, is_complete
 from trainers.config import RunConfig, check_inputs
@@ -53,6 +54,7 @@ __all__ = [
     "build_trainer",
     "check_run",
     "ensure_ray",
+    "event_line",
     "stop_ray",
     "run_config_for_workers",
     "train",
@@ -229,9 +231,10 @@ def train(
         try:
             if watcher:
                 watcher.start()
-            result = _fit_restarting_controller(
-                lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
-            )
+            with WorkerLogs(run_dir):  # a lost worker: one line here, the tracebacks in the run's log
+                result = _fit_restarting_controller(
+                    lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
+                )
         except KeyboardInterrupt:
             raise KeyboardInterrupt(_continue_hint(run_dir)) from None
         finally:
@@ -476,6 +479,7 @@ class _ProgressWatcher:
             self.interval_s = max(interval_s, 2.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
+        self._inode: int | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -492,10 +496,14 @@ class _ProgressWatcher:
                 return None, offset
             offset = 0 if len(data) < offset else offset
             return data[offset:], offset
-        if not self.path.is_file():
+        try:
+            stat = self.path.stat()
+        except OSError:
             return None, offset
-        if self.path.stat().st_size < offset:  # a restart rewound the log to its checkpoint
-            offset = 0
+        # A restart rewinds the log to its checkpoint by replacing the file: read the new one from its start
+        # (it may have grown past the old offset already, which then fell inside a line).
+        if stat.st_ino != self._inode or stat.st_size < offset:
+            self._inode, offset = stat.st_ino, 0
         with self.path.open("rb") as f:
             f.seek(offset)
             return f.read(), offset
@@ -505,6 +513,7 @@ class _ProgressWatcher:
 
         bar = tqdm(total=self.total, desc=self.name, unit="step", dynamic_ncols=True)
         offset, last, val = 0, None, None
+        told: set[tuple[Any, ...]] = set()  # events already written (a rewound log is read again)
         try:
             while True:
                 stopping = self._stop.wait(self.interval_s)
@@ -515,18 +524,20 @@ class _ProgressWatcher:
                     offset += len(complete)
                     lines = complete.decode().splitlines()
                 for line in lines:
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # cut by a kill mid-write: the restart rewrites the log
+                        continue
+                    key = (row.get("event"), row.get("step"), row.get("time"))
+                    if row.get("kind") == "event" and key in told:
+                        continue
+                    told.add(key)
                     if row.get("kind") == "eval":
                         val = row["val_loss"]
                     elif row.get("kind") == "train":
                         last = row
-                    elif row.get("event") == "resize":
-                        bar.write(
-                            f"step {row['step']}: resized {row['old_world_size']} -> {row['new_world_size']} "
-                            f"workers (accumulation {row['accumulation']})"
-                        )
-                    elif row.get("event") == "resume":
-                        bar.write(f"resumed from step {row['step']} on {row['world_size']} workers")
+                    elif event_line(row) is not None:
+                        bar.write(event_line(row))
                 if lines and last is not None:
                     bar.n = last["step"]
                     bar.set_postfix(
@@ -539,6 +550,20 @@ class _ProgressWatcher:
                     return
         finally:
             bar.close()
+
+
+def event_line(row: dict[str, Any]) -> str | None:
+    """The console line of a run's event (metrics.jsonl), or None for events the progress bar does not tell."""
+    if row.get("event") == "resize":
+        return (
+            f"step {row['step']}: resized {row['old_world_size']} -> {row['new_world_size']} "
+            f"workers (accumulation {row['accumulation']})"
+        )
+    if row.get("event") == "resume":
+        line = f"resumed from step {row['step']} on {row['world_size']} workers"
+        skipped = [f"{s['checkpoint'].rstrip('/').rsplit('/', 1)[-1]} ({s['reason']})" for s in row.get("skipped", [])]
+        return line + (f"; skipped damaged checkpoint {', '.join(skipped)}" if skipped else "")
+    return None
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> None:

@@ -87,11 +87,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, exp: Any) -> int:
     from raytrain_ext.launcher import ensure_ray, stop_ray
     from search.config import EXPERIMENT_FILE, save
-    from search.driver import check_target, run_experiment
+    from search.driver import check_target, max_concurrent_trials, run_experiment
 
     check_target(exp, args.resume)  # a refused command writes nothing: check all, then write
     started = ensure_ray(args.address)
     try:
+        import ray
+
+        max_concurrent_trials(exp, ray.cluster_resources())  # a trial larger than the cluster: refused here
         if not args.resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
             save(exp)
         # this process ends next: Ray frees what Ctrl-C'd trials hold with the job, no sweep to wait for

@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from search.schedulers import SchedulerConfig
-from search.space import Choice, IntRange, Range, SearchSpace, parse_space
+from search.space import DISTRIBUTIONS, Choice, IntRange, Range, SearchSpace, parse_space
 from trainers._base import ConfigError, StrictModel, flat_keys
 from trainers.config import (
     RunConfig,
@@ -205,10 +205,24 @@ def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     """Read and validate an experiment YAML (`--set` overrides apply to it). Raises ConfigError."""
     path = Path(path)
     raw = read_yaml_mapping(path, "experiment", "name:, base:, space:, ...")
+    _check_space_overrides(overrides)
     raw = apply_overrides(raw, overrides, flat=("space",))  # --set space.optimizer.lr=...: one space entry
     if isinstance(raw.get("base"), str) and not Path(raw["base"]).is_absolute():
         raw["base"] = str(path.parent / raw["base"])
     return parse_experiment(raw)
+
+
+def _check_space_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """`--set space.optimizer.lr.loguniform=[lo, hi]` reads as a run-config key `optimizer.lr.loguniform`:
+    one line with the form that works, not the run config's complaint that lr is not a section."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        head, _, kind = key.strip().rpartition(".")
+        if head.startswith("space.") and kind in DISTRIBUTIONS:
+            raise ConfigError(
+                f"--set {key.strip()}: a distribution is the value of its key, not part of the key; "
+                f"fix: --set '{head}={{{kind}: {value.strip() or '[lo, hi]'}}}'"
+            )
 
 
 def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:

@@ -1,5 +1,8 @@
 """The experiment driver: a Tuner over `TrialRun` trials (see `search.trial`), sized to the cluster, with
-the scheduler's state and the checkpoints an exploit needs kept across interruptions.
+the scheduler's state and the checkpoints an exploit needs kept across interruptions. Where Tune's saved
+state and the trials' lineage logs differ (a driver killed between Tune's saves), the logs win: each trial
+continues from its own, and the scheduler takes the trials' hyperparameters and exploit counts from their
+results.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from ray import tune
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
 from search.config import ExperimentConfig
-from search.lineage import best_trial, collect, cut_logs, log_sizes
+from search.lineage import best_trial, collect
 from search.retention import ProtectedRetention
 from search.schedulers import (
     TIME_ATTR,
@@ -37,7 +40,7 @@ from search.state import (
 from search.tracking import finish_experiment_run, start_experiment_run
 from search.trial import TrialRun
 from trainers._base import ConfigError
-from trainers.storage import is_remote, location_on, pyarrow_fs
+from trainers.storage import is_remote, pyarrow_fs
 
 __all__ = ["ExperimentResult", "check_target", "max_concurrent_trials", "run_experiment"]
 
@@ -97,29 +100,15 @@ def check_target(exp: ExperimentConfig, resume: bool) -> None:
 
 
 class LineageState(tune.Callback):
-    """Keeps the trials' lineage logs in step with Tune's saved state: each save records the logs' sizes,
-    and a resume cuts them back to those (see `search.lineage`) before any trial starts again. The folder
-    is the one Tune runs in now (a moved experiment folder resumes too)."""
-
-    def __init__(self) -> None:
-        self.exp_dir: Path | Any | None = None
-        self.cut_to: dict[str, int] | None = None
-
-    def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
-        if trials and self.exp_dir is None:
-            storage = trials[0].storage
-            self.exp_dir = location_on(storage.storage_filesystem, storage.experiment_fs_path)
-        if self.cut_to is not None and self.exp_dir is not None:  # resumed: no trial has started yet
-            moved = cut_logs(self.exp_dir, self.cut_to)
-            if moved:
-                logger.info("set aside lineage written after Tune's last save: %s", moved)
-            self.cut_to = None
+    """Kept so that experiments started before issue 29 resume (Tune unpickles the callbacks an experiment
+    started with). It cut the lineage logs back to Tune's last save on a resume; the logs are the truth now
+    and each trial continues from its own (`search.trial.TrialRun._continue_from_log`)."""
 
     def get_state(self) -> dict[str, Any]:
-        return {"sizes": log_sizes(self.exp_dir) if self.exp_dir is not None else {}}
+        return {}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.cut_to = state["sizes"]
+        pass
 
 
 def _tuner_parts(exp: ExperimentConfig, board: str | None) -> tuple[Any, dict[str, Any]]:
@@ -194,7 +183,6 @@ def run_experiment(
                 failure_config=tune.FailureConfig(max_failures=0),
                 callbacks=[
                     SchedulerState(scheduler),
-                    LineageState(),
                     ProtectedRetention(exp.keep_checkpoints, scheduler),
                     *callbacks,
                 ],

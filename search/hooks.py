@@ -42,6 +42,16 @@ class WaitAtGate(LatestMetrics):
         super().__init__()
         self.gate_name, self.wait_from = gate, wait_from
         self.gate = None
+        self.branch = 0  # the gate's answers since the last exploit (search.trial.Gate)
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        import ray
+
+        try:  # a restarted group resumed the run's newest commit: it goes on on the gate's current branch
+            self.gate = ray.get_actor(self.gate_name)
+            self.branch = ray.get(self.gate.current_branch.remote())
+        except (ValueError, ray.exceptions.RayActorError):  # the trial is gone: after_checkpoint stops
+            pass
 
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
         import ray
@@ -55,12 +65,13 @@ class WaitAtGate(LatestMetrics):
             if step >= trainer.cfg.train.steps:  # the last one: the run ends by itself
                 return
             waits = self.wait_from is not None and step >= self.wait_from
-            answer = ray.get((self.gate.wait if waits else self.gate.peek).remote(step))
+            answer = ray.get((self.gate.wait if waits else self.gate.peek).remote(step, self.branch))
         except (ValueError, ray.exceptions.RayActorError):  # the trial is gone
             answer = "stop"
         if isinstance(answer, dict):  # an exploit: the trial installed the donor's checkpoint as our newest
             cfg = with_values(trainer.cfg, answer["values"])
             extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
+            self.branch = answer["branch"]
             trainer.load_in_place(Path(answer["checkpoint"]), cfg, donor=answer["donor"], **extra)
         elif answer != "go":
             raise StopRun(f"the trial stopped the run at step {step}")

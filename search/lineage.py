@@ -4,19 +4,25 @@ Each trial appends to its own `EXP_DIR/lineage/<trial>.jsonl` (one writer per fi
 actor at a time; in a bucket, which has no append, each append replaces the object whole, so a reader sees
 the log before or after it); `collect` merges them into Parquet tables:
 
-- `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s
+- `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s, abandoned
 - `EXP_DIR/lineage.parquet`: one row per exploit: time, step (where the trial continues: the donor's
   checkpoint step), trial, donor, donor_time (when the donor reported that checkpoint), old_hparams,
   new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's),
-  exploit_id (the scheduler's decision)
+  exploit_id (the scheduler's decision), from_step (the trial's own step when it loaded the donor's)
 
 An exploit is recorded by the trial that restores a checkpoint another trial wrote - the event as it
 really happened, whichever scheduler (PBT, PB2) decided it - once per decision, however often Tune
 restores the trial from that checkpoint. The functions below are pure over these rows.
 
-Across `--resume` the logs follow Tune's saved state: each of Tune's saves records how long every log
-was (`log_sizes`), and a resume moves what was written after that save - reports that the resumed trials
-train again, exploits that the restored scheduler never decided - to `lineage/discarded/` (`cut_logs`).
+A rollback is an exploit of a donor whose checkpoint is behind the trial (`from_step > step`, asynchronous
+PBT): the trial trains those steps again from the donor's weights. Its reports past the donor's step from
+before the exploit stay in the tables, marked `abandoned` (the branch it left), so that each (trial, step)
+has one current report.
+
+The logs are the truth across crashes: each row is written once what it names is committed (a report's
+checkpoint pinned, an exploit's donor pin chosen), and names it (`pin`). A trial that starts again (a
+`--resume` after its driver was killed, whatever Tune saved last) continues from its log's last row
+(`LineageLog.resume_point`): nothing written is cut or trained again, beyond the steps since that row.
 """
 
 from __future__ import annotations
@@ -37,8 +43,6 @@ __all__ = [
     "LineageLog",
     "Schedule",
     "collect",
-    "cut_logs",
-    "log_sizes",
     "read_events",
     "read_reports",
     "schedule_of",
@@ -60,6 +64,32 @@ class LineageLog:
     def last_report(self) -> dict[str, Any] | None:
         rows = [r for r in self._rows() if r["kind"] == "report"]
         return rows[-1] if rows else None
+
+    def exploits(self) -> int:
+        return sum(r["kind"] == "exploit" for r in self._rows())
+
+    def resume_point(self) -> dict[str, Any] | None:
+        """Where a restarted trial continues: its log's newest row that names a whole pin (a report's own, an
+        exploit's donor's), as {"step", "pin", "hparams"}; {"step", "error"} when the trial had failed;
+        None for a log with neither (nothing reported yet, or written before rows named their pins)."""
+        for row in reversed(self._rows()):
+            if row["kind"] == "report" and row.get("failed"):
+                return {"step": row["step"], "error": row.get("error") or "failed before the restart"}
+            pin = row.get("pin")
+            if pin is None:  # a row from before rows named their pins, or of a restore that copied tensors
+                return None
+            if read_bytes(location(pin) / "meta.json") is not None:  # else deleted: the row before
+                hparams = row["hparams"] if row["kind"] == "report" else row["new_hparams"]
+                return {"step": row["step"], "pin": pin, "hparams": hparams}
+        return None
+
+    def repair(self) -> None:
+        """Drop a last line cut by a kill mid-write, before anything is appended after it."""
+        data = read_bytes(self.path)
+        if data and not data.endswith(b"\n"):
+            keep = data[: data.rfind(b"\n") + 1]
+            write_bytes_atomic(self.path, keep)
+            self._content = keep if is_remote(self.path) else None
 
     def _rows(self) -> list[dict[str, Any]]:
         if self._content is None:
@@ -88,6 +118,8 @@ class LineageLog:
         score: float | None,
         donor_score: float | None,
         exploit_id: str | None = None,
+        pin: str | None = None,
+        from_step: int | None = None,
     ) -> bool:
         """Append the exploit unless it is recorded already; returns whether it was appended."""
         if self.has_exploit(exploit_id, donor, donor_time):
@@ -103,6 +135,8 @@ class LineageLog:
             score=score,
             donor_score=donor_score,
             exploit_id=exploit_id,
+            pin=pin,
+            from_step=from_step,
         )
         return True
 
@@ -111,31 +145,6 @@ class LineageLog:
         after = append_bytes(self.path, (json.dumps(row) + "\n").encode(), self._content)
         if is_remote(self.path):
             self._content = after
-
-
-def log_sizes(exp_dir: Path) -> dict[str, int]:
-    """Bytes in each trial's log now (by trial)."""
-    sizes = list_sizes(location(exp_dir) / "lineage", "*.jsonl")
-    return {name.removesuffix(".jsonl"): size for name, size in sizes.items()}
-
-
-def cut_logs(exp_dir: Path, sizes: dict[str, int]) -> dict[str, int]:
-    """Cut each trial's log back to its size in `sizes` (0 for a log not in it), at a line's end: the rest
-    is appended to `lineage/discarded/<trial>.jsonl`. No trial may be writing. Returns the lines moved."""
-    moved = {}
-    folder = location(exp_dir) / "lineage"
-    for name in sorted(list_sizes(folder, "*.jsonl")):
-        path = folder / name
-        data = read_bytes(path) or b""
-        keep = data[: sizes.get(name.removesuffix(".jsonl"), 0)]
-        keep = keep[: keep.rfind(b"\n") + 1]  # a line being written at the save is not part of it
-        rest = data[len(keep) :]
-        if not rest:
-            continue
-        append_bytes(folder / "discarded" / name, rest if rest.endswith(b"\n") else rest + b"\n")
-        write_bytes_atomic(path, keep)
-        moved[name.removesuffix(".jsonl")] = rest.count(b"\n") + (not rest.endswith(b"\n"))
-    return moved
 
 
 def _read_jsonl(path: Any) -> list[dict[str, Any]]:
@@ -155,7 +164,7 @@ def _parse_jsonl(data: bytes) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------ tables
 
-_REPORT_COLUMNS = ("time", "trial", "step", "metric", "hparams", "failed", "steps_s", "wall_s")
+_REPORT_COLUMNS = ("time", "trial", "step", "metric", "hparams", "failed", "steps_s", "wall_s", "abandoned")
 _EVENT_COLUMNS = (
     "time",
     "step",
@@ -168,6 +177,7 @@ _EVENT_COLUMNS = (
     "score",
     "donor_score",
     "exploit_id",
+    "from_step",
 )
 
 
@@ -180,7 +190,7 @@ def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     for r in sorted((r for r in rows if r["kind"] == "exploit"), key=lambda r: r["time"]):
         unique.setdefault(r.get("exploit_id") or (r["trial"], r["donor"], r["donor_time"]), r)
     events = list(unique.values())
-    reports = _without_redone([r for r in rows if r["kind"] == "report"], events)
+    reports = _marked_abandoned(_without_redone([r for r in rows if r["kind"] == "report"], events), events)
     _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=("hparams",))
     _write(
         exp_dir / EVENTS_FILE,
@@ -206,15 +216,36 @@ def _without_redone(reports: list[dict[str, Any]], events: list[dict[str, Any]])
     return kept
 
 
+def _marked_abandoned(reports: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each report with `abandoned`: whether a later exploit of its trial rolled the trial back past it (to
+    a donor's checkpoint at an earlier step), leaving the branch it was on."""
+    return [
+        {
+            **r,
+            "abandoned": any(
+                e["trial"] == r["trial"] and e["time"] > r["time"] and e["step"] < r["step"] for e in events
+            ),
+        }
+        for r in reports
+    ]
+
+
 def _write(
     path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...], json_columns: tuple[str, ...]
 ) -> None:
     data = {c: [json.dumps(r.get(c)) if c in json_columns else r.get(c) for r in rows] for c in columns}
-    types = {"step": pa.int64(), "trial": pa.string(), "donor": pa.string(), "exploit_id": pa.string()}
+    types = {
+        "step": pa.int64(),
+        "from_step": pa.int64(),
+        "trial": pa.string(),
+        "donor": pa.string(),
+        "exploit_id": pa.string(),
+    }
     fields = [pa.field(c, types.get(c, pa.string() if c in json_columns else pa.float64())) for c in columns]
-    if "failed" in columns:
-        fields[columns.index("failed")] = pa.field("failed", pa.bool_())
-        data["failed"] = [bool(v) for v in data["failed"]]
+    for flag in ("failed", "abandoned"):
+        if flag in columns:
+            fields[columns.index(flag)] = pa.field(flag, pa.bool_())
+            data[flag] = [bool(v) for v in data[flag]]
     sink = pa.BufferOutputStream()
     pq.write_table(pa.table(data, schema=pa.schema(fields)), sink)
     write_bytes_atomic(path, sink.getvalue().to_pybytes())

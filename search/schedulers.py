@@ -153,7 +153,7 @@ def build_scheduler(
 # as each restored trial is added.
 
 _TRIAL_FIELDS = ("last_score", "last_perturbation_time", "last_train_time", "last_result", "last_checkpoint")
-_SCHEDULER_FIELDS = ("_next_perturbation_sync", "_num_checkpoints", "_num_perturbations")
+_SCHEDULER_FIELDS = ("_next_perturbation_sync", "_num_checkpoints", "_num_perturbations", "_applied")
 _PB2_FIELDS = ("data", "last_exploration_time", "current")
 
 
@@ -290,6 +290,7 @@ class InPlace:
     # --------------------------------------------------------------------------------- decisions
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        self._adopt_trial_log(trial, result)
         if self.board is None or TIME_ATTR not in result or self._metric not in result:
             return super().on_trial_result(tune_controller, trial, result)
         self._controller = tune_controller
@@ -310,6 +311,23 @@ class InPlace:
         self.__dict__.setdefault("_first_wait", time.monotonic())
         self._maybe_sync()
         return TrialScheduler.CONTINUE
+
+    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
+        self._adopt_trial_log(trial, result or {})
+        super().on_trial_complete(tune_controller, trial, result)
+
+    def _adopt_trial_log(self, trial: Any, result: dict[str, Any]) -> None:
+        """A trial's lineage log is the truth over Tune's saved state (search.trial): after a killed driver
+        the trial goes on with what it logged since Tune's last save (an exploit's hyperparameters, which a
+        later explore of it as a donor starts from), and the count of exploits is what the trials applied
+        (`exploits` in each result: an exploit decided and lost with the driver never happened)."""
+        hparams = {k.removeprefix("hparams/"): v for k, v in result.items() if k.startswith("hparams/")}
+        if any(trial.config.get(k) != v for k, v in hparams.items()):
+            trial.set_config({**trial.config, **hparams})
+        if "exploits" in result:
+            applied = self.__dict__.setdefault("_applied", {})
+            applied[trial.trial_id] = int(result["exploits"])
+            self._num_perturbations = sum(applied.values())
 
     def tick(self) -> None:
         """From Tune's loop (SchedulerState.on_step_end): a synchronous round past its timeout goes on."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from trainers._base import ConfigError
 
-__all__ = ["Choice", "Fixed", "IntRange", "Param", "Range", "SearchSpace", "parse_space"]
+__all__ = ["DISTRIBUTIONS", "Choice", "Fixed", "IntRange", "Param", "Range", "SearchSpace", "parse_space"]
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class SearchSpace(Mapping):
 
 # ------------------------------------------------------------------------------------------- parsing
 
-_KINDS = ("uniform", "loguniform", "int", "logint", "choice")
+DISTRIBUTIONS = ("uniform", "loguniform", "int", "logint", "choice")
 
 
 def parse_space(raw: Mapping[str, Any], where: str = "space") -> SearchSpace:
@@ -201,10 +201,10 @@ def parse_param(where: str, raw: Any) -> Param:
         return _choice(where, raw)
     if not isinstance(raw, Mapping):
         return Fixed(raw)
-    if len(raw) != 1 or next(iter(raw)) not in _KINDS:
+    if len(raw) != 1 or next(iter(raw)) not in DISTRIBUTIONS:
         keys = ", ".join(map(str, raw)) or "nothing"
         raise ConfigError(
-            f"{where}: unknown distribution ({keys}); fix: use one of {{{', '.join(_KINDS)}}}: [...], "
+            f"{where}: unknown distribution ({keys}); fix: use one of {{{', '.join(DISTRIBUTIONS)}}}: [...], "
             f"a list of choices, or a fixed value"
         )
     kind, args = next(iter(raw.items()))

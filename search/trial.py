@@ -49,7 +49,7 @@ from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
 from search.tracking import in_place_tags, trial_tracking
-from trainers.checkpoint_files import install_checkpoint, link_tree
+from trainers.checkpoint_files import STEP_DIR, install_checkpoint, link_tree
 from trainers.metrics import read_metrics
 from trainers.storage import location, remove_tree, write_text_atomic
 
@@ -86,12 +86,15 @@ class TrialRun(tune.Trainable):
         self.step_no, self.step_dir, self.pin, self.error = 0, None, None, None
         self.runner: _LiveRun | None = None
         self.awaiting: int | None = None  # the report step whose decision the next interval follows
+        self.continued = False  # whether step() has put this trial where its lineage log says it is
         self.clock = time.perf_counter()
 
     # ---------------------------------------------------------------------------- Tune interface
 
     def step(self) -> dict[str, Any]:
         exp = self.exp
+        if not self.continued:
+            self._continue_from_log()
         if self.step_no >= exp.steps:  # restored at the end of the budget (a resumed, finished trial)
             last = self.log.last_report()
             return {
@@ -121,6 +124,7 @@ class TrialRun(tune.Trainable):
             steps_s=out.steps_s,
             wall_s=wall,
             error=out.error,
+            pin=str(self.pin) if self.pin is not None and not failed else None,
         )
         done = out.step >= exp.steps or (failed and exp.scheduler.name not in ("pbt", "pb2"))
         if not done and self._decides_at(out.step):
@@ -132,6 +136,10 @@ class TrialRun(tune.Trainable):
             "steps_s": out.steps_s,
             "wall_s": wall,
             "pin": str(self.pin) if self.pin is not None and not failed else None,
+            # what the trial runs with and how often it was exploited, as its log holds them: the scheduler
+            # takes these over what Tune restored (search.schedulers.InPlace._adopt_trial_log)
+            "hparams": dict(self.hparams),
+            "exploits": self.log.exploits(),
             "done": done,
         }
 
@@ -152,10 +160,11 @@ class TrialRun(tune.Trainable):
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         meta = _read_meta(Path(checkpoint_dir))
-        if meta["trial"] != self.trial_id:  # an exploit (logged once, however often Tune restores it)
-            self._log_exploit(meta, self.config.get(EXPLOIT_ID))
-        self.step_no, self.step_dir, self.pin, self.error = meta["step"], None, None, None
         root = Path(checkpoint_dir)
+        if meta["trial"] != self.trial_id:  # an exploit (logged once, however often Tune restores it)
+            pin = meta.get("pin", str(root) if root.parent.name == PINS else None)
+            self._log_exploit(meta, self.config.get(EXPLOIT_ID), pin=pin)
+        self.step_no, self.step_dir, self.pin, self.error = meta["step"], None, None, None
         if meta["step_dir"] is None:  # the saved trial had failed before its first checkpoint
             self.error = "restored a failed trial"
         elif "pin" in meta or root.parent.name == PINS:  # Tune's metadata, or a pin (an in-place donor)
@@ -172,6 +181,21 @@ class TrialRun(tune.Trainable):
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         return False  # a new actor per trial start: no Train run outlives its trial
+
+    def _continue_from_log(self) -> None:
+        """Where a trial (re)starts: its lineage log's last row (see `search.lineage`), not the checkpoint Tune
+        restored, which predates whatever the trial reported or exploited after Tune's last save (a killed
+        driver). Nothing reported is trained again; a log with no such row keeps Tune's restore."""
+        self.continued = True
+        self.log.repair()
+        point = self.log.resume_point()
+        if point is None:
+            return
+        self.step_no, self.step_dir, self.pin, self.error = point["step"], None, None, point.get("error")
+        if "pin" in point:
+            self.pin = location(point["pin"])
+            self.step_dir = self.pin / _read_meta(self.pin)["step_dir"]
+            self.hparams = {k: point["hparams"].get(k, v) for k, v in self.hparams.items()}
 
     # ------------------------------------------------------------------------------ exploit in place
 
@@ -194,7 +218,7 @@ class TrialRun(tune.Trainable):
         changed = {k for k in values if values[k] != self.hparams.get(k)}
         pin = location(decision["pin"])
         meta = _read_meta(pin)
-        self._log_exploit(meta, decision["exploit_id"], new_hparams=values)
+        self._log_exploit(meta, decision["exploit_id"], new_hparams=values, pin=str(pin))
         self.hparams = values
         donor_dir = pin / meta["step_dir"]
         live = self.runner is not None and self.error is None
@@ -215,7 +239,10 @@ class TrialRun(tune.Trainable):
                 return decision
         return "go"  # the scheduler never decided (it cannot act at this report): train on
 
-    def _log_exploit(self, meta: dict[str, Any], exploit_id: str | None, new_hparams: dict | None = None) -> None:
+    def _log_exploit(
+        self, meta: dict[str, Any], exploit_id: str | None, new_hparams: dict | None = None, pin: str | None = None
+    ) -> None:
+        """Before the exploit is loaded: a restart after this row continues from the donor's pin."""
         last = self.log.last_report()
         self.log.exploit(
             step=meta["step"],
@@ -227,6 +254,8 @@ class TrialRun(tune.Trainable):
             score=last["metric"] if last else None,
             donor_score=meta["metric"],
             exploit_id=exploit_id,
+            pin=pin,
+            from_step=last["step"] if last else None,
         )
 
     def _meta(self, metric: float | None) -> dict[str, Any]:
@@ -296,15 +325,19 @@ class TrialRun(tune.Trainable):
 # ------------------------------------------------------------------------------------ live runs
 
 
-@ray.remote(num_cpus=0)
 class Gate:
     """Between a live Train run and its trial: rank 0 posts reports, the trial takes them and answers each
-    step ("go", "stop" or an exploit to load), every worker asks for that answer after its checkpoint."""
+    step ("go", "stop" or an exploit to load), every worker asks for that answer after its checkpoint.
+
+    Answers are kept per branch: an exploit starts a new one (the run goes on from the donor's step, which
+    may be behind its own: a rollback), so that a rolled-back run reaching a step again waits for the
+    trial's new answer instead of taking the old branch's (which loaded the same exploit a second time)."""
 
     def __init__(self) -> None:
         self.reports: asyncio.Queue = asyncio.Queue()
-        self.answers: dict[int, Any] = {}
-        self.events: dict[int, asyncio.Event] = {}
+        self.answers: dict[tuple[int, int], Any] = {}  # by (branch, step)
+        self.events: dict[tuple[int, int], asyncio.Event] = {}
+        self.branch = 0  # exploits answered so far
         self.stopped = False
 
     async def post(self, item: dict[str, Any]) -> None:
@@ -317,22 +350,34 @@ class Gate:
             return None
 
     async def answer(self, step: int, decision: Any) -> None:
-        self.answers[step] = decision
-        self.events.setdefault(step, asyncio.Event()).set()
+        key = (self.branch, step)
+        if isinstance(decision, dict):  # an exploit: the workers go on on the next branch
+            self.branch += 1
+            decision = {**decision, "branch": self.branch}
+        self.answers[key] = decision
+        self.events.setdefault(key, asyncio.Event()).set()
 
     async def stop_all(self) -> None:  # whatever step the workers are at
         self.stopped = True
         for event in self.events.values():
             event.set()
 
-    async def wait(self, step: int) -> Any:
-        if step not in self.answers and not self.stopped:
-            await self.events.setdefault(step, asyncio.Event()).wait()
-        return "stop" if self.stopped else self.answers[step]
+    async def current_branch(self) -> int:
+        """For workers that (re)start: a restarted group resumes the run's newest commit, on this branch."""
+        return self.branch
 
-    async def peek(self, step: int) -> str:
+    async def wait(self, step: int, branch: int = 0) -> Any:
+        key = (branch, step)
+        if key not in self.answers and not self.stopped:
+            await self.events.setdefault(key, asyncio.Event()).wait()
+        return "stop" if self.stopped else self.answers[key]
+
+    async def peek(self, step: int, branch: int = 0) -> str:
         """For a step the workers do not wait at: stop, or go on."""
-        return "stop" if self.stopped or self.answers.get(step) == "stop" else "go"
+        return "stop" if self.stopped or self.answers.get((branch, step)) == "stop" else "go"
+
+
+_GATE = ray.remote(num_cpus=0)(Gate)  # an actor per live run (Gate stays a plain class: unit-tested alone)
 
 
 class _LiveRun:
@@ -343,7 +388,7 @@ class _LiveRun:
 
         self.exp, self.run_dir = exp, run_dir
         name = f"raytrain-gate-{uuid.uuid4().hex}"
-        self.gate = Gate.options(name=name).remote()
+        self.gate = _GATE.options(name=name).remote()
         cfg = _run_config(exp, hparams, run_dir, resume, keep=2)
         # Where the workers wait for the trial's answer: from PBT's first decision on; never where no
         # scheduler decision can change the run (ASHA, random search: a stop is looked up without waiting).
@@ -386,7 +431,10 @@ class _LiveRun:
         while True:
             item = ray.get(self.gate.take.remote(1.0))
             if item is not None:
-                step = int(item["metrics"]["step"])
+                # the checkpoint's step, from its folder: a checkpoint written in the background commits
+                # (and is reported) a few steps after the step it holds
+                match = STEP_DIR.match(location(item["path"]).name)
+                step = int(match.group(1)) if match else int(item["metrics"]["step"])
                 return _Interval(
                     step,
                     _metric_of(self.exp, item["metrics"]),

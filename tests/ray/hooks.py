@@ -139,17 +139,26 @@ class KillMemberAtStep(TrainerCallback):
 
 
 class WaitForReports(TrainerCallback):
-    """In the run whose learning rate is `lr`, once its own checkpoint of `step` is committed and reported:
-    wait until the experiment's lineage in `exp_dir` holds `count` reports of `step` (the population's other
-    members caught up), so that an asynchronous PBT decides this member's next report against them. (Not in
-    `after_step`: with asynchronous saves the member's own report of `step` comes a step or more later, at
-    the commit, so waiting there would wait for itself.)"""
+    """In the run whose learning rate is `lr`, at `at`: wait until the experiment's lineage in `exp_dir` holds
+    `count` reports of `step` (the population's other members caught up), so that an asynchronous PBT decides
+    this member's next report against them. `on="step"`: after training step `at`; `on="checkpoint"`: once
+    the run's own checkpoint of step `at` is committed and reported. A wait that counts the member's own
+    report of a step must be `on="checkpoint"`: with asynchronous saves that report comes a step or more
+    after the step, at the commit, so waiting after the step would wait for itself."""
 
-    def __init__(self, exp_dir: str, lr: float, step: int, count: int) -> None:
-        self.exp_dir, self.lr, self.step, self.count = Path(exp_dir), lr, step, count
+    def __init__(self, exp_dir: str, lr: float, at: int, step: int, count: int, on: str = "step") -> None:
+        self.exp_dir, self.lr, self.at, self.on, self.step, self.count = Path(exp_dir), lr, at, on, step, count
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if self.on == "step" and trainer.step == self.at:
+            self._wait(trainer)
 
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        if checkpoint_step(path) != self.step or trainer.cfg.optimizer.lr != self.lr:
+        if self.on == "checkpoint" and checkpoint_step(path) == self.at:
+            self._wait(trainer)
+
+    def _wait(self, trainer: Trainer) -> None:
+        if trainer.cfg.optimizer.lr != self.lr:
             return
         deadline = time.monotonic() + HOLD_TIMEOUT_S
         while time.monotonic() < deadline:

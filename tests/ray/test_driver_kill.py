@@ -142,3 +142,43 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
     assert all(first_loss[r["step"]] == r["loss"] for r in rows)
     resumes = [e["step"] for e in read_metrics(run_dir / "metrics.jsonl", "event") if e["event"] == "resume"]
     assert len(resumes) == 2 and resumes[0] >= EVERY and resumes[1] >= resumes[0]
+
+
+def test_a_killed_worker_is_one_console_line_and_its_tracebacks_go_to_the_runs_log(corpus_dir, tmp_path, sessions):
+    """Rank 1 of 2 SIGKILLed at step 7 (checkpoints every 5): the console says once which worker was lost,
+    how, and from which step the group restarts, then that it resumed; the survivor's gloo error and Ray's
+    tracebacks are in the run's workers.log, not on the console."""
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        corpus_dir,
+        run_dir,
+        parallel={"engine": "ddp"},
+        scaling={"num_workers": 2, "max_failures": 1},
+        train={"steps": 12, "eval_every": 0},
+        checkpoint={"every": 5, "keep": 2},
+    )
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(raw))
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [sys.executable, "-m", "raytrain_ext.cli", "train", str(run), "--callback", "tests.ray.hooks:KillMeAtStep(step=7, rank=1)"]
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=o, stderr=e, start_new_session=True
+        )
+    sessions.append(proc.pid)
+    pid_file = run_dir / "pids" / "rank1"
+    wait_for(lambda: pid_file.exists() or proc.poll() is not None, 240, "rank 1 to reach step 7")
+    assert proc.poll() is None, err.read_text()[-3000:]
+    killed = int(pid_file.read_text())
+    os.kill(killed, signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, err.read_text()[-3000:]
+    console = err.read_text().splitlines() + out.read_text().splitlines()
+    lost = [line for line in console if line.startswith("raytrain: lost Train worker")]
+    assert len(lost) == 1 and f"pid {killed} " in lost[0] and "restarts from step 5" in lost[0], lost
+    assert "killed by a signal" in lost[0]
+    assert any("resumed from step 5 on 2 workers" in line for line in console)
+    assert not [line for line in console if "Traceback" in line or "Connection closed by peer" in line or "Exception in" in line]
+    log = (run_dir / "workers.log").read_text()
+    assert "Traceback" in log and str(killed) in log
+    (resume,) = [e["step"] for e in read_metrics(run_dir / "metrics.jsonl", "event") if e["event"] == "resume"]
+    assert resume == 5

@@ -295,22 +295,48 @@ def _run(tmp: Path, corpus: Path, name: str, scheduler: dict, steps: int = STEPS
     return run_experiment(exp, verbose=0, callbacks=[KillPidFiles(exp.exp_dir)])
 
 
-@pytest.mark.slow  # ~2 min on 2 cores; the default tier has the synchronous experiment and the unit tests
-def test_async_pbt_exploits_in_place_with_one_start_per_trial(ray_pbt, corpus_dir, tmp_path):
-    # The weak member waits after its report of step 10 until both have reported step 10: its report of
-    # step 20 then meets the strong one's score and checkpoint (else it may race through its budget alone).
-    wait = f"tests.ray.hooks:WaitForReports(exp_dir={str(tmp_path / 'runs' / 'async')!r}, lr=0.0001, step=10, count=2)"
-    result = _run(tmp_path, corpus_dir, "async", {"synch": False}, steps=3 * INTERVAL, callbacks=[wait])
-    exp_dir = result.exp_dir
+@pytest.mark.slow  # ~90 s on 2 cores; the default tier has the synchronous experiment and the unit tests
+def test_an_exploit_of_a_donor_behind_rolls_back_once_with_one_current_report_per_step(
+    ray_pbt, corpus_dir, tmp_path
+):
+    """Asynchronous PBT, the donor behind: the strong member holds after step 1 until the weak one reported
+    step 10 (the weak's first decision has no score to compare: go on), and after step 11 until the weak
+    reported step 20, which its decision then compares with the strong's step 10: the weak exploits the
+    strong's step-10 checkpoint and trains 11..20 again (a rollback). The weak holds after step 11 until
+    both reported step 10. Its second report of step 20 needs a new decision: the old answer at step 20 (the
+    exploit) loaded the same exploit again, and again."""
+    exp_dir = tmp_path / "runs" / "rollback"
+    # A hold that waits for the member's own report goes after that report (on="checkpoint"): with async
+    # saves the report of step 10 comes at its commit, a step or more later, not before step 11.
+    hold = "tests.ray.hooks:WaitForReports(exp_dir={!r}, lr={}, at={}, on={!r}, step={}, count={})"
+    callbacks = [
+        hold.format(str(exp_dir), 0.01, 1, "step", 10, 1),
+        hold.format(str(exp_dir), 0.01, 10, "checkpoint", 20, 1),
+        hold.format(str(exp_dir), 0.0001, 10, "checkpoint", 10, 2),
+    ]
+    result = _run(tmp_path, corpus_dir, "rollback", {"synch": False}, steps=3 * INTERVAL, callbacks=callbacks)
     strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
-    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
-    event = [e for e in result.events if e["trial"] == weak][0]
-    assert event["donor"] == strong
+    mine = sorted((e for e in result.events if e["trial"] == weak), key=lambda e: e["time"])
+    first = mine[0]
+    assert (first["donor"], first["step"], first["from_step"]) == (strong, INTERVAL, 2 * INTERVAL), "a rollback"
+    # each exploit applied once: one `exploit` event in the live run per exploit in the lineage
+    (run,) = (exp_dir / "runs" / weak).glob("live-*")
+    loaded = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "exploit"]
+    assert len(loaded) == len(mine) and len({e["exploit_id"] for e in mine}) == len(mine)
+    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}, "exploits in place"
+    # step 11 is computed on the donor's step-10 weights (bit for bit) with the explored learning rate
     weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
-    after = event["step"] + 1
-    assert weak_rows[after]["loss"] == strong_rows[after]["loss"], "the donor's weights, bit for bit"
-    new_lr = event["new_hparams"]["optimizer.lr"]
-    assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
+    latest = max((e for e in mine if e["step"] == INTERVAL), key=lambda e: e["time"])
+    assert weak_rows[INTERVAL + 1]["loss"] == strong_rows[INTERVAL + 1]["loss"]
+    new_lr = latest["new_hparams"]["optimizer.lr"]
+    assert weak_rows[INTERVAL + 1]["lr"] / strong_rows[INTERVAL + 1]["lr"] == pytest.approx(new_lr / 1e-2)
+    # the abandoned branch's report is marked (a later decision may roll back again: one mark each); each
+    # (trial, step) has one current report
+    abandoned = [(r["trial"], r["step"], r["time"] < first["time"]) for r in result.reports if r["abandoned"]]
+    assert (weak, 2 * INTERVAL, True) in abandoned
+    current = [(r["trial"], r["step"]) for r in result.reports if not r["abandoned"]]
+    assert sorted(current) == sorted((t, s) for t in (strong, weak) for s in (10, 20, 30))
+    assert read_reports(exp_dir) == result.reports
 
 
 @pytest.mark.slow  # two more experiments (~4 min on 2 cores)

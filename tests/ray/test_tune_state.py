@@ -103,29 +103,46 @@ class _Driver:
         return rc
 
     def end(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # only this driver's session
-        except ProcessLookupError:
-            pass
+        """SIGKILL what is left of the driver's session, by pid: its process group, and the Ray workers that
+        the raylet put in groups of their own (they outlived a kill of the group by seconds, and their
+        reports landed after the next driver had started)."""
+        for pid in _session(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(timeout=60)
-        wait_for(lambda: not _group(self.proc.pid), 60, f"the processes of session {self.proc.pid} to end")
+        wait_for(lambda: not _session(self.proc.pid), 60, f"the processes of session {self.proc.pid} to end")
 
 
-def _group(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
+def _session(sid: int) -> list[int]:
+    """Live (not zombie) processes of a session."""
     live = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if int(fields[3]) == sid and fields[0] != "Z":
             live.append(int(stat.parent.name))
     return live
 
 
+def _last_rows(exp_dir: Path) -> dict[str, dict]:
+    """Each trial's last lineage row (report or exploit): where it is, by its own log."""
+    rows = sorted(_lines(exp_dir, "report") + _lines(exp_dir, "exploit"), key=lambda r: r["time"])
+    return {r["trial"]: r for r in rows}
+
+
 @pytest.mark.slow
 def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_dir, tmp_path):
+    """What "each report once" means here. A trial reports every `interval` steps from where it starts: from
+    step 0, from the donor's step after an exploit (which may be behind its own: a rollback, whose abandoned
+    reports are marked), and after a driver kill from its lineage log's last row, whatever Tune saved last
+    (our committed, pinned checkpoints are the truth). So: each life (from a start or an exploit to the
+    next) reports each interval once; a resumed trial's next report is its last row's step + interval (no
+    reported step trained twice, no progress lost); each (trial, step) has one current report. Each exploit
+    once: an exploit applied before a kill stays in the lineage, and its decision is applied once."""
     steps = 40
     path = _experiment(
         tmp_path,
@@ -141,7 +158,7 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
     exp_dir = load_experiment(path).exp_dir
     drivers: list[_Driver] = []
     try:
-        _kill_twice_then_ctrl_c(tmp_path, path, exp_dir, drivers)
+        kills = _kill_twice_then_ctrl_c(tmp_path, path, exp_dir, drivers)
     finally:  # a failed wait leaves its driver running
         for driver in drivers:
             driver.end()
@@ -155,8 +172,20 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
     assert sorted(e["exploit_id"] for e in events) == sorted(ids)
     summary = json.loads((exp_dir / "scheduler_state.json").read_text())
     assert summary["perturbations"] == len(ids) == _saved_scheduler(exp_dir)["_num_perturbations"]
+    # the exploit applied before the first kill is in the lineage; nothing written was set aside
+    assert kills[0]["exploits"] and set(kills[0]["exploits"]) <= set(ids)
+    assert not (exp_dir / "lineage" / "discarded").exists()
+    # after each kill, each unfinished trial's next report continues from its log's last row (unless its next
+    # row is an exploit that Tune saved before the kill and applies on the restore: its life is checked below)
+    for kill in kills:
+        for trial, last in kill["last"].items():
+            after = sorted(
+                (r for r in [*reports, *events] if r["trial"] == trial and r["time"] > kill["time"]), key=_time
+            )
+            if last["step"] < steps and "donor" not in after[0]:
+                assert after[0]["step"] == last["step"] + 10, (trial, last, after[0])
     # each report once: per trial, each life (from its start or an exploit to the next) reports every
-    # interval once, and the last life reaches the budget
+    # interval once, and the last life reaches the budget; each (trial, step) has one current report
     for trial in {r["trial"] for r in reports}:
         starts = sorted((e["time"], e["step"]) for e in events if e["trial"] == trial)
         lives = [(float("-inf"), 0), *starts, (float("inf"), None)]
@@ -164,12 +193,31 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
             life = sorted(r["step"] for r in reports if r["trial"] == trial and since < r["time"] < until)
             assert life == list(range(first_step + 10, first_step + 10 * (len(life) + 1), 10)), (trial, life)
         assert max(r["step"] for r in reports if r["trial"] == trial and r["time"] > lives[-2][0]) == steps
+    current = [(r["trial"], r["step"]) for r in reports if not r["abandoned"]]
+    assert len(current) == len(set(current))
 
 
-def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: list) -> None:
+def _time(row: dict) -> float:
+    return row["time"]
+
+
+def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: list) -> list[dict]:
+    """Returns, for each kill, when the driver's processes had all ended, each trial's last lineage row then,
+    and the exploits logged so far."""
+    kills = []
+
     def start(*args: str) -> _Driver:
         drivers.append(_Driver(tmp_path, path, "--quiet", *args))
         return drivers[-1]
+
+    def killed() -> None:
+        kills.append(
+            {
+                "time": time.time(),
+                "last": _last_rows(exp_dir),
+                "exploits": [e["exploit_id"] for e in _lines(exp_dir, "exploit")],
+            }
+        )
 
     def reported_since(t: float) -> bool:
         return any(r["time"] > t for r in _lines(exp_dir, "report"))
@@ -178,10 +226,12 @@ def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: 
     first = start()
     first.wait_for(lambda: _lines(exp_dir, "exploit"), "a first exploit")
     assert first.kill(signal.SIGKILL) == -signal.SIGKILL
+    killed()
     # 2. resumed, killed again mid-run, once it reported
     second, since = start("--resume"), time.time()
     second.wait_for(lambda: reported_since(since), "a report of the resumed run")
     assert second.kill(signal.SIGKILL) == -signal.SIGKILL
+    killed()
     # 3. resumed, Ctrl-C: one line on how to go on, exit 130, no traceback of the driver's (Ray's actors
     # may log theirs, prefixed with their name)
     third, since = start("--resume"), time.time()
@@ -194,6 +244,7 @@ def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: 
     last = start("--resume")
     assert last.proc.wait(timeout=600) == 0, last.err.read_text()[-3000:]
     assert "done: best trial" in last.out.read_text()
+    return kills
 
 
 # ------------------------------------------------------------------------ the scheduler's summary

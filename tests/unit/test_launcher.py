@@ -96,3 +96,15 @@ def test_callback_specs():
     assert (cb.step, cb.rank) == (3, 1)
     with pytest.raises(ConfigError, match="is not module:Name"):
         load_callback("tests.ray.hooks.KillMeAtStep")
+
+
+def test_a_resume_past_a_damaged_checkpoint_names_it_on_the_console():
+    from raytrain_ext.launcher import event_line
+
+    resume = {"kind": "event", "event": "resume", "step": 8, "world_size": 2}
+    assert event_line(resume) == "resumed from step 8 on 2 workers"
+    skipped = [{"checkpoint": "/runs/r/checkpoints/step_00000012/", "reason": "model/0.distcp: checksum mismatch"}]
+    assert event_line({**resume, "skipped": skipped}) == (
+        "resumed from step 8 on 2 workers; skipped damaged checkpoint step_00000012 (model/0.distcp: checksum mismatch)"
+    )
+    assert event_line({"kind": "event", "event": "checkpoint", "step": 8}) is None

@@ -205,6 +205,7 @@ def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, cap
         return ExperimentResult(exp.exp_dir, False, None, float("nan"), [], [])
 
     monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})  # sized before anything is written
     monkeypatch.setattr(search.driver, "run_experiment", interrupted)
     _saved_state(exp)
     assert main(["tune", *args, "--resume"]) == 130
@@ -213,3 +214,13 @@ def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, cap
     assert out.err == (
         f"raytrain: interrupted; resume with: raytrain tune {args[0]} --set {args[2]} --set {args[4]} --resume\n"
     )
+
+
+def test_a_tune_refused_for_resources_leaves_no_experiment_behind(demo_cli, monkeypatch, capsys):
+    # the cluster (a stand-in: Ray is not started) holds 2 CPUs; a trial of 2 workers x 2 CPUs does not fit
+    args, exp = demo_cli
+    monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
+    assert main(["tune", *args, "--set", "resources.cpus_per_worker=2"]) == 2
+    assert "a trial needs 4 CPUs (2 workers) but the cluster has 2 CPUs" in capsys.readouterr().err
+    assert not exp.exp_dir.exists() or not list(exp.exp_dir.iterdir()), "nothing written: not even experiment.json"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
+import shutil
 
 import pytest
 
-from search.lineage import LineageLog, best_trial, collect, cut_logs, log_sizes, read_events, schedule_of
+from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
 from search.retention import to_delete
 
 
@@ -113,31 +115,66 @@ def test_an_exploit_is_recorded_once_however_often_it_is_restored(tmp_path):
     assert [e["new_hparams"] for e in collect(tmp_path)[1]] == [{"lr": 0.12}, {"lr": 0.08}]
 
 
-def test_a_resume_sets_aside_the_lineage_written_after_tunes_save(tmp_path):
-    a, b = LineageLog(tmp_path, "a"), LineageLog(tmp_path, "b")
-    a.report(10, 3.0, {"lr": 0.1}, failed=False, steps_s=1.0, wall_s=2.0)
-    b.report(10, 4.0, {"lr": 0.2}, failed=False, steps_s=1.0, wall_s=2.0)
-    saved = {p.name: p.read_bytes() for p in (tmp_path / "lineage").iterdir()}
-    sizes = log_sizes(tmp_path)  # Tune saves its state (and these with it)
-    # after the save, until the driver was killed: a report, an exploit the restored scheduler never
-    # decided, a line cut mid-write, and the first line of a trial that had not written before
-    a.report(20, 2.5, {"lr": 0.1}, failed=False, steps_s=1.0, wall_s=2.0)
-    b.exploit(10, "a", 1.0, {"lr": 0.2}, {"lr": 0.12}, {"lr": 0.1}, 4.0, 3.0, exploit_id="ghost")
+def _pin(tmp_path, name: str, step: int) -> str:
+    """A pin as search.trial makes one: its step folder and its metadata (written last)."""
+    pin = tmp_path / "pins" / name
+    (pin / f"step_{step:08d}").mkdir(parents=True)
+    (pin / "meta.json").write_text(json.dumps({"step": step, "step_dir": f"step_{step:08d}"}))
+    return str(pin)
+
+
+def test_a_restarted_trial_continues_from_its_logs_last_row_whatever_tune_saved(tmp_path):
+    # Tune saved after b's first report; then, until the driver was killed, b was exploited (the donor's
+    # pin), reported again, and a line was cut mid-write: the log, not Tune's save, says where b is
+    b = LineageLog(tmp_path, "b")
+    assert b.resume_point() is None, "nothing reported: Tune's restore (or a fresh start) stands"
+    b.report(10, 4.0, {"lr": 0.2}, failed=False, steps_s=1.0, wall_s=2.0, pin=_pin(tmp_path, "b10", 10))
+    donor = _pin(tmp_path, "a10", 10)
+    b.exploit(10, "a", 1.0, {"lr": 0.2}, {"lr": 0.12}, {"lr": 0.1}, 4.0, 3.0, exploit_id="e1", pin=donor, from_step=10)
+    assert b.resume_point() == {"step": 10, "pin": donor, "hparams": {"lr": 0.12}}, "killed before it loaded"
+    b.report(20, 2.5, {"lr": 0.12}, failed=False, steps_s=1.0, wall_s=2.0, pin=_pin(tmp_path, "b20", 20))
     with b.path.open("a") as f:
         f.write('{"time": 9, "trial": "b", "kind": "rep')
-    LineageLog(tmp_path, "c").report(10, 5.0, {"lr": 0.3}, failed=False, steps_s=1.0, wall_s=2.0)
-    assert cut_logs(tmp_path, sizes) == {"a": 1, "b": 2, "c": 1}
-    assert {p.name: p.read_bytes() for p in (tmp_path / "lineage").glob("*.jsonl")} == {
-        **saved,
-        "c.jsonl": b"",
-    }
-    aside = tmp_path / "lineage" / "discarded"
-    assert [json.loads(line)["step"] for line in (aside / "a.jsonl").read_text().splitlines()] == [20]
-    ghost, cut = (aside / "b.jsonl").read_text().splitlines()
-    assert json.loads(ghost)["exploit_id"] == "ghost" and cut == '{"time": 9, "trial": "b", "kind": "rep'
-    reports, events = collect(tmp_path)  # the set-aside lines are not lineage
-    assert [(r["trial"], r["step"]) for r in reports] == [("a", 10), ("b", 10)] and events == []
-    assert cut_logs(tmp_path, log_sizes(tmp_path)) == {}  # a second resume from the same save: nothing
+    b.repair()  # as the restarted trial does before it appends
+    assert b.resume_point() == {"step": 20, "pin": str(tmp_path / "pins" / "b20"), "hparams": {"lr": 0.12}}
+    b.report(30, 2.0, {"lr": 0.12}, failed=False, steps_s=1.0, wall_s=2.0, pin=_pin(tmp_path, "b30", 30))
+    assert [json.loads(line)["step"] for line in b.path.read_text().splitlines()] == [10, 10, 20, 30]
+    reports, events = collect(tmp_path)  # the exploit applied before the kill stays in the lineage
+    assert [(r["step"], r["abandoned"]) for r in reports] == [(10, False), (20, False), (30, False)]
+    assert [e["exploit_id"] for e in events] == ["e1"]
+    # a pin deleted since its row was written (retention): the row before it
+    shutil.rmtree(tmp_path / "pins" / "b30")
+    assert b.resume_point()["step"] == 20
+
+
+def test_a_failed_trial_restarts_failed_and_a_log_without_pins_keeps_tunes_restore(tmp_path):
+    b = LineageLog(tmp_path, "b")
+    b.report(10, math.inf, {"lr": 1e6}, failed=True, steps_s=0.0, wall_s=2.0, error="NonFiniteLossError: nan")
+    assert b.resume_point() == {"step": 10, "error": "NonFiniteLossError: nan"}
+    old = LineageLog(tmp_path, "old")  # written before rows named their pins
+    old.report(10, 3.0, {"lr": 0.1}, failed=False, steps_s=1.0, wall_s=2.0)
+    assert old.resume_point() is None
+
+
+def test_a_rollback_marks_the_abandoned_branch_so_each_trial_step_has_one_current_report(tmp_path):
+    # async PBT: b reported 10 and 20 on its own, then exploited a's step-10 checkpoint (a was behind)
+    b = LineageLog(tmp_path, "b")
+    for step, loss in ((10, 5.5), (20, 5.4)):
+        b.report(step, loss, {"lr": 1e-4}, failed=False, steps_s=1.0, wall_s=2.0)
+    b.exploit(10, "a", 1.0, {"lr": 1e-4}, {"lr": 0.012}, {"lr": 0.01}, 5.4, 3.7, exploit_id="e1", from_step=20)
+    for step, loss in ((20, 3.6), (30, 3.5)):
+        b.report(step, loss, {"lr": 0.012}, failed=False, steps_s=1.0, wall_s=2.0)
+    reports, events = collect(tmp_path)
+    assert [(r["step"], r["metric"], r["abandoned"]) for r in reports] == [
+        (10, 5.5, False),
+        (20, 5.4, True),
+        (20, 3.6, False),
+        (30, 3.5, False),
+    ]
+    current = [(r["trial"], r["step"]) for r in reports if not r["abandoned"]]
+    assert len(current) == len(set(current))
+    ((event_step, from_step),) = [(e["step"], e["from_step"]) for e in events]
+    assert from_step > event_step, "the rollback is recorded: from step 20 back to the donor's 10"
 
 
 @pytest.mark.parametrize(
@@ -151,3 +188,31 @@ def test_a_resume_sets_aside_the_lineage_written_after_tunes_save(tmp_path):
 )
 def test_retention_keeps_newest_and_protected(keep, protected, deleted):
     assert to_delete(["c1", "c2", "c3", "c4"], keep, protected) == deleted
+
+
+def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
+    # a live run's gate (search.trial.Gate), as its workers and its trial call it: the trial answers step 20
+    # with an exploit of a donor at step 10; the run trains 11..20 again and must wait for a new answer at 20
+    # (the old one loaded the same exploit a second time, issue 29)
+    import asyncio
+
+    from search.trial import Gate
+
+    async def scenario():
+        gate = Gate()
+        await gate.answer(10, "go")
+        assert await gate.wait(10, 0) == "go"
+        await gate.answer(20, {"checkpoint": "step_00000010", "values": {}, "donor": "a", "tags": {}})
+        first = await gate.wait(20, 0)  # every rank of the branch that reported 20 gets the exploit
+        assert first["branch"] == 1 and await gate.wait(20, 0) == first
+        assert await gate.current_branch() == 1, "a restarted group goes on on the new branch"
+        again = asyncio.ensure_future(gate.wait(20, first["branch"]))  # step 20 again, after the rollback
+        await asyncio.sleep(0)
+        assert not again.done(), "the old branch's answer is not this one's"
+        await gate.answer(20, "go")
+        assert await asyncio.wait_for(again, 5) == "go"
+        assert await gate.peek(30, 1) == "go"
+        await gate.stop_all()
+        assert await gate.wait(40, 1) == "stop"
+
+    asyncio.run(scenario())

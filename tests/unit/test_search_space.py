@@ -257,6 +257,12 @@ def test_set_overrides_one_space_entry(tmp_path, corpus_dir):
         ("space.optimizer.lrr=[0.1, 0.2]", "space.optimizer.lrr: the run at optimizer.lrr=0.1 is invalid"),
         ("space.=[1, 2]", "--set 'space.=[1, 2]': the key has an empty part"),
         ("space.train.steps=10", "space.train.steps is set by the tune driver"),
+        # the distribution in the key: the line names the form that works
+        (
+            "space.optimizer.lr.loguniform=[1e-4, 1e-2]",
+            "--set space.optimizer.lr.loguniform: a distribution is the value of its key, not part of the key; "
+            "fix: --set 'space.optimizer.lr={loguniform: [1e-4, 1e-2]}'",
+        ),
     ],
 )
 def test_a_bad_space_override_is_one_line(tmp_path, corpus_dir, item, message):

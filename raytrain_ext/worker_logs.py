@@ -1,0 +1,149 @@
+"""What a lost Train worker looks like on the console of `raytrain train`.
+
+Ray forwards what its actors print to the driver's terminal (`log_to_driver`). When a Train worker dies,
+the survivors' collectives fail (gloo: "Connection closed by peer"), and Ray Train's workers, its
+controller and the raylet print tracebacks there before the run recovers from its newest checkpoint.
+`WorkerLogs` moves those blocks into the run's own log (`RUN_DIR/workers.log`) and prints one line per lost
+worker instead: which worker, how it ended, and from which step the group restarts.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainers.checkpoint_files import STEP_DIR, is_complete
+from trainers.storage import append_bytes, location
+
+__all__ = ["LOG_FILE", "WorkerLogs", "lost_worker", "split_tracebacks"]
+
+LOG_FILE = "workers.log"  # in the run dir: the tracebacks taken off the console
+_SOURCES = ("RayTrainWorker", "TrainController", "PlacementGroupCleaner")  # a Train run's actors (and the raylet)
+_STARTS = (
+    "Traceback (most recent call last):",
+    "Exception in thread ",
+    "Error in training function:",
+    "Graceful shutdown of backend failed",
+    "A worker died or was killed while executing a task",
+)
+_PID = re.compile(r"(?:Worker PID|\bpid): (\d+)")
+_IP = re.compile(r"(?:Worker IP address|\bip): ([\w.:]+)")
+_EXIT = re.compile(r"exits with (?:an )?exit code (\d+)")
+
+
+def split_tracebacks(lines: list[str], open_before: bool) -> tuple[list[str], list[str], bool]:
+    """One batch of an actor's lines -> (for the console, for the run's log, whether a block is still open
+    at its end). A block starts at a traceback's (or Ray's worker-death message's) first line and runs to
+    the end of the batch (Ray batches what an actor wrote at once); a batch that continues an open block
+    (its first line indented or blank) is moved whole."""
+    console: list[str] = []
+    moved: list[str] = []
+    inside = open_before and bool(lines) and (not lines[0].strip() or lines[0][:1] in (" ", "\t"))
+    for line in lines:
+        inside = inside or any(start in line for start in _STARTS)
+        (moved if inside else console).append(line)
+    return console, moved, inside
+
+
+def lost_worker(lines: list[str], restart_step: int | None) -> tuple[str, str] | None:
+    """(pid, the console line) when `lines` tell of a Train worker process that died, else None."""
+    text = "\n".join(lines)
+    if "ActorDiedError" not in text and "A worker died or was killed" not in text:
+        return None
+    pid = _PID.search(text)
+    if pid is None:
+        return None
+    where = _IP.search(text)
+    code = _EXIT.search(text)
+    how = (
+        f"exit code {code.group(1)}"
+        if code
+        else "no exit code: killed by a signal (SIGKILL, or the OOM killer)"
+        if "connection error" in text or "unexpectedly" in text
+        else "an unexpected error"
+    )
+    restart = f"step {restart_step}" if restart_step is not None else "its start (no checkpoint yet)"
+    on = f" on {where.group(1)}" if where else ""
+    return pid.group(1), (
+        f"raytrain: lost Train worker pid {pid.group(1)}{on} ({how}); the group restarts from {restart}; "
+        f"tracebacks in {LOG_FILE}"
+    )
+
+
+def newest_committed_step(run_dir: Any) -> int | None:
+    root = location(run_dir) / "checkpoints"
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError:
+        return None
+    steps = [int(m.group(1)) for n in names if (m := STEP_DIR.match(n)) and is_complete(root / n)]
+    return max(steps, default=None)
+
+
+class WorkerLogs:
+    """For the duration of a `with`: Ray's printer of actor output, with the Train run's tracebacks moved to
+    `RUN_DIR/workers.log` and one line per lost worker. A process that prints no actor output (a Tune
+    trial's actor hosting a run) is left as it is."""
+
+    def __init__(self, run_dir: Path | Any, out: Any = None) -> None:
+        self.run_dir, self.out = run_dir, out
+        self.printer: Callable[[dict[str, Any]], None] | None = None
+        self.open: dict[Any, bool] = {}
+        self.told: set[str] = set()
+
+    def __enter__(self) -> WorkerLogs:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        self.printer = dict(dispatcher.handlers).get("ray_print_logs")
+        if self.printer is not None:
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("ray_print_logs", self.handle)
+            # the raylet's "A worker died or was killed ..." comes through Ray's error listener, which calls
+            # this module function by name (the dispatcher's handler holds the original: no double print)
+            self.error_printer = ray_worker.print_to_stdstream
+            ray_worker.print_to_stdstream = self._handle_error
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        if self.printer is not None:
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("ray_print_logs", self.printer)
+            ray_worker.print_to_stdstream = self.error_printer
+
+    def _handle_error(self, data: dict[str, Any], ignore_prefix: bool) -> None:
+        self.handle(data, lambda rest: self.error_printer(rest, ignore_prefix=ignore_prefix))
+
+    def handle(self, data: dict[str, Any], printer: Callable[[dict[str, Any]], None] | None = None) -> None:
+        printer = printer or self.printer
+        source = data.get("actor_name") or data.get("pid")
+        if source not in (*_SOURCES, "raylet") or not data.get("lines"):
+            printer(data)
+            return
+        key = (data.get("pid"), data.get("is_err"))
+        console, moved, self.open[key] = split_tracebacks(list(data["lines"]), self.open.get(key, False))
+        if moved:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            text = "".join(f"{stamp} ({source} pid={data.get('pid')}) {line}\n" for line in moved)
+            append_bytes(location(self.run_dir) / LOG_FILE, text.encode())
+            lost = lost_worker(moved, newest_committed_step(self.run_dir))
+            if lost is not None and lost[0] not in self.told:
+                self.told.add(lost[0])
+                self._say(lost[1])
+        if console:
+            printer({**data, "lines": console})
+
+    def _say(self, line: str) -> None:
+        if self.out is not None:
+            print(line, file=self.out, flush=True)
+            return
+        from tqdm.auto import tqdm
+
+        tqdm.write(line, file=sys.stderr)  # above the progress bar, not inside its line
