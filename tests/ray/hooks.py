@@ -184,6 +184,25 @@ class HoldOnceFromDonor(TrainerCallback):
             _hold("held at the first step from a donor")
 
 
+class _SaveReplaced:
+    """A trainer's checkpoint backend with its `save` replaced by `save(path, state, **kwargs)` (which calls the
+    original, `inner.save`, when it means to write); staging and loading go to the original."""
+
+    def __init__(self, inner: Any, save: Any) -> None:
+        self.inner, self.save = inner, save
+
+    def stage(self, state):
+        return self.inner.stage(state)
+
+    def load(self, path, state, **kwargs):
+        self.inner.load(path, state, **kwargs)
+
+
+def _step_of(path: Any) -> int:
+    """The step of a checkpoint folder being written (`step_XXXXXXXX.partial`, or the step folder itself)."""
+    return int(re.search(r"step_(\d{8})", str(path)).group(1))
+
+
 class KillMeMidSave(TrainerCallback):
     """On `rank`, in the save of `step`, the first time: once DCP has written every rank's shards and before
     the commit, write the checkpoint folder's listing and this process's pid into the local folder
@@ -194,31 +213,23 @@ class KillMeMidSave(TrainerCallback):
         self.step, self.rank, self.marker_dir = step, rank, Path(marker_dir)
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        inner, hook = trainer.checkpointer.backend, self
+        inner = trainer.checkpointer.backend
 
-        class Saving:
-            def stage(self, state):
-                return inner.stage(state)
+        def save(path, state, **kwargs):
+            inner.save(path, state, **kwargs)
+            pid_file = self.marker_dir / "pid"
+            if _step_of(path) == self.step and _rank() == self.rank and not pid_file.exists():
+                if hasattr(path, "fs"):
+                    base = path.path.rstrip("/") + "/"
+                    listing = sorted(p[len(base):] for p in path.fs.find(path.path))
+                else:
+                    listing = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
+                _write_atomic(self.marker_dir / "listing.json", json.dumps(listing))
+                _write_atomic(self.marker_dir / "trainer_step", str(trainer.step))
+                _write_atomic(pid_file, str(os.getpid()))
+                _hold(f"waiting for SIGKILL inside the save of step {self.step}")
 
-            def save(self, path, state, **kwargs):
-                inner.save(path, state, **kwargs)
-                pid_file = hook.marker_dir / "pid"
-                step = int(re.search(r"step_(\d{8})", str(path)).group(1))
-                if step == hook.step and _rank() == hook.rank and not pid_file.exists():
-                    if hasattr(path, "fs"):
-                        base = path.path.rstrip("/") + "/"
-                        listing = sorted(p[len(base):] for p in path.fs.find(path.path))
-                    else:
-                        listing = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
-                    _write_atomic(hook.marker_dir / "listing.json", json.dumps(listing))
-                    _write_atomic(hook.marker_dir / "trainer_step", str(trainer.step))
-                    _write_atomic(pid_file, str(os.getpid()))
-                    _hold(f"waiting for SIGKILL inside the save of step {hook.step}")
-
-            def load(self, path, state, **kwargs):
-                inner.load(path, state, **kwargs)
-
-        trainer.checkpointer.backend = Saving()
+        trainer.checkpointer.backend = _SaveReplaced(inner, save)
 
 
 class SlowWrites(TrainerCallback):
@@ -232,24 +243,17 @@ class SlowWrites(TrainerCallback):
         self.step = 0
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        inner, hook = trainer.checkpointer.backend, self
+        inner = trainer.checkpointer.backend
 
-        class Slow:
-            def stage(self, state):
-                return inner.stage(state)
+        def save(path, state, **kwargs):
+            step = _step_of(path)
+            if step < trainer.cfg.train.steps:
+                with self.trained:
+                    if not self.trained.wait_for(lambda: self.step >= step + self.steps, HOLD_TIMEOUT_S):
+                        raise TimeoutError(f"training never reached step {step + self.steps}")
+            inner.save(path, state, **kwargs)
 
-            def save(self, path, state, **kwargs):
-                step = int(re.search(r"step_(\d{8})", str(path)).group(1))
-                if step < trainer.cfg.train.steps:
-                    with hook.trained:
-                        if not hook.trained.wait_for(lambda: hook.step >= step + hook.steps, HOLD_TIMEOUT_S):
-                            raise TimeoutError(f"training never reached step {step + hook.steps}")
-                inner.save(path, state, **kwargs)
-
-            def load(self, path, state, **kwargs):
-                inner.load(path, state, **kwargs)
-
-        trainer.checkpointer.backend = Slow()
+        trainer.checkpointer.backend = _SaveReplaced(inner, save)
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         with self.trained:
