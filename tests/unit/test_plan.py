@@ -116,6 +116,12 @@ SAVED_CASES: dict[str, tuple[dict[str, Any], Widths, torch.dtype | None, bool, f
     "bf16-weights": ({}, BF16, None, True, 0.0),  # FSDP's bf16 params: all bf16 but the fp32 norms
     "moe-top2": ({"moe": MoEConfig(num_experts=4, top_k=2)}, FP32, None, False, 1e-4),  # + E expert fractions
     "moe-top1": ({"moe": MoEConfig(num_experts=4, top_k=1)}, FP32, None, False, 1e-4),
+    # the grouped path's static shapes: every assignment's row, dropped or not; one cast of them under autocast
+    "moe-top1-capacity": ({"moe": MoEConfig(num_experts=4, top_k=1, capacity_factor=1.0)}, FP32, None, False, 1e-4),
+    # under autocast ~500 bytes of the router (of 1.1 MB) are not in the formula, for both paths alike
+    "moe-top2-autocast": ({"moe": MoEConfig(num_experts=4, top_k=2)}, AUTOCAST_BF16, torch.bfloat16, False, 1e-3),
+    "moe-top2-loop-autocast": ({"moe": MoEConfig(num_experts=4, top_k=2, impl="loop")}, AUTOCAST_BF16, torch.bfloat16,
+                               False, 1e-3),
 }
 
 
