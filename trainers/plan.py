@@ -172,16 +172,18 @@ def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widt
     if not model.is_moe_layer(layer_id):
         # norm output (cast once per projection under autocast) + gate, up, silu(gate), silu*up
         return (2 if w.autocast else 1) * h * w.compute + 4 * f * w.compute
-    k, e, rows = _kept_per_token(model, tokens), model.moe.num_experts, _moe_rows_per_token(model, tokens)
+    e, rows = model.moe.num_experts, _moe_rows_per_token(model, tokens)
     grouped = model.moe.impl != "loop"
     # top-k > 1 renormalises the top-k weights: the division keeps them and their sum for backward
     renormalised = model.moe.top_k + 1 if model.moe.top_k > 1 else 0
     router = (h * w.compute  # the router's input
-              + 4 * (2 * e + k + 1 + renormalised)  # fp32 logits, probs, kept weights, logsumexp (z-loss)
+              + 4 * (2 * e + rows + 1 + renormalised)  # fp32 logits, probs, the rows' weights, logsumexp (z-loss)
               + 8 * (model.moe.top_k + 2 * rows))  # int64 expert ids and the token ids of the expert rows
     # tokens sorted by expert: the loop casts each expert's rows per projection, grouped casts them once
-    # (and keeps a bool per row: inside the groups or not; its int32 group offsets, 4E bytes, are left out)
-    gathered = (1 if grouped or not w.autocast else 2) * rows * h * w.compute + (rows if grouped else 0)
+    # (and, with a capacity, a bool per row: inside the groups or not; its int32 group offsets, 4E bytes,
+    # are left out)
+    mask = rows if grouped and model.moe.capacity_factor is not None else 0
+    gathered = (1 if grouped or not w.autocast else 2) * rows * h * w.compute + mask
     experts = 4 * rows * f * w.compute  # SwiGLU of each expert row (this tp rank's hidden units)
     combine = 2 * rows * h * w.compute  # expert outputs (summed over tp), and those times the router weights
     return router + gathered + experts + combine

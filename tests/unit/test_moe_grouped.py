@@ -83,7 +83,7 @@ def test_rows_after_the_kept_ones_give_zeros_and_no_gradient(impl: str) -> None:
     torch.manual_seed(0)
     w1, w3, w2 = torch.randn(E, HIDDEN, DIM), torch.randn(E, HIDDEN, DIM), torch.randn(E, DIM, HIDDEN)
     x = torch.randn(10, DIM, requires_grad=True)
-    out = run_experts(impl, w1, w2, w3, x, torch.tensor([3, 0, 2, 1]))  # 6 kept rows, 4 dropped
+    out = run_experts(impl, w1, w2, w3, x, torch.tensor([3, 0, 2, 1]))  # 6 kept rows, 4 dropped (not dropless)
     out.sum().backward()
     assert out[6:].abs().sum() == 0 and x.grad[6:].abs().sum() == 0
     assert out[:6].abs().sum() > 0 and x.grad[:6].abs().sum() > 0

@@ -155,13 +155,19 @@ def test_block_activations_match_what_autograd_saves(saved_bytes, name):
     assert planned == pytest.approx(saved_bytes[name], rel=rel, abs=0 if rel == 0 else None)
 
 
-def test_capacity_factor_keeps_fewer_assignments():
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_capacity_factor_keeps_fewer_assignments(impl):
     # 128 tokens, top-2 of 4 experts: capacity = ceil(128 * 2 / 4 * cf); kept per token = min(2, 4 * C / 128)
-    plans = {cf: plan_memory(run_config(model={"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": cf}},
+    moe = {"num_experts": 4, "top_k": 2, "impl": impl}
+    plans = {cf: plan_memory(run_config(model={"moe": {**moe, "capacity_factor": cf}},
                                         train={"micro_batch_size": 4}), 1, "cpu") for cf in (None, 1.0, 0.5)}
     assert [plans[cf].moe["kept_assignments_per_token"] for cf in (None, 1.0, 0.5)] == [2.0, 2.0, 1.0]
     per_block = {cf: plans[cf].activations["per_block_bytes"]["0"] for cf in plans}
-    assert per_block[0.5] < per_block[1.0] == per_block[None]
+    if impl == "loop":  # the loop runs the kept rows
+        assert per_block[0.5] < per_block[1.0] == per_block[None]
+    else:  # static shapes: every assignment's row, and with a capacity a bool per row (2 per token)
+        tokens = plans[None].activations["micro_batch_tokens"]
+        assert per_block[0.5] == per_block[1.0] == per_block[None] + 2 * tokens
 
 
 # ----------------------------------------------------------------------------------- model states

@@ -99,7 +99,7 @@ def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
 
 
-def _loop(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+def _loop(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
     """One matmul per expert, on its rows of x; rows past the last expert's get zeros."""
     counts = tokens_per_expert.tolist()  # a host sync: the split sizes
     kept = sum(counts)
@@ -111,43 +111,48 @@ def _loop(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tens
     return out if kept == len(x) else torch.cat([out, out.new_zeros(len(x) - kept, out.shape[-1])])
 
 
-def _grouped(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+def _grouped(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
     """Each projection one `torch._grouped_mm` over all experts, groups ending at `offsets` (on the device);
-    rows past the last group get zeros, and no gradient (grouped_mm leaves them unwritten on CUDA)."""
+    rows past the last group get zeros, and no gradient (grouped_mm leaves them unwritten on CUDA). Dropless,
+    every row is in a group: no mask."""
     offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
     device = x.device.type
     # autocast does not cast for grouped_mm: cast as it does for the loop's F.linear
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-    inside = (torch.arange(len(x), device=x.device) < offsets[-1])[:, None]
-    x = torch.where(inside, x, 0)
+    if not dropless:
+        inside = (torch.arange(len(x), device=x.device) < offsets[-1])[:, None]
+        x = torch.where(inside, x, 0)
     h = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
-    return torch.where(inside, torch._grouped_mm(h, w2.mT, offs=offsets), 0)
+    out = torch._grouped_mm(h, w2.mT, offs=offsets)
+    return out if dropless else torch.where(inside, out, 0)
 
 
-def run_experts(impl: str, w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+def run_experts(impl: str, w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor,
+                dropless: bool = False) -> Tensor:
     """SwiGLU experts w1/w3 (E, hidden, dim), w2 (E, dim, hidden) on rows x (N, dim) sorted by expert,
-    `tokens_per_expert` rows each, any rows after them unused (zeros out); `impl` as `model.moe.impl`."""
+    `tokens_per_expert` rows each, any rows after them unused (zeros out); `dropless`: there are none.
+    `impl` as `model.moe.impl`."""
     if impl == "auto":
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
         impl = "grouped" if grouped_mm_native(x.device, dtype) else "loop"
-    return (_grouped if impl == "grouped" else _loop)(w1, w2, w3, x, tokens_per_expert)
+    return (_grouped if impl == "grouped" else _loop)(w1, w2, w3, x, tokens_per_expert, dropless)
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights (dim 0 = expert, the dim expert parallelism shards).
     HF Mixtral names: w1 = gate, w3 = up, w2 = down; export unstacks them."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, impl: str = "auto"):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, impl: str = "auto", dropless: bool = False):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.impl = impl
+        self.impl, self.dropless = impl, dropless  # dropless: `dispatch` keeps every row
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: (T*k, dim) sorted by expert as `dispatch` returns it; runs each expert on its own rows."""
-        return run_experts(self.impl, self.w1, self.w2, self.w3, x, tokens_per_expert)
+        return run_experts(self.impl, self.w1, self.w2, self.w3, x, tokens_per_expert, self.dropless)
 
 
 class _AuxLossScaler(torch.autograd.Function):
@@ -174,7 +179,9 @@ class MoE(nn.Module):
         assert cfg.moe is not None, "MoE needs cfg.moe"
         self.cfg = cfg.moe
         self.gate = nn.Linear(cfg.dim, cfg.moe.num_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe.num_experts, cfg.dim, cfg.hidden_dim, cfg.moe.impl)
+        self.experts = GroupedExperts(
+            cfg.moe.num_experts, cfg.dim, cfg.hidden_dim, cfg.moe.impl, dropless=cfg.moe.capacity_factor is None
+        )
         # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale).
         self.aux_grad_scale = 1.0
         self.last_stats: dict[str, Tensor] = {}
