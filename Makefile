@@ -54,6 +54,7 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/chaos.py --data $(DATA)
 	$(PY) bench/plan_vs_measured.py --data $(DATA)
 	$(PY) bench/pipeline.py --data $(DATA)
+	$(PY) bench/moe.py --data $(DATA)
 	$(PY) bench/pbt_toy.py
 	$(PY) bench/pbt_vs_random.py --data $(DATA)
 	$(PY) bench/pbt_overhead.py --data $(DATA)

@@ -157,6 +157,13 @@ def _kept_per_token(model: ModelConfig, tokens: int) -> float:
     return min(float(moe.top_k), moe.num_experts * capacity / tokens)
 
 
+def _moe_rows_per_token(model: ModelConfig, tokens: int) -> float:
+    """Rows the experts run per token. The grouped path (`model.moe.impl` grouped or auto: planned as
+    grouped, the path on CPUs and on sm90/sm100 GPUs in bf16) keeps every assignment's row, static shapes:
+    the ones dropped over capacity sit behind the kept ones and get zeros; the loop runs the kept ones."""
+    return _kept_per_token(model, tokens) if model.moe.impl == "loop" else float(model.moe.top_k)
+
+
 def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1) -> float:
     """Bytes the feed-forward half of a block saves per token (after its RMSNorm). Under tensor
     parallelism the input is the all-gathered (whole-sequence) norm output and the hidden units are split:
@@ -165,15 +172,20 @@ def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widt
     if not model.is_moe_layer(layer_id):
         # norm output (cast once per projection under autocast) + gate, up, silu(gate), silu*up
         return (2 if w.autocast else 1) * h * w.compute + 4 * f * w.compute
-    k, e = _kept_per_token(model, tokens), model.moe.num_experts
+    e, rows = model.moe.num_experts, _moe_rows_per_token(model, tokens)
+    grouped = model.moe.impl != "loop"
     # top-k > 1 renormalises the top-k weights: the division keeps them and their sum for backward
     renormalised = model.moe.top_k + 1 if model.moe.top_k > 1 else 0
     router = (h * w.compute  # the router's input
-              + 4 * (2 * e + k + 1 + renormalised)  # fp32 logits, probs, kept weights, logsumexp (z-loss)
-              + 8 * (model.moe.top_k + 2 * k))  # int64 expert ids and the token ids of kept assignments
-    gathered = (2 if w.autocast else 1) * k * h * w.compute  # tokens grouped by expert (per-expert casts)
-    experts = 4 * k * f * w.compute  # SwiGLU of each kept assignment (this tp rank's hidden units)
-    combine = 2 * k * h * w.compute  # expert outputs (summed over tp), and those times the router weights
+              + 4 * (2 * e + rows + 1 + renormalised)  # fp32 logits, probs, the rows' weights, logsumexp (z-loss)
+              + 8 * (model.moe.top_k + 2 * rows))  # int64 expert ids and the token ids of the expert rows
+    # tokens sorted by expert: the loop casts each expert's rows per projection, grouped casts them once
+    # (and, with a capacity, a bool per row: inside the groups or not; its int32 group offsets, 4E bytes,
+    # are left out)
+    mask = rows if grouped and model.moe.capacity_factor is not None else 0
+    gathered = (1 if grouped or not w.autocast else 2) * rows * h * w.compute + mask
+    experts = 4 * rows * f * w.compute  # SwiGLU of each expert row (this tp rank's hidden units)
+    combine = 2 * rows * h * w.compute  # expert outputs (summed over tp), and those times the router weights
     return router + gathered + experts + combine
 
 
@@ -276,16 +288,17 @@ def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widt
                          ep: int = 1) -> int:
     """Gradients flowing through one block's backward at its widest: one SwiGLU hidden (this tp rank's
     units) and one residual-width gradient (whole-sequence under tp: the gradient of the all-gathered
-    input, before its reduce-scatter) per (kept) assignment. MoE: `GroupedExperts` multiplies by `w1[e]`,
-    so each expert's weight gradient comes back through select_backward as a zero-filled tensor the size
-    of the whole stacked weight (this rank's ep and tp share of it), and summing two of them makes a third
-    (measured: 2 alive at once)."""
+    input, before its reduce-scatter) per expert row. MoE weight gradients (this rank's ep and tp share of
+    a stacked weight): the loop multiplies by `w1[e]`, so each expert's comes back through select_backward
+    as a zero-filled tensor the size of the whole stacked weight, and summing two of them makes a third
+    (measured: 2 alive at once); grouped_mm returns one stacked gradient (and, under autocast, its cast)."""
     f = model.hidden_dim // tp
     if not model.is_moe_layer(layer_id):
         return tokens * (f + model.dim) * w.compute
-    k = _kept_per_token(model, tokens)
+    rows = _moe_rows_per_token(model, tokens)
     stacked = math.ceil(model.moe.num_experts / ep) * f * model.dim
-    return int(tokens * k * (f + model.dim) * w.compute) + 2 * stacked * w.gathered
+    weight_grads = 2 * w.gathered if model.moe.impl == "loop" else w.gathered + (w.compute if w.autocast else 0)
+    return int(tokens * rows * (f + model.dim) * w.compute) + stacked * weight_grads
 
 
 # ------------------------------------------------------------------------------------ parameters

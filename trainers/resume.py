@@ -22,6 +22,7 @@ _MAY_CHANGE = {
     "model.moe.aux_loss_coef",
     "model.moe.z_loss_coef",
     "model.moe.capacity_factor",
+    "model.moe.impl",  # how the experts run, not what they hold (and absent from older checkpoints)
     "model.init_from",  # where a new run's weights came from: a resume loads the checkpoint's
 }
 

@@ -116,6 +116,12 @@ SAVED_CASES: dict[str, tuple[dict[str, Any], Widths, torch.dtype | None, bool, f
     "bf16-weights": ({}, BF16, None, True, 0.0),  # FSDP's bf16 params: all bf16 but the fp32 norms
     "moe-top2": ({"moe": MoEConfig(num_experts=4, top_k=2)}, FP32, None, False, 1e-4),  # + E expert fractions
     "moe-top1": ({"moe": MoEConfig(num_experts=4, top_k=1)}, FP32, None, False, 1e-4),
+    # the grouped path's static shapes: every assignment's row, dropped or not; one cast of them under autocast
+    "moe-top1-capacity": ({"moe": MoEConfig(num_experts=4, top_k=1, capacity_factor=1.0)}, FP32, None, False, 1e-4),
+    # under autocast ~500 bytes of the router (of 1.1 MB) are not in the formula, for both paths alike
+    "moe-top2-autocast": ({"moe": MoEConfig(num_experts=4, top_k=2)}, AUTOCAST_BF16, torch.bfloat16, False, 1e-3),
+    "moe-top2-loop-autocast": ({"moe": MoEConfig(num_experts=4, top_k=2, impl="loop")}, AUTOCAST_BF16, torch.bfloat16,
+                               False, 1e-3),
 }
 
 
@@ -149,13 +155,19 @@ def test_block_activations_match_what_autograd_saves(saved_bytes, name):
     assert planned == pytest.approx(saved_bytes[name], rel=rel, abs=0 if rel == 0 else None)
 
 
-def test_capacity_factor_keeps_fewer_assignments():
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_capacity_factor_keeps_fewer_assignments(impl):
     # 128 tokens, top-2 of 4 experts: capacity = ceil(128 * 2 / 4 * cf); kept per token = min(2, 4 * C / 128)
-    plans = {cf: plan_memory(run_config(model={"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": cf}},
+    moe = {"num_experts": 4, "top_k": 2, "impl": impl}
+    plans = {cf: plan_memory(run_config(model={"moe": {**moe, "capacity_factor": cf}},
                                         train={"micro_batch_size": 4}), 1, "cpu") for cf in (None, 1.0, 0.5)}
     assert [plans[cf].moe["kept_assignments_per_token"] for cf in (None, 1.0, 0.5)] == [2.0, 2.0, 1.0]
     per_block = {cf: plans[cf].activations["per_block_bytes"]["0"] for cf in plans}
-    assert per_block[0.5] < per_block[1.0] == per_block[None]
+    if impl == "loop":  # the loop runs the kept rows
+        assert per_block[0.5] < per_block[1.0] == per_block[None]
+    else:  # static shapes: every assignment's row, and with a capacity a bool per row (2 per token)
+        tokens = plans[None].activations["micro_batch_tokens"]
+        assert per_block[0.5] == per_block[1.0] == per_block[None] + 2 * tokens
 
 
 # ----------------------------------------------------------------------------------- model states

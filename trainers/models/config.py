@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
@@ -19,6 +19,10 @@ class MoEConfig(StrictModel):
     aux_loss_coef: float = Field(0.01, ge=0)  # Switch Transformer load-balancing loss
     z_loss_coef: float = Field(0.001, ge=0)  # ST-MoE router z-loss
     every: PositiveInt = 1  # an MoE block every k-th block (1 = all blocks, Mixtral)
+    # How the experts run (the same math, trainers/models/moe.py): "grouped" = one grouped matmul per
+    # projection over the tokens sorted by expert, no host sync; "loop" = one matmul per expert;
+    # "auto" = grouped where torch has a grouped-matmul kernel for the device and dtype, else the loop.
+    impl: Literal["auto", "loop", "grouped"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:

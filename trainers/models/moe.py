@@ -1,8 +1,12 @@
 """The Mixtral-form mixture-of-experts feed-forward: a softmax router picks top-k SwiGLU experts per token.
 
-Token movement is two small functions, `dispatch` (group token-assignments by expert) and `combine`
+Token movement is two small functions, `dispatch` (sort token-assignments by expert) and `combine`
 (weighted sum back per token); expert parallelism (trainers/parallel/expert.py) moves only the expert
 computation between them to other ranks.
+The experts run as one grouped matmul per projection over the sorted rows (`torch._grouped_mm` with the
+groups' end offsets, kept on the device: torchtitan's MoE) or as one matmul per expert (`model.moe.impl`);
+every shape in dispatch and combine is static (capacity overflow moves behind the kept rows instead of
+being cut out), so a block runs without a device-to-host sync and compiles without a graph break.
 The load-balancing and z-losses reach the gradient through `_AuxLossScaler` (Megatron-LM's
 MoEAuxLossAutoScaler), so forward stays tensor-in/tensor-out for pipeline stages.
 """
@@ -24,41 +28,52 @@ __all__ = [
     "Routing",
     "combine",
     "dispatch",
+    "grouped_mm_native",
     "moe_layers",
     "moe_stats",
     "moe_totals",
     "reset_moe_stats",
+    "run_experts",
     "set_aux_grad_scale",
     "stats_from_totals",
 ]
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
 
 class Routing(NamedTuple):
-    """Where the kept token-assignments went, in the grouped-by-expert order of `dispatch`'s output."""
+    """Where each token-assignment went, in the expert-sorted order of `dispatch`'s output: the kept ones
+    first (grouped by expert), then those over capacity (their output is zero)."""
 
-    token_ids: Tensor  # (N_kept,) source token of each kept assignment
-    weights: Tensor  # (N_kept,) router weight of each kept assignment
+    token_ids: Tensor  # (T*k,) source token of each assignment
+    weights: Tensor  # (T*k,) router weight of each assignment
     tokens_per_expert: Tensor  # (E,) long, kept assignments per expert
+
+
+def _count(ids: Tensor, num_experts: int) -> Tensor:
+    """bincount without its host sync (CUDA's bincount reads the largest id to size its output)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def dispatch(
     x: Tensor, expert_ids: Tensor, weights: Tensor, num_experts: int, capacity: int | None
 ) -> tuple[Tensor, Routing]:
-    """Group the (T, k) assignments of tokens `x` (T, dim) by expert; keep at most `capacity` per expert.
+    """Sort the (T, k) assignments of tokens `x` (T, dim) by expert; keep at most `capacity` per expert.
 
     Assignments are ranked choice-major (all first choices, then all second choices), then by token,
     so overflow drops second choices before first choices and later tokens before earlier (GShard/Switch).
+    The dropped ones move, in that order, behind all kept rows: T*k rows whatever the routing.
     """
     num_tokens, top_k = expert_ids.shape
     flat_experts = expert_ids.t().reshape(-1)  # choice-major
     flat_tokens = torch.arange(num_tokens, device=x.device).repeat(top_k)
     flat_weights = weights.t().reshape(-1)
     order = torch.argsort(flat_experts, stable=True)  # stable: keeps the priority order inside each expert
-    counts = torch.bincount(flat_experts, minlength=num_experts)
+    counts = _count(flat_experts, num_experts)
     if capacity is not None:
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(order.numel(), device=x.device) - starts[flat_experts[order]]
-        order = order[rank < capacity]
+        order = order[torch.argsort(rank >= capacity, stable=True)]
         counts = counts.clamp(max=capacity)
     routing = Routing(flat_tokens[order], flat_weights[order], counts)
     return x[routing.token_ids], routing
@@ -71,23 +86,73 @@ def combine(expert_out: Tensor, routing: Routing, num_tokens: int) -> Tensor:
     return out.index_add(0, routing.token_ids, weighted)
 
 
+def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch has a grouped-matmul kernel for `device` and `dtype` that needs no host sync: CUDA's
+    (CUTLASS, sm90/sm100, bf16; its fallback elsewhere copies the offsets to the host) and the CPU's (a
+    loop over the groups in C++, torch >= 2.9; fp32 in eager only: torch.compile traces bf16 alone)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_properties(device).major in (9, 10)
+    if device.type != "cpu" or _TORCH < (2, 9):
+        return False
+    return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+
+
+def _loop(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
+    """One matmul per expert, on its rows of x; rows past the last expert's get zeros."""
+    counts = tokens_per_expert.tolist()  # a host sync: the split sizes
+    kept = sum(counts)
+    outs = []
+    for e, x_e in enumerate(torch.split(x[:kept], counts)):
+        h = F.silu(F.linear(x_e, w1[e])) * F.linear(x_e, w3[e])
+        outs.append(F.linear(h, w2[e]))
+    out = torch.cat(outs)
+    return out if kept == len(x) else torch.cat([out, out.new_zeros(len(x) - kept, out.shape[-1])])
+
+
+def _grouped(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
+    """Each projection one `torch._grouped_mm` over all experts, groups ending at `offsets` (on the device);
+    rows past the last group get zeros, and no gradient (grouped_mm leaves them unwritten on CUDA). Dropless,
+    every row is in a group: no mask."""
+    offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    device = x.device.type
+    # autocast does not cast for grouped_mm: cast as it does for the loop's F.linear
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    if not dropless:
+        inside = (torch.arange(len(x), device=x.device) < offsets[-1])[:, None]
+        x = torch.where(inside, x, 0)
+    h = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
+    out = torch._grouped_mm(h, w2.mT, offs=offsets)
+    return out if dropless else torch.where(inside, out, 0)
+
+
+def run_experts(impl: str, w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor,
+                dropless: bool = False) -> Tensor:
+    """SwiGLU experts w1/w3 (E, hidden, dim), w2 (E, dim, hidden) on rows x (N, dim) sorted by expert,
+    `tokens_per_expert` rows each, any rows after them unused (zeros out); `dropless`: there are none.
+    `impl` as `model.moe.impl`."""
+    if impl == "auto":
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
+        impl = "grouped" if grouped_mm_native(x.device, dtype) else "loop"
+    return (_grouped if impl == "grouped" else _loop)(w1, w2, w3, x, tokens_per_expert, dropless)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights (dim 0 = expert, the dim expert parallelism shards).
     HF Mixtral names: w1 = gate, w3 = up, w2 = down; export unstacks them."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, impl: str = "auto", dropless: bool = False):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.impl, self.dropless = impl, dropless  # dropless: `dispatch` keeps every row
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x: (N, dim) grouped by expert as `dispatch` returns it; runs each expert on its own rows."""
-        outs = []
-        for e, x_e in enumerate(torch.split(x, tokens_per_expert.tolist())):
-            h = F.silu(F.linear(x_e, self.w1[e])) * F.linear(x_e, self.w3[e])
-            outs.append(F.linear(h, self.w2[e]))
-        return torch.cat(outs)
+        """x: (T*k, dim) sorted by expert as `dispatch` returns it; runs each expert on its own rows."""
+        return run_experts(self.impl, self.w1, self.w2, self.w3, x, tokens_per_expert, self.dropless)
 
 
 class _AuxLossScaler(torch.autograd.Function):
@@ -114,7 +179,9 @@ class MoE(nn.Module):
         assert cfg.moe is not None, "MoE needs cfg.moe"
         self.cfg = cfg.moe
         self.gate = nn.Linear(cfg.dim, cfg.moe.num_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe.num_experts, cfg.dim, cfg.hidden_dim)
+        self.experts = GroupedExperts(
+            cfg.moe.num_experts, cfg.dim, cfg.hidden_dim, cfg.moe.impl, dropless=cfg.moe.capacity_factor is None
+        )
         # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale).
         self.aux_grad_scale = 1.0
         self.last_stats: dict[str, Tensor] = {}
@@ -150,7 +217,7 @@ class MoE(nn.Module):
         """Coefficient-weighted Switch load-balancing loss + ST-MoE z-loss; records `last_stats`."""
         num_assignments = expert_ids.numel()
         # f_i counts assignments before dropping (Switch): the router is pushed by what it asked for.
-        requested = torch.bincount(expert_ids.flatten(), minlength=self.cfg.num_experts)
+        requested = _count(expert_ids.flatten(), self.cfg.num_experts)
         f = requested.float() / num_assignments
         balance = self.cfg.aux_loss_coef * self.cfg.num_experts * (f * probs.mean(dim=0)).sum()
         z_loss = self.cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
@@ -168,8 +235,10 @@ class MoE(nn.Module):
     def _record(self, requested: Tensor, kept: Tensor, balance: Tensor, z_loss: Tensor) -> None:
         """Add this forward to `totals` = [requested (E), kept (E), aux loss, z-loss, forwards]: sums, so
         that the totals of several micro-batches (and ranks) add up. A forward re-run by activation
-        checkpointing inside backward (a graph task is running) is the same forward again: not counted."""
-        if torch._C._current_graph_task_id() != -1:
+        checkpointing inside backward (a graph task is running) is the same forward again: not counted.
+        Compiled, the recomputation is part of the backward graph and never re-runs this (nor can the graph
+        task id be traced: asking for it would break the graph)."""
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
         one = balance.new_ones(1)
         row = torch.cat([requested.float(), kept.float(), balance.detach()[None], z_loss.detach()[None], one])

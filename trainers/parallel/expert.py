@@ -22,8 +22,6 @@ alone; split over tp alone they are not kept out of FSDP (it makes them 2-D: dp 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -31,7 +29,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainers.models.moe import GroupedExperts, moe_layers
+from trainers.models.moe import GroupedExperts, moe_layers, run_experts
 
 __all__ = ["ExpertParallel", "apply_expert_parallel", "expert_params", "sync_expert_grads"]
 
@@ -49,6 +47,7 @@ class ExpertParallel(nn.Module):
         self.tp_group = mesh.get_group("tp") if "tp" in names else None
         self.ep = mesh.size(names.index("ep")) if "ep" in names else 1
         self.num_experts = experts.w1.shape[0]
+        self.impl, self.dropless = experts.impl, experts.dropless
         for name, hidden_dim in (("w1", 1), ("w2", 2), ("w3", 1)):
             # Every rank built the same full weights (same seed, or the same meta shapes): keep our slice,
             # no communication.
@@ -64,28 +63,32 @@ class ExpertParallel(nn.Module):
         return self.ep > 1
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x: (N, dim) rows grouped by expert (all E of them) as `moe.dispatch` returns them."""
-        weights = SimpleNamespace(**{n: getattr(self, n).to_local().to(x.dtype) for n in ("w1", "w2", "w3")})
+        """x: (T*k, dim) rows sorted by expert (all E of them) as `moe.dispatch` returns them, the rows
+        dropped over capacity last (they stay here: their output is zero)."""
         if self.ep == 1:
-            return self._experts(weights, x, tokens_per_expert)
+            return self._experts(x, tokens_per_expert, self.dropless)
         local = self.num_experts // self.ep
         send_counts = tokens_per_expert.to(torch.long)
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert] rows coming to us
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         recv_counts = recv_counts.view(self.ep, local)
+        # the all-to-all's split sizes live on the host: expert parallelism syncs here (torchtitan too)
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_single_autograd(x, recv_splits, send_splits, self.ep_group)
+        kept = sum(send_splits)
+        received = all_to_all_single_autograd(x[:kept], recv_splits, send_splits, self.ep_group)
         order = _expert_major(recv_counts)
-        out = self._experts(weights, received[order], recv_counts.sum(0))
+        out = self._experts(received[order], recv_counts.sum(0), dropless=True)  # only kept rows travel
         out = out[torch.argsort(order)]  # back to source-major order
-        return all_to_all_single_autograd(out, send_splits, recv_splits, self.ep_group)
+        out = all_to_all_single_autograd(out, send_splits, recv_splits, self.ep_group)
+        return out if kept == len(x) else torch.cat([out, out.new_zeros(len(x) - kept, out.shape[-1])])
 
-    def _experts(self, weights: SimpleNamespace, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    def _experts(self, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
         """The same expert math as one process; over tp, on this rank's hidden units, then summed."""
+        w1, w2, w3 = (getattr(self, n).to_local().to(x.dtype) for n in ("w1", "w2", "w3"))
         if self.tp_group is None:
-            return GroupedExperts.forward(weights, x, tokens_per_expert)
-        out = GroupedExperts.forward(weights, _CopyToTP.apply(x, self.tp_group), tokens_per_expert)
+            return run_experts(self.impl, w1, w2, w3, x, tokens_per_expert, dropless)
+        out = run_experts(self.impl, w1, w2, w3, _CopyToTP.apply(x, self.tp_group), tokens_per_expert, dropless)
         return _ReduceFromTP.apply(out, self.tp_group)
 
 
