@@ -6,7 +6,7 @@ DATA   ?= data/stdlib
 BPE    ?= data/stdlib-bpe
 PYTEST_ARGS ?=
 
-.PHONY: setup demo finetune-demo test bench lint clean
+.PHONY: setup demo finetune-demo test test-gpu bench bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ finetune-demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)  # the slow tier: make test PYTEST_ARGS="-m slow"
 
+test-gpu:
+	# the gpu tier on one CUDA device (skipped without one); needs no Ray: $(PY) may be any Python with torch
+	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
 $(BPE)/manifest.json: | $(STAMP)
 	# token ids for bench/lean.py's 50,257-token model: a BPE corpus (merges learnt here, no download)
 	$(VENV)/bin/raytrain data prepare --tokenizer bpe --vocab-size 50257 --output $(BPE) --max-bytes 8000000
@@ -53,6 +57,10 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/pbt_vs_random.py --data $(DATA)
 	$(PY) bench/pbt_overhead.py --data $(DATA)
 	$(PY) bench/storage.py
+
+bench-gpu:
+	# one GPU, unattended (~20 min on an H100; --model small for 24 GB): bench/results/gpu.{json,png}
+	$(PY) bench/gpu.py $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,10 +32,13 @@ __all__ = ["CHUNK_BYTES", "chunk_tokens", "chunked_lm_loss", "compute_dtype", "l
 CHUNK_BYTES = 64 * 2**20  # one chunk's fp32 logits, what `chunk_tokens` aims for
 
 
-def chunk_tokens(vocab_size: int) -> int:
+def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
     """A chunk size for `chunked_lm_loss`: the power of two of tokens whose fp32 logits take at most
-    CHUNK_BYTES, between 128 (the matmul stays efficient) and 4096 (e.g. 256 for a 50,257-token vocabulary)."""
-    tokens = max(CHUNK_BYTES // (4 * vocab_size), 1)
+    CHUNK_BYTES (CUDA: 16x that), between 128 (the matmul stays efficient) and 4096 (e.g. 256 for a
+    50,257-token vocabulary on a CPU, 4096 on a GPU, where each chunk costs kernel launches and a pass over
+    the head weight's fp32 gradient: chunk 256 was 1.6x chunk 4096's time on an H100)."""
+    budget = CHUNK_BYTES * (16 if device_type == "cuda" else 1)
+    tokens = max(budget // (4 * vocab_size), 1)
     return min(max(1 << (tokens.bit_length() - 1), 128), 4096)
 
 
