@@ -455,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     info = device_info(device, args.peak_tflops)
     result = {
         "command": shlex.join(sys.orig_argv), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "git_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip(),
+        "git_commit": _git_commit(),
         "torch_version": torch.__version__, "python": platform.python_version(), **info, "model": args.model,
         "dry_run": args.dry_run, "sizes": size, "loadavg_at_start": os.getloadavg(), "targets": TARGETS,
         "rows": [],
@@ -484,6 +483,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, c in result["checks"].items():
         print(f"  {key}: {c['value']:.3f} (target {c.get('target', '-')}): {'met' if c['met'] else 'NOT met'}")
     return 0
+
+
+def _git_commit() -> str | None:
+    try:  # the GPU machine may have no git, or a copy of the tree without .git
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _earlier_rows(path: Path, info: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
