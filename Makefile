@@ -6,7 +6,7 @@ DATA   ?= data/stdlib
 BPE    ?= data/stdlib-bpe
 PYTEST_ARGS ?=
 
-.PHONY: setup demo finetune-demo test test-slow bench lint clean
+.PHONY: setup demo finetune-demo test test-slow test-gpu bench bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ test-slow: $(STAMP)
 	# the slow tier: larger Ray, PBT and multi-process cases (README: test tiers)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
+test-gpu:
+	# the gpu tier on one CUDA device (skipped without one); needs no Ray: $(PY) may be any Python with torch
+	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
 $(BPE)/manifest.json: | $(STAMP)
 	# token ids for bench/lean.py's 50,257-token model: a BPE corpus (merges learnt here, no download)
 	$(VENV)/bin/raytrain data prepare --tokenizer bpe --vocab-size 50257 --output $(BPE) --max-bytes 8000000
@@ -60,6 +64,10 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/pbt_overhead.py --data $(DATA)
 	$(PY) bench/storage.py
 	$(PY) bench/checkpoint.py --data $(DATA)
+
+bench-gpu:
+	# one GPU, unattended (~20 min on an H100; --model small for 24 GB): bench/results/gpu.{json,png}
+	$(PY) bench/gpu.py $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -54,6 +54,8 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
     "micro_batch": ("trainer", ["train.micro_batch_size={quarter}"], "4 micro-batches of a quarter each"),
     "compile": ("trainer", ["train.compile=true"], "torch.compile of each block (inductor)"),
     "bf16": ("trainer", ["precision.dtype=bf16"], "bf16 autocast (a GPU's speed-up; a CPU's memory)"),
+    "bf16_chunked_loss": ("trainer", ["precision.dtype=bf16", f"memory.loss_chunk={CHUNK}"],
+                          "bf16 autocast and the chunked loss (its matmuls in bf16, as the whole loss's)"),
     "all": ("trainer", ALL, "chunked loss + checkpointing + fused step + micro-batches"),
 }
 CPU_NOTE = (
@@ -85,8 +87,9 @@ def planned_bytes(name: str, args: argparse.Namespace) -> int:
 
 # Rows measured together, in lockstep (measure.run_lockstep: step k of each in turn), so that the machine's
 # drift, or another job on it, falls on both alike: the headline pair first.
-GROUPS = [("naive", "all"), ("plain", "trainer"), ("chunked_loss", "ac_selective"), ("ac_every", "fused_optimizer"),
-          ("micro_batch", "bf16"), ("compile",)]
+# The chunked loss beside the whole loss, in fp32 and in bf16: is it free?
+GROUPS = [("naive", "all"), ("trainer", "chunked_loss"), ("bf16", "bf16_chunked_loss"), ("plain", "ac_selective"),
+          ("ac_every", "fused_optimizer"), ("micro_batch", "compile")]
 
 
 def measure_group(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -178,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": os.getloadavg(),
         "other_processes_cpu_share": other_cpu_share(cpu_before, machine_cpu()),
     }
+    for whole, chunked in (("trainer", "chunked_loss"), ("bf16", "bf16_chunked_loss")):  # lockstep pairs
+        if {whole, chunked} <= set(by):
+            ratios = [c / w for c, w in zip(by[chunked]["step_times_s"], by[whole]["step_times_s"])]
+            result[f"{chunked}_vs_whole"] = {"time_ratio": statistics.median(ratios), "step_ratios": ratios,
+                                             "memory_ratio": by[whole]["peak_bytes"] / by[chunked]["peak_bytes"]}
     if {"ac_selective", "ac_every", "trainer"} <= set(by):
         off, sel, every = by["trainer"], by["ac_selective"], by["ac_every"]
         result["selective_between_off_and_every"] = {
@@ -195,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     a = result["all_vs_naive"]
     print(f"all vs naive: memory / {a['memory_ratio']:.2f} (target >= 8), time x {a['time_ratio']:.3f} "
           f"(target <= 1.1); planner's largest error {result['max_plan_error']:.1%} (target <= 10%)")
+    for key in ("chunked_loss_vs_whole", "bf16_chunked_loss_vs_whole"):
+        if key in result:
+            print(f"{key}: time x {result[key]['time_ratio']:.3f} (lockstep), memory / {result[key]['memory_ratio']:.2f}")
     print(f"other processes' CPU share {result['other_processes_cpu_share']:.1%}; wrote {out / 'lean.json'}")
     return 0
 

@@ -25,18 +25,20 @@ StepHook = Callable[[int, float, nn.Module, torch.optim.Optimizer], None]
 
 
 def train(
-    cfg: RunConfig, data: TokenWindows, after_step: StepHook | None = None, set_to_none: bool = True
+    cfg: RunConfig, data: TokenWindows, after_step: StepHook | None = None, set_to_none: bool = True,
+    device: torch.device | str = "cpu",
 ) -> list[float]:
     """Train `cfg.train.steps` steps on `data`; returns the loss of each step. `set_to_none=False` is the
-    seed's naive loop (bench/lean.py): gradients are zeroed, not freed, so they live through the next step."""
+    seed's naive loop (bench/lean.py): gradients are zeroed, not freed, so they live through the next step.
+    `device`: where the model and each batch go (bench/gpu.py: a GPU)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model).to(device)
     opt = _adamw(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _warmup_cosine(s, cfg))
     sampler = GlobalSampler(data.num_windows, cfg.seed, cfg.data.shuffle)
     batch, losses = cfg.train.global_batch_size, []
     for step in range(cfg.train.steps):
-        x, y = data.get(sampler.window_ids(step * batch, batch))
+        x, y = (t.to(device) for t in data.get(sampler.window_ids(step * batch, batch)))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)

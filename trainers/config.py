@@ -97,6 +97,9 @@ class PrecisionConfig(StrictModel):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, fp32 master weights
     init_scale: PositiveFloat = 2.0**16  # fp16 dynamic loss scaling
     growth_interval: PositiveInt = 2000
+    # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 sums), as
+    # torch.set_float32_matmul_precision("high"); false keeps true fp32 ("highest"). No effect on a CPU.
+    tf32: bool = True
 
 
 class MemoryConfig(StrictModel):

@@ -2,14 +2,12 @@
 
 The planner (`trainers.plan.plan_memory`) predicts the step's peak for the layout the run will have; when the
 config as written does not fit the device's usable memory (`plan.USABLE_FRACTION` of `memory.device_memory`,
-or of the device's own figure), the cheapest of these changes that fits is taken, each step adding to the
-ones before it (the global batch never changes; a smaller micro-batch means more accumulation):
-
-  1. the chunked loss (`memory.loss_chunk`): no (tokens x vocab) logits; the same math at about the same speed
-  2. selective activation checkpointing: recompute only the cheap ops of each block (norms, SwiGLU, RoPE)
-  3. halve the micro-batch while it keeps at least `MIN_TOKENS` tokens (large matmuls keep their efficiency)
-  4. activation checkpointing of every block (about 1/3 more block FLOPs)
-  5. halve the micro-batch down to one sequence
+or of the device's own figure), every combination of the planner's memory changes (`plan.memory_changes`:
+the chunked loss, selective or full activation checkpointing, a smaller micro-batch with more accumulation;
+the global batch never changes) is planned, and of those that fit the one with the least predicted step time
+(`plan.predicted_step_s`, a per-device model over the planner's FLOP and byte counts) is taken. On a GPU that
+is often a smaller micro-batch at full speed rather than the chunked loss or recomputation; on a CPU the
+chunked loss costs nothing.
 
 What was chosen and why is one line (`FitChoice.line`); a run that fits nowhere stops with a ConfigError that
 names the smallest plan and the next things to change (`raytrain plan` for the sharding side).
@@ -26,13 +24,16 @@ import torch
 
 from trainers._base import ConfigError
 from trainers.config import RunConfig, apply_overrides, parse_config
-from trainers.loss import chunk_tokens
-from trainers.plan import USABLE_FRACTION, format_bytes, parse_bytes, plan_memory
+from trainers.plan import (
+    USABLE_FRACTION,
+    format_bytes,
+    memory_changes,
+    parse_bytes,
+    plan_memory,
+    predicted_step_s,
+)
 
 __all__ = ["FitChoice", "device_memory_bytes", "fit_for_this_rank", "fit_memory"]
-
-MIN_TOKENS = 4096  # a micro-batch is halved before full checkpointing only while it keeps this many tokens
-
 
 @dataclass
 class FitChoice:
@@ -42,6 +43,7 @@ class FitChoice:
     device_bytes: int = 0
     source: str = ""  # where device_bytes came from
     written: dict[str, Any] = field(default_factory=dict)  # the config as written (for the line)
+    why: str = ""  # the time the choice is predicted to take, against the next-best plan that fits
 
     @property
     def line(self) -> str:
@@ -50,7 +52,7 @@ class FitChoice:
         if not self.changes:
             return f"memory.fit=auto: the run fits as written: planned peak {budget}"
         parts = [f"{k.split('.')[-1]} {_get(self.written, k)} -> {v}" for k, v in self.changes.items()]
-        return (f"memory.fit=auto: {', '.join(parts)}: planned peak {budget}; global batch "
+        return (f"memory.fit=auto: {', '.join(parts)}: planned peak {budget}; {self.why}; global batch "
                 f"{self.cfg.train.global_batch_size} kept")
 
 
@@ -81,29 +83,16 @@ def _mem_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _steps(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
-    """The changes in the module docstring's order, each holding the ones before it."""
-    sets: dict[str, Any] = {}
-    out: list[dict[str, Any]] = []
-
-    def add(**kv: Any) -> None:
-        sets.update({k.replace("__", "."): v for k, v in kv.items()})
-        out.append(dict(sets))
-
-    seq, mb = cfg.data.seq_len, cfg.train.micro_batch_size
-    if not cfg.memory.loss_chunk:
-        add(memory__loss_chunk=chunk_tokens(cfg.model.vocab_size))
-    if cfg.memory.activation_checkpointing == "off":
-        add(memory__activation_checkpointing="selective")
-    while mb > 1 and mb % 2 == 0 and mb // 2 * seq >= MIN_TOKENS:
-        mb //= 2
-        add(train__micro_batch_size=mb)
-    if cfg.memory.ac_every != 1:
-        add(memory__activation_checkpointing="every")
-    while mb > 1 and mb % 2 == 0:
-        mb //= 2
-        add(train__micro_batch_size=mb)
-    return out
+def _combinations(cfg: RunConfig, world_size: int, device_type: str) -> list[dict[str, Any]]:
+    """Every combination of the planner's memory changes, at most one setting per key (e.g. one micro-batch)."""
+    options: dict[str, list[Any]] = {}
+    for sets, _, _ in memory_changes(cfg, world_size, device_type):
+        for key, value in sets.items():
+            options.setdefault(key, []).append(value)
+    combos: list[dict[str, Any]] = [{}]
+    for key, values in options.items():
+        combos = [{**c, key: v} for c in combos for v in (None, *values)]
+    return [{k: v for k, v in c.items() if v is not None} for c in combos[1:]]
 
 
 def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: int, source: str) -> FitChoice:
@@ -114,24 +103,32 @@ def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: 
     choice = FitChoice(cfg, {}, planned, device_bytes, source, raw)
     if planned <= usable:
         return choice
-    best: tuple[int, dict[str, Any]] = (planned, {})
-    for sets in _steps(cfg, world_size):
+    fitting, smallest = [], (planned, {})
+    for sets in _combinations(cfg, world_size, device_type):
         try:
             trial = parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
             peak = plan_memory(trial, world_size, device_type).peak_bytes
         except ConfigError:  # e.g. a micro-batch the layout refuses (pipeline microbatches)
             continue
-        if peak < best[0]:
-            best = (peak, sets)
+        smallest = min(smallest, (peak, sets), key=lambda p: p[0])
         if peak <= usable:
-            return FitChoice(trial, sets, peak, device_bytes, source, raw)
-    tried = ", ".join(f"{k}={v}" for k, v in best[1].items()) or "nothing smaller"
-    raise ConfigError(
-        f"memory.fit=auto: no micro-batch, checkpointing or loss chunking fits this run in "
-        f"{format_bytes(usable)} usable of {format_bytes(device_bytes)} ({source}); the smallest plan "
-        f"({tried}) peaks at {format_bytes(best[0])}; fix: shard the model states (parallel.engine=fsdp, "
-        f"more ranks, parallel.tp/pp; see `raytrain plan`) or give more memory.device_memory"
-    )
+            fitting.append((predicted_step_s(trial, world_size, device_type), peak, len(sets), trial, sets))
+    if not fitting:
+        tried = ", ".join(f"{k}={v}" for k, v in smallest[1].items()) or "nothing smaller"
+        raise ConfigError(
+            f"memory.fit=auto: no micro-batch, checkpointing or loss chunking fits this run in "
+            f"{format_bytes(usable)} usable of {format_bytes(device_bytes)} ({source}); the smallest plan "
+            f"({tried}) peaks at {format_bytes(smallest[0])}; fix: shard the model states (parallel.engine=fsdp, "
+            f"more ranks, parallel.tp/pp; see `raytrain plan`) or give more memory.device_memory"
+        )
+    fitting.sort(key=lambda f: f[:3])  # the fastest; at equal time the smaller peak, then fewer changes
+    seconds, peak, _, trial, sets = fitting[0]
+    why = f"the fastest of {len(fitting)} plans that fit ({device_type}: predicted {seconds * 1e3:.3g} ms a step"
+    if len(fitting) > 1:
+        nxt = fitting[1]
+        named = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in nxt[4].items())
+        why += f"; next {named} at +{nxt[0] / seconds - 1:.0%}"
+    return FitChoice(trial, sets, peak, device_bytes, source, raw, why + ")")
 
 
 def fit_for_this_rank(cfg: RunConfig) -> FitChoice:

@@ -20,8 +20,8 @@ def run_local(
     progress: bool = True,
     hold_lock: bool = True,
 ) -> FitResult:
-    """Under torchrun (WORLD_SIZE > 1 in the environment) this joins the process group first and leaves
-    it at the end; a group that already exists (Ray Train's) is used and left alone.
+    """Under torchrun (any --nproc-per-node, 1 included: `init_from_env`) this joins the process group first
+    and leaves it at the end; a group that already exists (Ray Train's) is used and left alone.
 
     `hold_lock`: rank 0 holds the run dir's lock (`RunDirLock`); Ray Train's workers pass False, their
     driver holds it for them."""

@@ -1,4 +1,4 @@
-"""The language-model loss: next-token cross-entropy in fp32, whole or chunked.
+"""The language-model loss: next-token cross-entropy with an fp32 softmax, whole or chunked.
 
 `lm_loss(logits, targets)` takes the model's (B, S, V) logits. At a GPT-2-sized vocabulary those logits
 are the largest tensor of a small model's step (tokens x 50,257, in fp32 for the softmax, and again for
@@ -7,10 +7,19 @@ projection and the cross-entropy over `chunk` tokens at a time and, as Liger's f
 cross-entropy does, computes the gradients of each chunk in the forward pass (softmax - one-hot, times
 the weight and the hidden states), so only the (chunk x V) logits of one chunk are ever alive and nothing
 of size V per token is saved for backward. Backward then only scales the saved gradients. Numerically it
-is the same sum as the whole loss (fp32 logits and softmax), in another order.
+is the same sum as the whole loss, in another order, with the same numerics: the matmuls in the dtype the
+whole loss's head runs in (autocast's bf16/fp16, else the inputs'), the softmax and logsumexp in fp32, and
+the head weight's gradient summed over chunks in fp32 (as Liger's kernel and Apple's Cut Cross-Entropy:
+fp32 matmuls would leave a GPU's tensor cores idle for three vocabulary-sized matmuls per chunk). On CUDA
+each chunk's pointwise steps are compiled (`_step_for`).
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,15 +27,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["CHUNK_BYTES", "chunk_tokens", "chunked_lm_loss", "lm_loss"]
+__all__ = ["CHUNK_BYTES", "chunk_tokens", "chunked_lm_loss", "compute_dtype", "lm_loss"]
 
 CHUNK_BYTES = 64 * 2**20  # one chunk's fp32 logits, what `chunk_tokens` aims for
 
 
-def chunk_tokens(vocab_size: int) -> int:
+def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
     """A chunk size for `chunked_lm_loss`: the power of two of tokens whose fp32 logits take at most
-    CHUNK_BYTES, between 128 (the matmul stays efficient) and 4096 (e.g. 256 for a 50,257-token vocabulary)."""
-    tokens = max(CHUNK_BYTES // (4 * vocab_size), 1)
+    CHUNK_BYTES (CUDA: 16x that), between 128 (the matmul stays efficient) and 4096 (e.g. 256 for a
+    50,257-token vocabulary on a CPU, 4096 on a GPU, where each chunk costs kernel launches and a pass over
+    the head weight's fp32 gradient: chunk 256 was 1.6x chunk 4096's time on an H100)."""
+    budget = CHUNK_BYTES * (16 if device_type == "cuda" else 1)
+    tokens = max(budget // (4 * vocab_size), 1)
     return min(max(1 << (tokens.bit_length() - 1), 128), 4096)
 
 
@@ -51,39 +63,100 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int)
 def _chunked_forward(
     hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, want_h: bool, want_w: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The mean loss and, where wanted, its gradients with respect to `hidden` and `weight`."""
-    with torch.autocast(hidden.device.type, enabled=False):  # fp32 logits and softmax, as lm_loss
-        return _chunks(hidden, weight, targets, chunk, want_h, want_w)
+    """The mean loss and, where wanted, its gradients with respect to `hidden` and `weight`. The matmuls run
+    in `compute_dtype` (autocast's, as the whole loss's head), the softmax in fp32 (`_chunk_step`)."""
+    dtype = compute_dtype(hidden, weight)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen here, once
+        return _chunks(hidden, weight, targets, chunk, dtype, want_h, want_w)
+
+
+def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in on the whole-loss path: autocast's (bf16/fp16) when it is on for
+    the device, else the inputs' (fp32; 16-bit weights under FSDP's param_dtype)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def _chunks(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, want_h: bool, want_w: bool
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype, want_h: bool, want_w: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     n = hidden.shape[0]
     grad_h = torch.empty_like(hidden) if want_h else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-    w = weight.float()
+    w = weight.to(dtype)  # autocast's cast of the head weight, made once
+    scale = torch.full((), 1.0 / n, dtype=torch.float32, device=hidden.device)  # a tensor: no recompile per n
+    step = _step_for(hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, n, chunk):
-        h, t = hidden[start : start + chunk].float(), targets[start : start + chunk]
-        logits = h @ w.t()  # (c, V) fp32: the only vocabulary-sized tensor, one chunk at a time
-        target_logit = logits.gather(1, t[:, None]).squeeze(1)
-        mx = logits.amax(dim=-1)
-        probs = logits.sub_(mx[:, None]).exp_()  # in place: logsumexp's steps without its temporaries
-        sumexp = probs.sum(dim=-1)
-        total += (mx + sumexp.log() - target_logit).sum()
-        if want_h or want_w:
-            # d(mean loss)/d(logits) = (softmax - one-hot) / n, made in place of the logits
-            grad = probs.div_(sumexp[:, None])
-            grad[torch.arange(len(t), device=t.device), t] -= 1.0
-            grad.div_(n)
+        h, t = hidden[start : start + chunk].to(dtype), targets[start : start + chunk]
+        loss_sum, grad = step(h, w, t, scale, want_h or want_w)
+        total += loss_sum
+        if grad is not None:
             if want_h:
-                grad_h[start : start + chunk] = (grad @ w).to(hidden.dtype)
+                grad_h[start : start + chunk] = grad @ w
             if want_w:
-                grad_w.addmm_(grad.t(), h)
+                _accumulate(grad_w, grad, h)
             del grad
-        del logits, probs  # before the next chunk's logits are made
     return total / n, grad_h, grad_w
+
+
+def _accumulate(grad_w: Tensor, grad: Tensor, h: Tensor) -> None:
+    """grad_w (fp32) += grad.T @ h: in place in fp32, else each chunk's product in the matmul's dtype and the
+    sum over chunks in fp32."""
+    if grad.dtype == grad_w.dtype:
+        grad_w.addmm_(grad.t(), h)
+    else:
+        grad_w.add_(grad.t() @ h)
+
+
+def _chunk_step(h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk: the summed loss and d(mean loss)/d(logits) = (softmax - one-hot) * scale, in the matmul's
+    dtype. The logits are made in h's dtype and upcast to fp32 for the softmax, as `lm_loss`'s `.float()`
+    does; the fp32 steps run in place, so one (c x V) fp32 tensor is alive (and its 16-bit cast at the end)."""
+    logits = (h @ w.t()).float()  # (c, V): the only vocabulary-sized tensors, one chunk at a time
+    target_logit = logits.gather(1, t[:, None]).squeeze(1)
+    mx = logits.amax(dim=-1)
+    probs = logits.sub_(mx[:, None]).exp_()  # in place: logsumexp's steps without its temporaries
+    sumexp = probs.sum(dim=-1)
+    loss_sum = (mx + sumexp.log() - target_logit).sum()
+    if not want_grad:
+        return loss_sum, None
+    grad = probs.div_(sumexp[:, None])
+    grad[torch.arange(len(t), device=t.device), t] -= 1.0
+    return loss_sum, grad.mul_(scale).to(h.dtype)  # fp32: the same tensor, no copy
+
+
+# On CUDA the chunk's pointwise steps are compiled (inductor fuses the upcast, max, exp, sum and the
+# gradient into two kernels and never writes the fp32 logits); RAYTRAIN_LOSS_COMPILE=0 keeps it eager.
+_COMPILED: dict[str, Any] = {}
+
+
+def _step_for(device: torch.device) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    if device.type != "cuda" or os.environ.get("RAYTRAIN_LOSS_COMPILE", "1") == "0":
+        return _chunk_step
+    if "step" not in _COMPILED:
+        _COMPILED["step"] = _GuardedCompile(_chunk_step)
+    return _COMPILED["step"]
+
+
+class _GuardedCompile:
+    """torch.compile of `fn` that falls back to `fn` itself (once, with a warning) if compiling fails: the
+    loss must not stop a run on a machine without a working Triton."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn, self.compiled = fn, torch.compile(fn, dynamic=False)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # inductor/Triton missing or failing: eager is the same math
+                warnings.warn(f"the chunked loss runs eager: torch.compile failed ({type(e).__name__}: {e})",
+                              stacklevel=2)
+                self.compiled = None
+        return self.fn(*args)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -132,14 +205,15 @@ def _vp_chunks(
     hidden: Tensor, w_local: Tensor, targets: Tensor, chunk: int, start: int, group, want_h: bool, want_w: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     n, rows = hidden.shape[0], w_local.shape[0]
+    dtype = compute_dtype(hidden, w_local)  # as the one-rank form: matmuls in autocast's dtype, softmax in fp32
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
     grad_w = torch.zeros(w_local.shape, dtype=torch.float32, device=w_local.device) if want_w else None
     with torch.autocast(hidden.device.type, enabled=False):
-        w = w_local.float()
+        w = w_local.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            h, t = hidden[s : s + chunk].float(), targets[s : s + chunk]
-            logits = h @ w.t()  # (c, V/tp): this rank's vocabulary rows
+            h, t = hidden[s : s + chunk].to(dtype), targets[s : s + chunk]
+            logits = (h @ w.t()).float()  # (c, V/tp): this rank's vocabulary rows
             mine = (t >= start) & (t < start + rows)
             idx = (t - start).clamp(0, rows - 1)
             target_logit = logits.gather(1, idx[:, None]).squeeze(1) * mine
@@ -154,11 +228,11 @@ def _vp_chunks(
                 grad = probs.div_(sumexp[:, None])  # this rank's columns of softmax
                 hit = mine.nonzero().squeeze(1)
                 grad[hit, idx[hit]] -= 1.0
-                grad.div_(n)
+                grad = grad.div_(n).to(dtype)
                 if want_h:
                     grad_h[s : s + chunk] = grad @ w  # this rank's part of the sum over the vocabulary
                 if want_w:
-                    grad_w.addmm_(grad.t(), h)
+                    _accumulate(grad_w, grad, h)
                 del grad
             del logits, probs
         if want_h:

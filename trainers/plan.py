@@ -57,6 +57,7 @@ from trainers.models.flops import (
     embed_params,
     embed_shapes,
     expert_params,
+    flops_per_token,
     head_params,
     head_shapes,
     param_count,
@@ -70,7 +71,10 @@ __all__ = [
     "RunPlan",
     "Widths",
     "block_activation_bytes",
+    "compiled_block_bytes",
     "format_bytes",
+    "memory_changes",
+    "predicted_step_s",
     "selective_saved_bytes",
     "layout_dict",
     "parse_bytes",
@@ -84,6 +88,10 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 # Of the device's memory, what the planned peak may use: a margin for what the planner does not count
 # (the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces).
 USABLE_FRACTION = 0.9
+# cuBLAS's and cuBLASLt's workspaces (32 MiB each on Hopper), taken from torch's caching allocator, so
+# torch.cuda.max_memory_allocated counts them: a dim-128 model measured 122 MB against 59 MB planned without
+# them (H100, torch 2.11). The CUDA context (~0.5 GiB) is outside the allocator: USABLE_FRACTION's margin.
+CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
 GPUS_PER_NODE = 8  # a node's GPUs when not told (an H100 node): bounds the tensor-parallel degrees suggested
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "adagrad": 1}  # fp32 tensors per parameter
 _DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size / allgather_bucket_size
@@ -249,6 +257,21 @@ def selective_saved_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Wid
     else:
         ffn = (2 * f + h) * w.compute
     return int(tokens * (attention + ffn))
+
+
+def compiled_block_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widths, seq_len: int | None = None,
+                         tp: int = 1) -> int:
+    """Bytes a block compiled by inductor (`train.compile`, CUDA) saves for backward: its min-cut partitioner
+    keeps the matmuls' inputs and outputs and recomputes the pointwise ops (norms, casts, RoPE, SwiGLU's
+    product): selective checkpointing's set, plus the two norm outputs that feed q/k/v and gate/up and the
+    input of down, each once in the compute dtype (eager saves one cast per projection and the fp32 norm
+    internals). H100, 1.1B, bf16: 1.23 GB per block measured (2048 x 8 tokens), 1.226 GB by this count;
+    eager's count 1.96 GB over-planned compiled runs by 31-36%. MoE layers keep the eager count."""
+    if model.is_moe_layer(layer_id) or tp > 1:
+        return block_activation_bytes(model, layer_id, tokens, w, seq_len, tp)
+    h, f = model.dim, model.hidden_dim
+    kept = selective_saved_bytes(model, layer_id, tokens, w) + tokens * (2 * h + f) * w.compute
+    return kept + tokens * h * w.resid  # and the block's input
 
 
 def _head_saved(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, seq_len: int | None = None,
@@ -494,6 +517,9 @@ class _RankPlanner:
         every, self.chunk = cfg.memory.ac_every, cfg.memory.loss_chunk
         self.checkpointed = {b for b in rank.blocks if every and b % every == 0 or cfg.memory.ac_selective}
         self.full = {b: block_activation_bytes(model, b, self.tokens, self.w, seq, tp) for b in rank.blocks}
+        if cfg.train.compile and device_type == "cuda":  # inductor saves less than eager (compiled_block_bytes)
+            self.full = {b: min(self.full[b], compiled_block_bytes(model, b, self.tokens, self.w, seq, tp))
+                         for b in rank.blocks}
         self.block_input = self.shard_tokens * model.dim * self.w.resid
         if cfg.memory.ac_selective:  # the block's input and the outputs of its matmuls and attention
             self.kept = {b: self.block_input + selective_saved_bytes(model, b, self.tokens, self.w, tp)
@@ -634,6 +660,8 @@ class _RankPlanner:
 
     def _always(self) -> dict[str, int]:
         out, model = {}, self.cfg.model
+        if self.device_type == "cuda":
+            out["CUDA library workspaces"] = CUDA_WORKSPACE_BYTES
         if self.states.persistent_buffers:
             out["gradient buckets"] = self.states.persistent_buffers
         if self.lay.pp > 1:  # under tp a stage sends and receives its sequence shard
@@ -702,6 +730,12 @@ class _RankPlanner:
 def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -> list[str]:
     out = [f"optimizer step temporaries of torch's {'foreach' if device_type == 'cuda' else 'per-tensor'} "
            f"implementation ({device_type})"]
+    if device_type == "cuda":
+        out.append("CUDA: cuBLAS/cuBLASLt workspaces from the caching allocator; the CUDA context (~0.5 GiB) and "
+                   "the allocator's fragmentation are left to the usable fraction's margin")
+        if cfg.train.compile:
+            out.append("train.compile: dense blocks save what inductor's partitioner keeps (matmul inputs and "
+                       "outputs), not eager's per-op casts and norm internals")
     if cfg.model.moe is not None:
         out.append("MoE routing balanced: each expert gets tokens * top_k / num_experts assignments")
     if lay.ep > 1:
@@ -765,11 +799,13 @@ def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: D
 # reduce-scatters per block in forward and as many in backward on the critical path (not overlapped, so
 # only within a node's NVLink); more pipeline stages grow the bubble (p-1)/m; CPU offload moves the step
 # to the host over PCIe.
-def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> list[tuple[dict[str, Any], str]]:
+def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE,
+             device_type: DeviceType = "cuda") -> list[tuple[dict[str, Any], str]]:
     par, out = cfg.parallel, []
-    if not cfg.memory.loss_chunk:  # the same math at about the same speed
-        chunk = chunk_tokens(cfg.model.vocab_size)
-        out.append(({"memory.loss_chunk": chunk}, "chunk the output projection and loss (no tokens x vocab logits)"))
+    memory = memory_changes(cfg, world_size, device_type)
+    # memory changes that cost little predicted time (< 5%) come before sharding the model states
+    cheap = [(sets, why) for sets, why, cost in memory if cost < 0.05]
+    out += cheap
     if par.engine == "fsdp" and par.stage == 2:
         out.append(({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters after forward"))
     if par.engine == "deepspeed" and par.stage < 3:
@@ -784,14 +820,7 @@ def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE
         # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
         out.append(({"parallel.grad_accumulation": "sharded"}, "accumulate gradients in the shards "
                      "(a reduce-scatter per micro-batch)"))
-    for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
-        out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
-                     f"same global batch)"))
-    if cfg.memory.activation_checkpointing == "off":
-        out.append(({"memory.activation_checkpointing": "selective"}, "selective activation checkpointing "
-                     "(recompute norms, SwiGLU and RoPE; keep the matmuls' outputs)"))
-    if cfg.memory.ac_every != 1:
-        out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
+    out += [(sets, why) for sets, why, cost in memory if cost >= 0.05]
     tp = par.tp
     if par.engine == "fsdp":  # a tp group must sit inside a node: tp divides its GPUs
         for more in (tp * 2, tp * 4, tp * 8):
@@ -817,7 +846,7 @@ def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable
     joins when it lowers the peak). A change that is not a valid run (e.g. a tp that does not divide the
     heads) is left out."""
     raw = raw if raw is not None else json.loads(cfg.model_dump_json())
-    changes, out = _changes(cfg, world_size, gpus_per_node), []
+    changes, out = _changes(cfg, world_size, gpus_per_node, device_type), []
     for sets, why in changes:
         peak = _replan(raw, sets, world_size, device_type)
         if peak is not None:
@@ -843,3 +872,90 @@ def _replan(raw: dict[str, Any], sets: dict[str, Any], world_size: int, device_t
         return plan_memory(cfg, world_size, device_type).peak_bytes
     except ConfigError:
         return None
+
+
+# ------------------------------------------------------------------------- memory changes and their time
+
+
+def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda"
+                   ) -> list[tuple[dict[str, Any], str, float]]:
+    """The changes that lower the activations' peak without touching the model states, each alone, as
+    (settings, why, predicted extra step time as a fraction), cheapest on `device_type` first: the one list
+    `memory.fit: auto` (trainers/fit.py) combines and `plan_run` explains. The global batch is kept."""
+    out: list[tuple[dict[str, Any], str]] = []
+    if not cfg.memory.loss_chunk:
+        chunk = chunk_tokens(cfg.model.vocab_size, device_type)
+        out.append(({"memory.loss_chunk": chunk}, f"chunk the output projection and loss, {chunk} tokens a "
+                     f"chunk (no tokens x vocab logits)"))
+    mb = cfg.train.micro_batch_size
+    for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
+        out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
+                     f"same global batch)"))
+    if cfg.memory.activation_checkpointing == "off":
+        out.append(({"memory.activation_checkpointing": "selective"}, "selective activation checkpointing "
+                     "(recompute norms, SwiGLU and RoPE; keep the matmuls' outputs)"))
+    if cfg.memory.ac_every != 1:
+        out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
+    raw = json.loads(cfg.model_dump_json())
+    base = predicted_step_s(cfg, world_size, device_type)
+    timed = []
+    for sets, why in out:
+        try:
+            trial = parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
+            cost = predicted_step_s(trial, world_size, device_type) / base - 1
+        except ConfigError:  # e.g. a micro-batch a pipeline refuses
+            continue
+        timed.append((sets, why, cost))
+    return sorted(timed, key=lambda c: c[2])  # stable: equal costs keep the order above
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """What the step-time model assumes of a device: rough, but the same for every plan it compares, so
+    that the ranking, not the seconds, is what it gets right."""
+
+    flops: float  # 16-bit matmul FLOP/s reached at large matmuls (an H100: ~400 of its 989 TFLOP/s)
+    fp32_share: float  # fp32 matmuls' rate over 16-bit (TF32 on CUDA; on a CPU with avx512_bf16 about 0.55)
+    bandwidth: float  # bytes/s of memory
+    half_tokens: int  # tokens per micro-batch at which matmuls run at half that rate (small matmuls)
+    launch_s: float  # host time per kernel launch (eager: per op)
+
+
+SPEEDS = {"cuda": DeviceSpeed(400e12, 0.5, 2.5e12, 1024, 8e-6), "cpu": DeviceSpeed(2e11, 0.55, 2e10, 32, 5e-6)}
+_OPS_PER_BLOCK = 40  # kernels per block forward in eager (norms, casts, RoPE, SwiGLU, adds); x3 with backward
+
+
+def predicted_step_s(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda") -> float:
+    """A step's time on one rank, from the planner's counts: matmul FLOPs (trainers.models.flops) at a rate
+    that falls for small micro-batches, the recomputation of checkpointing (every block: its forward again;
+    selective: its pointwise ops, as bytes), the bytes the saved activations move, the loss (whole: passes
+    over tokens x vocab fp32 logits; chunked: the same, plus per chunk its launches and a pass over the head
+    weight's fp32 gradient) and the launches of every micro-batch (fewer compiled). Used to rank plans that
+    fit (`memory.fit: auto`), not to promise seconds."""
+    sp, model, lay = SPEEDS[device_type], cfg.model, ParallelLayout.of(cfg, world_size)
+    seq, mb = cfg.data.seq_len, lay.microbatch_size
+    tokens = mb * seq  # per micro-batch
+    n_micro = lay.microbatches if lay.pp > 1 else lay.accumulation
+    w = widths(cfg)
+    rate = sp.flops * (1.0 if w.compute == 2 else sp.fp32_share) * tokens / (tokens + sp.half_tokens)
+    head = 6 * model.vocab_size * model.dim  # per token, forward and backward
+    per_token = flops_per_token(model, seq) / lay.tp
+    blocks_fwd = (per_token - head / lay.tp) / 3
+    every = cfg.memory.ac_every
+    share = (len(range(0, model.n_layers, every)) / model.n_layers) if every else 0.0
+    flops = tokens * (per_token + share * blocks_fwd)
+    compiled = cfg.train.compile and device_type == "cuda"
+    saved = sum((compiled_block_bytes if compiled else block_activation_bytes)(model, b, tokens, w, seq, lay.tp)
+                for b in range(model.n_layers)) / max(lay.pp, 1)
+    moved = 3 * saved  # written in forward, read in backward, their gradients written
+    if cfg.memory.ac_selective:
+        moved += 2 * saved  # the pointwise ops recomputed: read and written once more
+    vocab = math.ceil(model.vocab_size / lay.tp)
+    moved += 6 * tokens * vocab * 4  # the loss's passes over fp32 logits (whole or chunk by chunk)
+    launches = 3 * _OPS_PER_BLOCK * model.n_layers / max(lay.pp, 1) * (0.25 if cfg.train.compile else 1.0)
+    if cfg.memory.loss_chunk:
+        chunks = math.ceil(tokens / cfg.memory.loss_chunk)
+        moved += chunks * 10 * vocab * model.dim  # grad_w += (16-bit product): read and write fp32, read it
+        launches += chunks * 20
+    per_micro = flops / rate + moved / sp.bandwidth + launches * sp.launch_s
+    return n_micro * per_micro

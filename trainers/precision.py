@@ -9,9 +9,18 @@ import torch
 
 from trainers.config import PrecisionConfig
 
-__all__ = ["Precision"]
+__all__ = ["Precision", "allow_tf32"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def allow_tf32(on: bool) -> None:
+    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores, or not: process-wide settings of torch,
+    applied by CUDA runs only (`precision.tf32`); a CPU run leaves them as they are. The legacy setters only:
+    torch >= 2.9 refuses reads once the legacy and the new (`fp32_precision`) settings are mixed, and
+    inductor and user code still read the legacy ones."""
+    torch.set_float32_matmul_precision("high" if on else "highest")  # = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = on
 
 
 class Precision:
@@ -20,6 +29,8 @@ class Precision:
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.dtype = _DTYPES[cfg.dtype]
         self.device_type = device.type
+        if device.type == "cuda":
+            allow_tf32(cfg.tf32)
         self.scaler = (
             torch.amp.GradScaler(device.type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
             if cfg.dtype == "fp16"

@@ -85,3 +85,43 @@ def test_a_run_that_cannot_fit_says_so_in_one_line(corpus_dir, tmp_path):
 def test_a_bad_device_memory_is_refused_with_the_field(corpus_dir, tmp_path):
     with pytest.raises(ConfigError, match="memory.device_memory"):
         parse_config(_raw(corpus_dir, tmp_path, MODELS["dense-deep"], fit="auto", device_memory="lots"))
+
+
+def test_on_a_gpu_fit_takes_the_fastest_predicted_plan_that_fits():
+    """The 1.1B model at global batch 32 asked as one micro-batch on an 80 GiB GPU (planning only): of the plans
+    that fit, the one with the least predicted step time (a smaller micro-batch at full speed), not the first
+    rung of a memory ladder (the chunked loss, then recomputation); the line says how it chose."""
+    from itertools import product
+
+    from trainers.config import apply_overrides
+    from trainers.plan import predicted_step_s
+
+    raw = {"name": "x", "run_dir": "unused", "data": {"path": "unused", "seq_len": 2048},
+           "model": {"vocab_size": 32000, "dim": 2048, "n_layers": 16, "n_heads": 16, "max_seq_len": 2048},
+           "precision": {"dtype": "bf16"}, "optimizer": {"name": "adamw", "fused": True},
+           "train": {"steps": 10, "global_batch_size": 32, "micro_batch_size": 32, "compile": True}}
+    device = 80 * 2**30
+    choice = fit_memory(parse_config(raw), 1, "cuda", device, "H100")
+    assert choice.cfg.memory.activation_checkpointing == "off" and choice.cfg.train.micro_batch_size < 32
+    assert "the fastest of" in choice.line and "predicted" in choice.line, choice.line
+    best = predicted_step_s(choice.cfg, 1, "cuda")
+    for mb, ac, chunk in product((32, 16, 8, 4, 2, 1), ("off", "selective", "every"), (0, 4096)):
+        trial = parse_config(apply_overrides(raw, [f"train.micro_batch_size={mb}",
+                                                   f"memory.activation_checkpointing={ac}", f"memory.loss_chunk={chunk}"]))
+        if plan_memory(trial, 1, "cuda").peak_bytes <= device * USABLE_FRACTION:
+            assert predicted_step_s(trial, 1, "cuda") >= best, (mb, ac, chunk)
+
+
+def test_predicted_time_weighs_recomputation_and_small_micro_batches():
+    """The step-time model's directions: full checkpointing costs more than selective, which costs more than
+    none; four micro-batches of a quarter cost more than one whole; on a GPU chunk 256 costs more than 4096."""
+    from trainers.config import apply_overrides
+    from trainers.plan import predicted_step_s
+
+    raw = {"name": "x", "run_dir": "unused", "data": {"path": "unused", "seq_len": 1024},
+           "model": {"vocab_size": 32000, "dim": 1024, "n_layers": 8, "n_heads": 8, "max_seq_len": 1024},
+           "precision": {"dtype": "bf16"}, "train": {"steps": 10, "global_batch_size": 16, "micro_batch_size": 16}}
+    t = lambda *sets, device="cuda": predicted_step_s(parse_config(apply_overrides(raw, list(sets))), 1, device)  # noqa: E731
+    assert t() < t("memory.activation_checkpointing=selective") < t("memory.activation_checkpointing=every")
+    assert t() < t("train.micro_batch_size=4")
+    assert t("memory.loss_chunk=4096") < t("memory.loss_chunk=256")

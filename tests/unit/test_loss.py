@@ -111,3 +111,75 @@ def test_selective_checkpointing_keeps_gradients_and_sits_between_off_and_every(
     for mode in ("selective", "every"):
         assert all(torch.equal(grads[mode][n], g) for n, g in grads["off"].items()), mode
     assert peaks["every"] < peaks["selective"] < peaks["off"], peaks
+
+
+# ------------------------------------------------------------------ 16-bit: the whole loss's numerics
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The input dtypes of every matmul whose operands or output have `vocab` in their shape."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.seen = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)] + [tuple(out.shape)]
+            if any(self.vocab in s for s in shapes):
+                self.seen.append(tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
+        return out
+
+
+@pytest.mark.parametrize("chunk", [16, 1000])
+def test_under_bf16_autocast_the_chunks_multiply_in_bf16_and_match_the_whole_loss(chunk):
+    """As the whole loss under autocast: logits from a bf16 matmul, softmax in fp32; the same value and
+    gradients within bf16's rounding, and no vocabulary-sized matmul in fp32 (a GPU's tensor cores)."""
+    torch.manual_seed(0)
+    n, d, v = 64, 32, 301
+    h = torch.randn(n, d, requires_grad=True)
+    w = (0.2 * torch.randn(v, d)).requires_grad_()
+    t = torch.randint(0, v, (n,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = lm_loss((h @ w.t())[None], t[None])
+    whole.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulDtypes(v) as seen:
+        chunked = chunked_lm_loss(h, w, t, chunk)
+        chunked.backward()
+    assert chunked.dtype == torch.float32 and chunked.item() == pytest.approx(whole.item(), rel=1e-3)
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    assert _rel(h.grad, gh) <= 1e-2 and _rel(w.grad, gw) <= 1e-2
+    assert seen.seen and all(set(dtypes) == {"torch.bfloat16"} for dtypes in seen.seen), seen.seen
+
+
+def test_16bit_weights_without_autocast_multiply_in_their_dtype():
+    """FSDP's param_dtype=bf16 runs the head on bf16 weights with autocast off: the chunks do too."""
+    h = torch.randn(20, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(50, 8, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 50, (20,))
+    whole = lm_loss((h @ w.t())[None], t[None])
+    with MatmulDtypes(50) as seen:
+        chunked = chunked_lm_loss(h, w, t, 7)
+        chunked.backward()
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-3)
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert all(set(dtypes) == {"torch.bfloat16"} for dtypes in seen.seen)
+
+
+def test_a_failing_compile_falls_back_to_the_same_eager_math():
+    from trainers import loss
+
+    def broken(*args):
+        raise RuntimeError("no triton here")
+
+    guarded = loss._GuardedCompile(loss._chunk_step)
+    guarded.compiled = broken
+    h, w, t = torch.randn(5, 4), torch.randn(9, 4), torch.randint(0, 9, (5,))
+    scale = torch.tensor(0.2)
+    with pytest.warns(UserWarning, match="runs eager"):
+        got, grad = guarded(h, w, t, scale, True)
+    want, want_grad = loss._chunk_step(h, w, t, scale, True)
+    assert guarded.compiled is None and torch.equal(got, want) and torch.equal(grad, want_grad)

@@ -288,14 +288,14 @@ def test_checkpointing_keeps_only_block_inputs():
 
 def test_a_run_that_does_not_fit_gets_the_cheapest_change_that_does():
     cfg = run_config(model={"n_layers": 6}, parallel={"engine": "fsdp", "zero_stage": 2})
-    peak = plan_memory(cfg, 2).peak_bytes
-    result = plan_run(cfg, 2, device_memory=int(peak * 0.9))  # usable = 81% of today's peak
+    peak = plan_memory(cfg, 2, "cpu").peak_bytes  # a CPU: no fixed CUDA workspaces at this tiny size
+    result = plan_run(cfg, 2, device_memory=int(peak * 0.9), device_type="cpu")  # usable = 81% of today's peak
     assert not result.fits and result.change is not None
     assert result.change["peak_bytes"] <= result.usable_bytes
     # the candidates were tried cheapest first, and all before the chosen one do not fit
     assert result.candidates[-1] == result.change
     assert not any(c["fits"] for c in result.candidates[:-1])
-    assert plan_run(cfg, 2, device_memory=peak * 2).fits
+    assert plan_run(cfg, 2, device_memory=peak * 2, device_type="cpu").fits
 
 
 # ----------------------------------------------------------------------------- real run and CLI
@@ -338,7 +338,8 @@ def test_cli_plan_json_and_text(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True and out["layout"]["dp"] == 2
     assert sum(out["breakdown"].values()) == out["peak_bytes"]
-    assert main(["plan", str(run), "--world-size", "2", "--device-memory", "1MiB"]) == 0
+    # (CUDA, the CLI's default: 64 MiB of cuBLAS workspaces come first, so a tiny model needs ~66 MiB)
+    assert main(["plan", str(run), "--world-size", "2", "--device-memory", "72.5MiB"]) == 0
     text = capsys.readouterr().out
     assert "does NOT fit" in text and "--set " in text
     assert main(["plan", str(run), "--world-size", "2", "--device-memory", "lots"]) == 2

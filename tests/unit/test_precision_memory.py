@@ -56,3 +56,25 @@ def test_activation_checkpointing_changes_memory_not_math(tiny_config, ac):
     assert _losses(plain) == _losses(ckpt)
     for p, q in zip(plain.model.parameters(), ckpt.model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.fixture
+def matmul_precision():
+    """Restores torch's process-wide TF32 settings after the test."""
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
+@pytest.mark.parametrize(("tf32", "want"), [(True, "high"), (False, "highest")])
+def test_precision_tf32_sets_fp32_matmuls_on_cuda_only(matmul_precision, tf32, want):
+    from trainers.config import PrecisionConfig
+    from trainers.precision import Precision
+
+    torch.set_float32_matmul_precision("medium")  # neither: so that a CPU run is seen to leave it alone
+    Precision(PrecisionConfig(tf32=tf32), torch.device("cpu"))
+    assert torch.get_float32_matmul_precision() == "medium"
+    Precision(PrecisionConfig(tf32=tf32), torch.device("cuda"))  # sets flags only: no GPU needed
+    assert torch.get_float32_matmul_precision() == want and torch.backends.cudnn.allow_tf32 == tf32
+    assert PrecisionConfig().tf32 is True  # the default

@@ -8,15 +8,26 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["device_for_rank", "init_from_env"]
+__all__ = ["device_for_rank", "init_from_env", "launched"]
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as a rank of a group: WORLD_SIZE > 1, or torchrun's
+    rendezvous (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) at any size, 1 included."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return True
+    return all(k in env for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def init_from_env(timeout_s: float = 600) -> bool:
-    """Initialise the default process group when WORLD_SIZE > 1 is in the environment (torchrun, Ray
-    Train) and none exists yet. gloo on CPU, nccl on GPU. Returns whether a group is initialised."""
+    """Initialise the default process group when a launcher (torchrun, Ray Train) started this process as a
+    rank (`launched`) and none exists yet: `torchrun --nproc-per-node 1` joins a group of one, so that every
+    engine (ddp, fsdp) runs on one GPU as on many. gloo on CPU, nccl on GPU. Returns whether a group is
+    initialised."""
     if dist.is_initialized():
         return True
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if not launched():
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

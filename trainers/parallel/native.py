@@ -43,7 +43,7 @@ class _DataParallelEngine(Engine):
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 f"parallel.engine={self.name} needs a process group; fix: launch with `torchrun "
-                f"--nproc-per-node N -m trainers train RUN.yaml` (or Ray), or set parallel.engine=none"
+                f"--nproc-per-node N -m trainers train RUN.yaml` (N=1 for one device), or Ray, or set parallel.engine=none"
             )
         super().__init__(device, layout)
         self.dp_rank, self.dp_size, self.world_size = layout.dp_rank, layout.dp, layout.world_size
