@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from trainers.config import RunConfig, apply_overrides, parse_config  # noqa: E4
 from trainers.data.dataset import GlobalSampler, TokenWindows  # noqa: E402
 from trainers.metrics import LiveTensorBytes  # noqa: E402
 from trainers.models import flops_per_token  # noqa: E402
+from trainers.parallel.distributed import group_of_one  # noqa: E402
 from trainers.plan import plan_memory  # noqa: E402
 from trainers.trainer import Trainer, TrainerCallback  # noqa: E402
 
@@ -222,33 +222,6 @@ class _MeterCallback(TrainerCallback):
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self.meter.after_step(trainer.step, record["loss"], trainer.model, trainer.engine.optimizer)
-
-
-@contextlib.contextmanager
-def group_of_one() -> Iterator[None]:
-    """torchrun's environment for one process, and the group `init_from_env` joins from it (its own)."""
-    import torch.distributed as dist
-
-    from trainers.parallel.distributed import init_from_env
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        init_from_env()
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_row(row: Row, size: dict[str, Any], data: str, device: torch.device) -> dict[str, Any]:

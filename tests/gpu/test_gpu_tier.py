@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_raw
-from tests.gpu.conftest import group_of_one, needs_cuda
+from tests.gpu.conftest import needs_cuda
 from trainers.config import parse_config
 from trainers.loss import chunked_lm_loss, lm_loss
 from trainers.metrics import read_metrics
+from trainers.parallel.distributed import group_of_one
 from trainers.plan import plan_memory
 from trainers.trainer import Trainer
 
