@@ -252,7 +252,7 @@ class Trainer:
                 if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
                     val_loss = self.evaluate()
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
-                    self.save()
+                    self._start_save()
                 if done and self._collect(wait=True):  # the end of fit waits for the last save to commit
                     continue
                 if bar is not None:
@@ -378,12 +378,22 @@ class Trainer:
         return val_loss
 
     def save(self) -> Path | None:
-        """Collective. `checkpoint.mode: sync`: returns the committed checkpoint. `async`: returns None once
-        the state is staged; the commit is reported (event, callbacks) at a later step boundary by `_collect`.
-        At most one save is in flight: a save waits for the one before to commit (`wait_s`)."""
-        start = time.perf_counter()
-        if self._collect(wait=True):  # the commit's callbacks loaded another checkpoint in place (an exploit)
+        """Collective: a checkpoint of the current step, returned once committed (its event written, its
+        callbacks run), in either `checkpoint.mode`. None when the commit of a save before it had a callback
+        load another checkpoint in place (a PBT exploit), so that there was nothing of this step to save."""
+        if not self._start_save():
             return None
+        self._collect(wait=True)
+        return self.last_checkpoint
+
+    def _start_save(self) -> bool:
+        """Collective. `sync`: the save, committed and reported. `async`: returns once the state is staged;
+        the commit is reported (event, callbacks) at a later step boundary by `_collect`. At most one save is
+        in flight: this one waits for the one before to commit (`wait_s`). False when that commit's callbacks
+        loaded another checkpoint in place (an exploit): nothing is saved then."""
+        start = time.perf_counter()
+        if self._collect(wait=True):
+            return False
         wait_s = time.perf_counter() - start
         trainer_state = {
             "step": self.step,
@@ -401,10 +411,9 @@ class Trainer:
         state, rng = self.engine.checkpoint_state(), {"torch": torch.get_rng_state()}
         if self.checkpointer.mode == "async":
             self.checkpointer.start_save(self.step, state, trainer_state, rng, wait_s=wait_s)
-            return None
-        committed = self.checkpointer.save_with_figures(self.step, state, trainer_state, rng, wait_s=wait_s)
-        self._on_commit(committed)
-        return committed.path
+        else:
+            self._on_commit(self.checkpointer.save_with_figures(self.step, state, trainer_state, rng, wait_s=wait_s))
+        return True
 
     def _collect(self, wait: bool) -> bool:
         """Collective while a save is in flight: report it if it committed (with `wait`: once it has).
