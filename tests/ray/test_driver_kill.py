@@ -131,6 +131,8 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
     sessions.append(third.pid)
     _, err = third.communicate(timeout=300)
     assert third.returncode == 0, err[-3000:]
+    # A finished run's Ray (its controller, workers) ends within seconds of its driver, as a killed one's does.
+    wait_for(lambda: not _alive_in_session(third.pid), 30, "the finished run's workers and Ray to end")
     rows = read_metrics(run_dir / "metrics.jsonl", "train")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step exactly once"
     assert_each_sample_once(run_dir, corpus_dir, STEPS, batch=8)
