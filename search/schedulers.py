@@ -101,7 +101,17 @@ class SchedulerConfig(StrictModel):
 class BoundedExplore:
     """PBT's `custom_explore_fn`: receives the donor's config (Ray's own mutations are left empty) and
     returns it explored inside the space. Holds its RNG so that an experiment is repeatable and a
-    restored scheduler continues the same stream."""
+    restored scheduler continues the same stream.
+
+    An explored config never equals one that another member holds (`avoid`, set by the scheduler before
+    each exploit: the donor's and every other member's current values, so also what an earlier recipient
+    of the same donor got in this round): it is drawn again, up to `REDRAWS` times. Without it a value at a
+    bound stays there under every perturbation (weight decay 0 x 1.2 is 0), and two recipients of one donor
+    trained the same configuration for the rest of the run (`make demo`, issue 25). Where the space has no
+    unused configuration left (a small categorical space), the last draw is kept."""
+
+    REDRAWS = 32
+    avoid: list[dict[str, Any]] = []  # a class default: schedulers pickled before it existed
 
     def __init__(
         self, space: SearchSpace, seed: int, resample_probability: float, factors: tuple[float, ...]
@@ -110,8 +120,19 @@ class BoundedExplore:
         self.resample_probability, self.factors = resample_probability, tuple(factors)
 
     def __call__(self, config: dict[str, Any]) -> dict[str, Any]:
-        new, _ = self.space.explore(config, self.rng, self.resample_probability, self.factors)
+        taken = [self._key(c) for c in self.avoid]
+        new = config
+        for attempt in range(self.REDRAWS):
+            # after a few collisions perturbation alone is stuck (a value at a bound): resample more often
+            p = self.resample_probability if attempt < 4 else max(self.resample_probability, 0.5)
+            new, _ = self.space.explore(config, self.rng, p, self.factors)
+            if self._key(new) not in taken:
+                break
+        self.avoid = []  # one exploit's context
         return new
+
+    def _key(self, config: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(repr(config.get(k)) for k in sorted(self.space.mutable))
 
 
 def build_scheduler(
@@ -184,6 +205,9 @@ class _Resumable:
         """An id per exploit decision, in the exploited trial's new config (which Tune saves with its
         experiment state): the trial records the exploit once, however often Tune restores it from the
         donor's checkpoint (again after each `--resume` until it saved one of its own)."""
+        explore = self._custom_explore_fn
+        if isinstance(explore, BoundedExplore):  # what the other members hold: not to be given again
+            explore.avoid = [t.config for t in self._trial_state if t is not trial]
         config, operations = super()._get_new_config(trial, trial_to_clone)
         return {**config, EXPLOIT_ID: uuid.uuid4().hex}, operations
 

@@ -56,6 +56,39 @@ def test_each_exploit_gets_its_own_id_in_the_new_config():
     assert first["optimizer.lr"] in (1e-2 * 1.2, 1e-2 * 0.8) and first["member"] == 0
 
 
+def test_recipients_of_one_donor_never_share_a_configuration_in_a_round():
+    """The donor sits at a bound of both keys (lr at its top, weight decay at 0): every perturbation of it
+    clips to few values, and without a re-draw two recipients of one round trained the same configuration
+    for the rest of the run (`make demo` before issue 25: both at lr x1.2, weight decay 0)."""
+    space = parse_space({"optimizer.lr": {"loguniform": [1e-4, 1e-2]}, "optimizer.weight_decay": {"uniform": [0.0, 0.2]}})
+    for seed in range(20):
+        cfg = SchedulerConfig(name="pbt", interval=10, quantile_fraction=0.5, resample_probability=0.1)
+        pbt = build_scheduler(cfg, space, 40, seed=seed)
+        donor = _Trial("donor", 1e-2)
+        donor.config["optimizer.weight_decay"] = 0.0
+        recipients = [_Trial(f"r{i}", 1e-4) for i in range(3)]
+        for t in (donor, *recipients):
+            pbt._trial_state[t] = _PBTTrialState(t)
+        given = []
+        for r in recipients:  # one exploit round: each recipient explores the same donor in turn
+            new, _ = pbt._get_new_config(r, donor)
+            r.config = new  # as PBT's exploit sets it (set_config), before the next recipient's explore
+            given.append((new["optimizer.lr"], new["optimizer.weight_decay"]))
+        held = given + [(1e-2, 0.0)]
+        assert len(set(held)) == len(held), f"seed {seed}: {given}"
+
+
+def test_a_space_with_no_unused_configuration_left_still_explores():
+    space = parse_space({"model.kind": {"choice": ["a", "b"]}})
+    pbt = build_scheduler(SchedulerConfig(name="pbt", interval=10), space, 40, seed=0)
+    members = [_Trial(f"t{i}", 1e-3) for i in range(4)]
+    for t, kind in zip(members, "abab"):
+        t.config["model.kind"] = kind
+        pbt._trial_state[t] = _PBTTrialState(t)
+    new, _ = pbt._get_new_config(members[1], members[0])  # every value is held: the last draw is kept
+    assert new["model.kind"] in ("a", "b")
+
+
 # ----------------------------------------------------------------------------------- in place
 
 
