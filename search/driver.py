@@ -30,6 +30,7 @@ from search.schedulers import (
     build_scheduler,
     population_space,
 )
+from search.slots import SlotRelease, slots_name, start_slots
 from search.state import (
     check_same_experiment,
     check_tune_state,
@@ -111,17 +112,24 @@ class LineageState(tune.Callback):
         pass
 
 
-def _tuner_parts(exp: ExperimentConfig, board: str | None) -> tuple[Any, dict[str, Any]]:
+def _tuner_parts(exp: ExperimentConfig, board: str | None, slots: str | None) -> tuple[Any, dict[str, Any]]:
     # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
     # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node.
-    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board), {"memory": 1})
+    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board, slots=slots), {"memory": 1})
     return trainable, population_space(exp.members())
 
 
-def in_place(exp: ExperimentConfig, slots: int) -> bool:
-    """PBT/PB2 exploits in the trials' live runs (search.schedulers.InPlace) when every member runs at
-    once; when members take turns (population > slots) Tune pauses and restores them, so runs restart."""
-    return exp.scheduler.name in ("pbt", "pb2") and exp.trial_runs == "live" and slots >= exp.population
+def in_place(exp: ExperimentConfig) -> bool:
+    """PBT/PB2 exploit in the trials' live runs (search.schedulers.InPlace); with `trial_runs: segments`
+    Tune pauses and restores a trial to exploit."""
+    return exp.scheduler.name in ("pbt", "pb2") and exp.trial_runs == "live"
+
+
+def time_shared(exp: ExperimentConfig, slots: int) -> bool:
+    """PBT/PB2 with a population larger than the cluster holds: members take turns at the `slots` Train
+    runs that fit (search.slots), yielding at report boundaries, so that every member reaches every
+    interval. Other schedulers run members one after another (ASHA and random search need no turns)."""
+    return exp.scheduler.name in ("pbt", "pb2") and slots < exp.population
 
 
 def run_experiment(
@@ -140,9 +148,16 @@ def run_experiment(
     check_target(exp, resume)
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
     slots = max_concurrent_trials(exp, ray.cluster_resources())
-    board = board_name(exp.name) if in_place(exp, slots) else None
+    board = board_name(exp.name) if in_place(exp) else None
     board_actor = Board.options(name=board).remote() if board else None
-    trainable, space = _tuner_parts(exp, board)
+    turns = slots_name(exp.name) if time_shared(exp, slots) else None
+    slots_actor = start_slots(turns, slots) if turns else None
+    if turns:
+        logger.info(
+            "population %d, %d Train run%s fit%s at once: members take turns, yielding at each report",
+            exp.population, slots, "s" if slots > 1 else "", "" if slots > 1 else "s",
+        )
+    trainable, space = _tuner_parts(exp, board, turns)
     # A bucket: Tune gets the same fsspec file system the trials write with (credentials from the environment).
     fs, fs_path = pyarrow_fs(exp_dir) if is_remote(exp_dir) else (None, str(exp_dir))
     if resume:
@@ -160,7 +175,8 @@ def run_experiment(
                 scheduler=scheduler,
                 metric=exp.metric,
                 mode=exp.mode,
-                max_concurrent_trials=slots,
+                # time-sharing: every member's trial runs, its Train run waits for a slot (search.slots)
+                max_concurrent_trials=exp.population if turns else slots,
                 reuse_actors=False,
                 time_budget_s=exp.budget.time_s,
             ),
@@ -184,6 +200,7 @@ def run_experiment(
                 callbacks=[
                     SchedulerState(scheduler),
                     ProtectedRetention(exp.keep_checkpoints, scheduler),
+                    *([SlotRelease(turns)] if turns else []),
                     *callbacks,
                 ],
             ),
@@ -195,8 +212,9 @@ def run_experiment(
             warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
             tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
-        if board_actor is not None:
-            ray.kill(board_actor)
+        for actor in (board_actor, slots_actor):
+            if actor is not None:
+                ray.kill(actor)
         released = release_stranded_placement_groups(before) if driver_goes_on else []
         if released:
             logger.warning(

@@ -4,7 +4,11 @@ Each trial appends to its own `EXP_DIR/lineage/<trial>.jsonl` (one writer per fi
 actor at a time; in a bucket, which has no append, each append replaces the object whole, so a reader sees
 the log before or after it); `collect` merges them into Parquet tables:
 
-- `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s, abandoned
+- `EXP_DIR/reports.parquet`: time, trial, step, metric, hparams (JSON), failed, steps_s, wall_s, abandoned,
+  yielded (the trial gave its Train-run slot to a waiting member after this report: time-sharing),
+  running (members holding a slot when it got its own), and where the interval's time outside training
+  steps went (`TIME_PARTS`: slot_s, start_s, decision_s, exploit_s, eval_s, checkpoint_s; null in logs
+  written before they existed)
 - `EXP_DIR/lineage.parquet`: one row per exploit: time, step (where the trial continues: the donor's
   checkpoint step), trial, donor, donor_time (when the donor reported that checkpoint), old_hparams,
   new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's),
@@ -37,6 +41,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from search.times import TIME_PARTS
 from trainers.storage import append_bytes, is_remote, list_sizes, location, read_bytes, write_bytes_atomic
 
 __all__ = [
@@ -164,7 +169,10 @@ def _parse_jsonl(data: bytes) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------ tables
 
-_REPORT_COLUMNS = ("time", "trial", "step", "metric", "hparams", "failed", "steps_s", "wall_s", "abandoned")
+_REPORT_COLUMNS = (
+    "time", "trial", "step", "metric", "hparams", "failed", "steps_s", "wall_s", "abandoned",
+    "yielded", "running", *TIME_PARTS,
+)
 _EVENT_COLUMNS = (
     "time",
     "step",
@@ -242,7 +250,7 @@ def _write(
         "exploit_id": pa.string(),
     }
     fields = [pa.field(c, types.get(c, pa.string() if c in json_columns else pa.float64())) for c in columns]
-    for flag in ("failed", "abandoned"):
+    for flag in ("failed", "abandoned", "yielded"):
         if flag in columns:
             fields[columns.index(flag)] = pa.field(flag, pa.bool_())
             data[flag] = [bool(v) for v in data[flag]]

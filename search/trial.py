@@ -38,7 +38,7 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +68,27 @@ class _Interval:
     step_dir: Path | None  # the committed checkpoint at `step` (None when the run failed)
     steps_s: float  # time in training steps since the previous report
     error: str | None = None
+    parts: dict[str, float] = field(default_factory=dict)  # where the rest of the interval went (TIME_PARTS)
+
+
 
 
 class TrialRun(tune.Trainable):
     """Runs in a Tune actor; its Train run's controller and workers are separate actors. Imports no torch:
     the actor only waits on its run and moves files."""
 
-    def setup(self, config: dict[str, Any], exp: ExperimentConfig, board: str | None = None) -> None:
+    def setup(
+        self, config: dict[str, Any], exp: ExperimentConfig, board: str | None = None, slots: str | None = None
+    ) -> None:
         from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 
         set_ray_train_log_level(RAY_LOG_LEVEL)  # not a line per checkpoint registered; Tune's table is the view
         self.exp = exp
         self.board = ray.get_actor(board) if board else None  # the scheduler's decisions (in-place PBT)
+        self.slots = ray.get_actor(slots) if slots else None  # time-sharing the cluster (search.slots)
+        self.holds_slot = False
+        self.running = 0  # members holding a slot when this one got its own
+        self.parts: dict[str, float] = {}  # this interval's time outside the Train run (TIME_PARTS)
         self.hparams = {k: config[k] for k in exp.search_space}
         self.log = LineageLog(exp.exp_dir, self.trial_id)
         self.dir = exp.exp_dir / "runs" / self.trial_id
@@ -103,8 +112,10 @@ class TrialRun(tune.Trainable):
                 "done": True,
             }
         if self.awaiting is not None:  # the scheduler's decision on the last report
+            began = time.perf_counter()
             self._follow_decision(self.awaiting)
             self.awaiting = None
+            self._add_part("decision_s", time.perf_counter() - began)
         if self.error is not None:  # waiting to be replaced: no training, the worst metric
             out = _Interval(self._next_stop(), _worst(exp), None, 0.0, "waiting to be replaced")
         else:
@@ -116,6 +127,9 @@ class TrialRun(tune.Trainable):
             self.pin = self._pin(out)
         wall, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         failed = self.error is not None
+        done = out.step >= exp.steps or (failed and exp.scheduler.name not in ("pbt", "pb2"))
+        yields = self._should_yield(done)
+        parts, self.parts = {**self.parts, **out.parts}, {}
         self.log.report(
             out.step,
             out.metric,
@@ -125,8 +139,12 @@ class TrialRun(tune.Trainable):
             wall_s=wall,
             error=out.error,
             pin=str(self.pin) if self.pin is not None and not failed else None,
+            yielded=yields,
+            running=self.running if self.slots is not None else None,
+            **{k: round(v, 4) for k, v in parts.items()},
         )
-        done = out.step >= exp.steps or (failed and exp.scheduler.name not in ("pbt", "pb2"))
+        if yields:  # the report is committed: the run ends at its checkpoint, the slot goes on
+            self._yield()
         if not done and self._decides_at(out.step):
             self.awaiting = out.step
         return {
@@ -178,6 +196,7 @@ class TrialRun(tune.Trainable):
         if self.runner is not None:
             self.runner.stop()
             self.runner = None
+        self._give_slot_back()
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         return False  # a new actor per trial start: no Train run outlives its trial
@@ -279,6 +298,39 @@ class TrialRun(tune.Trainable):
         write_text_atomic(pin / META, meta)  # last: a pin with its metadata is whole
         return pin
 
+    # ------------------------------------------------------------------------------- time-sharing
+
+    def _take_slot(self) -> None:
+        """Before a Train run starts: wait for a slot (the members with fewer steps go first)."""
+        if self.slots is None or self.holds_slot:
+            return
+        began = time.perf_counter()
+        self.running = ray.get(self.slots.acquire.remote(self.trial_id, self.step_no))
+        self.holds_slot = True
+        self._add_part("slot_s", time.perf_counter() - began)
+
+    def _should_yield(self, done: bool) -> bool:
+        """At a report: give the slot to a waiting member (Ray's PBT pauses a member when another is
+        pending). A finished trial's slot goes back as Tune ends it."""
+        return self.slots is not None and self.holds_slot and not done and ray.get(self.slots.waiting.remote()) > 0
+
+    def _yield(self) -> None:
+        if self.runner is not None:
+            self.runner.stop()  # the workers stop at the gate, after the checkpoint the report names
+            self.runner = None
+        self._give_slot_back()
+
+    def _give_slot_back(self) -> None:
+        if self.slots is not None and self.holds_slot:
+            self.holds_slot = False
+            try:
+                ray.get(self.slots.release.remote(self.trial_id))
+            except ray.exceptions.RayActorError:  # the driver is gone
+                pass
+
+    def _add_part(self, key: str, seconds: float) -> None:
+        self.parts[key] = self.parts.get(key, 0.0) + seconds
+
     # ----------------------------------------------------------------------------------- training
 
     def _next_stop(self) -> int:
@@ -289,6 +341,7 @@ class TrialRun(tune.Trainable):
         return self.dir / f"{kind}-{self.step_no:08d}-{uuid.uuid4().hex[:6]}"
 
     def _train_interval(self) -> _Interval:
+        self._take_slot()
         if self.exp.trial_runs == "segments":
             return self._segment()
         if self.runner is None:
@@ -305,6 +358,7 @@ class TrialRun(tune.Trainable):
         stop, start = self._next_stop(), self.step_no
         run_dir = self._run_dir("seg")
         cfg = _run_config(self.exp, self.hparams, run_dir, self.step_dir, keep=1)
+        launched = time.time()
         try:
             result = train(cfg, progress=False, callbacks=[f"search.hooks:StopAtStep(step={stop})", *self.exp.callbacks])
         except Exception as e:  # NaN loss, a crash Ray could not recover: PBT replaces this member
@@ -314,12 +368,8 @@ class TrialRun(tune.Trainable):
         before = self.step_dir.parent if self.step_dir is not None else None
         if before is not None and before.name == "checkpoints" and str(before.parent.parent) == str(self.dir):
             remove_tree(before)  # the previous segment's: its pin holds what Tune needs
-        return _Interval(
-            result.step,
-            _metric_of(self.exp, last),
-            result.checkpoint,
-            _steps_time(run_dir, start, result.step),
-        )
+        steps_s, parts = _run_times(run_dir, start, result.step, launched)
+        return _Interval(result.step, _metric_of(self.exp, last), result.checkpoint, steps_s, parts=parts)
 
 
 # ------------------------------------------------------------------------------------ live runs
@@ -408,6 +458,7 @@ class _LiveRun:
             except BaseException as e:
                 self.error = e
 
+        self.launched: float | None = time.time()
         self.thread = threading.Thread(target=fit, name="train-run", daemon=True)
         self.thread.start()
 
@@ -435,11 +486,10 @@ class _LiveRun:
                 # (and is reported) a few steps after the step it holds
                 match = STEP_DIR.match(location(item["path"]).name)
                 step = int(match.group(1)) if match else int(item["metrics"]["step"])
+                steps_s, parts = _run_times(self.run_dir, start, step, self.launched)
+                self.launched = None  # start-up counts once, in the run's first interval
                 return _Interval(
-                    step,
-                    _metric_of(self.exp, item["metrics"]),
-                    location(item["path"]),
-                    _steps_time(self.run_dir, start, step),
+                    step, _metric_of(self.exp, item["metrics"]), location(item["path"]), steps_s, parts=parts
                 )
             if not self.thread.is_alive():
                 self.thread.join()
@@ -487,6 +537,23 @@ def _metric_of(exp: ExperimentConfig, metrics: dict[str, Any]) -> float:
     return float(value) if value is not None else math.nan
 
 
-def _steps_time(run_dir: Path, after: int, upto: int) -> float:
-    rows = read_metrics(run_dir / "metrics.jsonl", "train")
-    return sum(r["step_time_s"] for r in rows if after < r["step"] <= upto)
+def _run_times(run_dir: Path, after: int, upto: int, launched: float | None = None) -> tuple[float, dict[str, float]]:
+    """From the run's metrics, for the steps in (after, upto]: the time in training steps, and the parts of
+    the rest that the run itself logs (TIME_PARTS): evaluation (an eval row after its step's train row),
+    the time a checkpoint held training, loading an exploit's checkpoint; with `launched` (when the run
+    was started), its start-up: until its first step began."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    within = [r for r in rows if after < r["step"] <= upto]
+    parts = {
+        "eval_s": sum(r["time"] - train[r["step"]]["time"] for r in within if r["kind"] == "eval" and r["step"] in train),
+        "checkpoint_s": sum(r.get("blocking_s", 0.0) for r in within if r.get("event") == "checkpoint"),
+        "exploit_s": sum(
+            r.get("restore_s", 0.0) for r in rows if r.get("event") == "exploit" and after <= r["step"] < upto
+        ),
+    }
+    if launched is not None and train:
+        first = train[min(train)]
+        parts["start_s"] = max(0.0, first["time"] - first["step_time_s"] - launched)
+    steps = sum(r["step_time_s"] for r in within if r["kind"] == "train")
+    return steps, parts

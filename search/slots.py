@@ -1,0 +1,99 @@
+"""Time-sharing: a population larger than the cluster takes turns at the cluster's Train-run slots.
+
+Tune cannot see the placement groups that a trial's Train run asks for (the trial actor reserves
+nothing), so it cannot tell when a population outgrows the cluster. Where the cluster holds fewer Train
+runs than there are members (`search.driver.max_concurrent_trials`), every trial actor still runs, but a
+trial starts its Train run only once it holds one of the `capacity` slots of the experiment's `Slots`
+actor, and gives the slot back at a report boundary when another member waits for one (a *yield*: its run
+ends at its committed checkpoint, which is where it resumes; Ray's PBT pauses members the same way). A
+slot goes to the waiting member with the fewest steps, so that every member reaches every interval and
+PBT (asynchronous or synchronous) and PB2 decide as on a cluster that holds the whole population. Where
+the cluster holds the whole population no member ever waits, and runs stay live for the trial's life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+from typing import Any
+
+import ray
+from ray import tune
+
+__all__ = ["SlotRelease", "Slots", "slots_name"]
+
+
+class Slots:
+    """`capacity` slots; `acquire` waits for one (the member with the fewest steps first, then the
+    earliest to ask), `release` gives it back. Plain class (unit-tested alone); `_SLOTS` is its actor."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.holders: set[str] = set()
+        self.queue: dict[str, tuple[int, int, asyncio.Event]] = {}  # trial -> (steps, arrival, granted)
+        self.arrivals = itertools.count()
+        self.most = 0  # the most members that held a slot at once
+        self.grants = 0
+
+    async def acquire(self, trial: str, steps: int) -> int:
+        """Waits until `trial` holds a slot; returns how many members hold one then (itself included)."""
+        if trial not in self.holders:
+            granted = asyncio.Event()
+            self.queue[trial] = (steps, next(self.arrivals), granted)
+            self._grant()
+            await granted.wait()
+        return len(self.holders)
+
+    async def release(self, trial: str) -> None:
+        """Gives `trial`'s slot back (or its place in the queue); nothing if it holds neither."""
+        self.holders.discard(trial)
+        self.queue.pop(trial, None)
+        self._grant()
+
+    async def waiting(self) -> int:
+        return len(self.queue)
+
+    async def stats(self) -> dict[str, int]:
+        return {"capacity": self.capacity, "most_at_once": self.most, "grants": self.grants}
+
+    def _grant(self) -> None:
+        while self.queue and len(self.holders) < self.capacity:
+            trial = min(self.queue, key=lambda t: self.queue[t][:2])
+            _, _, granted = self.queue.pop(trial)
+            self.holders.add(trial)
+            self.grants += 1
+            self.most = max(self.most, len(self.holders))
+            granted.set()
+
+
+_SLOTS = ray.remote(num_cpus=0)(Slots)
+
+
+def start_slots(name: str, capacity: int) -> Any:
+    return _SLOTS.options(name=name).remote(capacity)
+
+
+def slots_name(exp_dir: Any) -> str:
+    """One per experiment folder (the same after --resume); in the driver's job's namespace."""
+    return f"raytrain-slots-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
+
+
+class SlotRelease(tune.Callback):
+    """Gives a trial's slot back when the trial ends, fails or is stopped, whether or not its actor got to
+    (a trial killed while it held one would otherwise keep it from the rest of the population)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _release(self, trial: Any) -> None:
+        try:
+            ray.get_actor(self.name).release.remote(trial.trial_id)
+        except ValueError:  # the experiment's driver (and its actor) is gone
+            pass
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._release(trial)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._release(trial)

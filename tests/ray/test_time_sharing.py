@@ -1,0 +1,95 @@
+"""PBT with a population twice what the cluster holds (issue 25): 4 members, each a Train run of 1 worker
+of 1 CPU, on a local Ray of 2 CPUs. Members take turns at the 2 slots (`search.slots`), yielding at
+report boundaries, so every member reaches every interval and PBT exploits as on a full cluster (before,
+Tune's concurrency limit ran the members one after another: 0 exploits).
+
+Asynchronous and synchronous PBT: every member reaches the budget; at most 2 Train runs at once and 2 at
+some point; each member yields; each (trial, step) is reported once on its branch; and exploits happen
+at every decision round (synchronous: the bottom member of each round copies the top; asynchronous:
+counted over the rounds, as each member is decided on when it reports)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from search.config import load_experiment, save
+from search.driver import run_experiment
+from search.lineage import read_events, read_reports
+from tests.ray.conftest import RUNTIME_ENV, local_ray
+from tests.ray.test_pbt import _experiment
+from trainers.metrics import read_metrics
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~2 min each on 2 cores: 16 Train-run starts
+
+INTERVAL, STEPS, POPULATION = 10, 40, 4
+
+
+@pytest.fixture(scope="module")
+def ray_two_cpus():
+    with local_ray(RUNTIME_ENV) as ray:
+        yield ray
+
+
+def _time_shared(tmp: Path, corpus: Path, synch: bool):
+    name = "sync" if synch else "async"
+    path = _experiment(
+        tmp,
+        corpus,
+        name,
+        {"name": "adamw", "lr": 1e-3},
+        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        [{"optimizer.lr": lr} for lr in (1e-2, 3e-3, 3e-4, 1e-4)],
+        population=POPULATION,
+        resources={"workers": 1, "cpus_per_worker": 1.0},  # 2 fit on the 2 CPUs: half the population
+        scheduler={
+            "name": "pbt",
+            "interval": INTERVAL,
+            "quantile_fraction": 0.5 if not synch else 0.25,
+            "synch": synch,
+            "resample_probability": 0.0,
+        },
+        budget={"steps": STEPS},
+    )
+    exp = load_experiment(path)
+    save(exp)
+    return run_experiment(exp, verbose=0)
+
+
+@pytest.mark.parametrize("synch", [False, True], ids=["async", "sync"])
+def test_a_population_larger_than_the_cluster_takes_turns_and_exploits(ray_two_cpus, corpus_dir, tmp_path, synch):
+    result = _time_shared(tmp_path, corpus_dir, synch)
+    exp_dir = Path(result.exp_dir)
+    reports, events = read_reports(exp_dir), read_events(exp_dir)
+    trials = sorted({r["trial"] for r in reports})
+    assert len(trials) == POPULATION and result.finished
+
+    # every member reaches every interval and the budget; each (trial, step) once on its current branch
+    current = [r for r in reports if not r["abandoned"]]
+    counts = Counter((r["trial"], r["step"]) for r in current)
+    assert all(n == 1 for n in counts.values()), counts
+    for trial in trials:
+        assert sorted(s for t, s in counts if t == trial) == list(range(INTERVAL, STEPS + 1, INTERVAL)), trial
+
+    # the members took turns: 2 Train runs at once at most (and at some point), each member yielded
+    raw = [r for p in (exp_dir / "lineage").glob("*.jsonl") for r in read_metrics(p) if r["kind"] == "report"]
+    assert max(r["running"] for r in raw) == 2
+    yields = Counter(r["trial"] for r in raw if r["yielded"])
+    assert set(yields) == set(trials), yields
+    # a yield ends the member's Train run: it resumes in a new one from the checkpoint it reported
+    for trial in trials:
+        runs = list((exp_dir / "runs" / trial).glob("live-*"))
+        assert len(runs) >= 2, trial
+
+    # exploits as on a full cluster: synchronous PBT's bottom member copies the top at each round
+    # (steps 10, 20, 30; the last report decides nothing); asynchronous PBT decides each member when it
+    # reports, so at least one exploit in all and donors only from the top half
+    rounds = Counter(e["from_step"] for e in events)
+    if synch:
+        assert sorted(rounds) == [10, 20, 30] and all(n >= 1 for n in rounds.values()), rounds
+    else:
+        assert len(events) >= 2, rounds
+    for e in events:  # the exploited member continues from its donor's checkpoint at the donor's step
+        assert e["donor"] != e["trial"] and e["step"] in (10, 20, 30)
