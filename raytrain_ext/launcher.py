@@ -141,11 +141,33 @@ def ensure_ray(address: str | None) -> bool:
     if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
         ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
-    ray.init(
-        address="local", num_cpus=os.cpu_count(), log_to_driver=True
-    )  # never another Ray on this machine
+    with _quiet(_TOKEN_SETUP):  # the local Ray's token is made and used here: nothing for the user to do
+        ray.init(
+            address="local",  # never another Ray on this machine
+            num_cpus=os.cpu_count(),
+            log_to_driver=True,
+            # The raylet warns once its Python workers reach 4x this, as if they were leaked tasks. An
+            # experiment's are by design: per trial its actor, a Train controller, the workers and a gate
+            # (4 trials of 2 workers: ~22 on any machine); the bound only paces workers starting at once.
+            _system_config={"worker_maximum_startup_concurrency": max(os.cpu_count() or 1, 16)},
+        )
     _REAPERS.append(Reaper.start(Reaper.local_ray_roots()))
     return True
+
+
+_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """`logger_name`'s warnings withheld for the block."""
+    log = logging.getLogger(logger_name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def stop_ray() -> None:

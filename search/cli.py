@@ -125,27 +125,31 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
 def _console(quiet: bool):
     """What a user watching the experiment sees, for the command's duration: Tune's classic table (it
     takes our columns: the metric, the step, each trial's current values; the newer one shows sampled
-    parameters only, not values an exploit changed) and the scheduler's one line per exploit (recipient <-
-    donor at step, old -> new values). Tune's loggers warn that a trial's progress file is missing in
+    parameters only, not values an exploit changed), the scheduler's one line per exploit (recipient <-
+    donor at step, old -> new values) and the driver's lines (how the population shares the cluster). Tune's loggers warn that a trial's progress file is missing in
     storage whenever its config changes (an exploit in place) before the file is written: silenced."""
     if quiet:
         yield
         return
     env = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    tune_log, exploits = logging.getLogger("ray.tune.logger.logger"), logging.getLogger("search.schedulers")
-    levels = tune_log.level, exploits.level, exploits.propagate
+    tune_log = logging.getLogger("ray.tune.logger.logger")
+    ours = [logging.getLogger(name) for name in ("search.schedulers", "search.driver")]  # exploits, turns
+    levels = tune_log.level, [(log.level, log.propagate) for log in ours]
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     tune_log.setLevel(logging.ERROR)
-    exploits.setLevel(logging.INFO)
-    exploits.addHandler(handler)
-    exploits.propagate = False
+    for log in ours:
+        log.setLevel(logging.INFO)
+        log.addHandler(handler)
+        log.propagate = False
     try:
         yield
     finally:
-        exploits.removeHandler(handler)
-        tune_log.level, exploits.level, exploits.propagate = levels
+        tune_log.level = levels[0]
+        for log, (level, propagate) in zip(ours, levels[1]):
+            log.removeHandler(handler)
+            log.level, log.propagate = level, propagate
         if env is None:
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:

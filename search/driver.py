@@ -19,6 +19,7 @@ from ray import tune
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
 from search.config import ExperimentConfig
+from search.console import ExperimentReporter
 from search.lineage import best_trial, collect
 from search.retention import ProtectedRetention
 from search.schedulers import (
@@ -188,10 +189,11 @@ def run_experiment(
                 verbose=verbose,
                 # The table a PBT user watches: each trial's metric, step and current hyperparameters (an
                 # exploit changes them in place; the `member` column is the starting point's index).
-                progress_reporter=tune.CLIReporter(
+                progress_reporter=ExperimentReporter(
                     metric_columns=[exp.metric, TIME_ATTR],
                     parameter_columns=sorted(exp.search_space),
                     max_report_frequency=30,
+                    exp_dir=str(exp_dir),
                 ),
                 # Every report holds a checkpoint; exploit needs the donor's (num_to_keep <= 2 breaks it,
                 # ray #9036): ProtectedRetention deletes the rest once no pending exploit needs them.

@@ -15,6 +15,7 @@ from typing import Any
 
 from search.lineage import Schedule, best_trial, collect, schedule_of
 from search.state import load_experiment_dir, read_scheduler_summary
+from search.times import TIME_PARTS
 from trainers.storage import is_remote, location, upload_folder
 
 __all__ = ["ReportOutput", "outside_steps_fraction", "write_report"]
@@ -36,6 +37,46 @@ def outside_steps_fraction(reports: list[dict[str, Any]]) -> float | None:
     rows = [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
     wall = sum(r["wall_s"] for r in rows)
     return 1.0 - sum(r["steps_s"] for r in rows) / wall if wall else None
+
+
+_PART_NAMES = {
+    "start_s": "starting Train runs",
+    "slot_s": "waiting for a slot (time-sharing)",
+    "decision_s": "waiting for the scheduler's decisions",
+    "exploit_s": "loading exploits",
+    "eval_s": "evaluation",
+    "checkpoint_s": "checkpoints holding training",
+}
+
+
+def time_outside_steps(reports: list[dict[str, Any]]) -> str:
+    """The share of the trials' time outside training steps, and where it went (search.times), as one
+    line: the parts that the trials measured, the rest being reporting (Tune's and Ray Train's
+    bookkeeping)."""
+    frac = outside_steps_fraction(reports)
+    if frac is None:
+        return "time outside training steps: n/a"
+    rows = [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
+    wall = sum(r["wall_s"] for r in rows)
+    parts = {k: sum(r.get(k) or 0.0 for r in rows) / wall for k in TIME_PARTS}
+    if not any(parts.values()):  # an experiment logged before the parts existed
+        return f"time outside training steps: {frac:.1%} of trial time"
+    rest = max(frac - sum(parts.values()), 0.0)
+    named = [f"{_PART_NAMES[k]} {v:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.0005]
+    return f"time outside training steps: {frac:.1%} of trial time: " + ", ".join([*named, f"reporting {rest:.1%}"])
+
+
+def turns(exp: Any, reports: list[dict[str, Any]]) -> str | None:
+    """How the population shared the cluster: members at once, and how often each yielded its slot."""
+    running = [r["running"] for r in reports if _finite(r.get("running"))]
+    if not running:
+        return None
+    per_trial = {t: sum(bool(r.get("yielded")) for r in reports if r["trial"] == t) for t in {r["trial"] for r in reports}}
+    mean = sum(per_trial.values()) / len(per_trial)
+    return (
+        f"time-sharing: at most {int(max(running))} of {exp.population} members ran at once; each yielded its "
+        f"slot {mean:.1f} times on average (min {min(per_trial.values())}, max {max(per_trial.values())})"
+    )
 
 
 def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
@@ -219,7 +260,6 @@ def _fmt(hparams: dict[str, Any]) -> str:
 
 
 def _summary(exp, reports, events, trials, winner, row, schedule: Schedule, scheduler) -> str:
-    frac = outside_steps_fraction(reports)
     # the scheduler's own count, at Tune's last save: equal to the exploits once the experiment ended
     decided = f" ({exp.scheduler.name} decided {scheduler['perturbations']})" if scheduler else ""
     lines = [
@@ -227,7 +267,8 @@ def _summary(exp, reports, events, trials, winner, row, schedule: Schedule, sche
         f"interval {exp.scheduler.interval}, {exp.resources.workers} workers per trial ({exp.trial_runs} runs)",
         f"best: {winner}, {exp.metric} {row['metric']:.4f} at step {row['step']}",
         f"exploits: {len(events)}{decided}; failed reports: {sum(bool(r['failed']) for r in reports)}",
-        "time outside training steps: " + (f"{frac:.1%}" if frac is not None else "n/a"),
+        time_outside_steps(reports),
+        *filter(None, [turns(exp, reports)]),
         "winning schedule (replay with `raytrain tune replay`):",
         *(f"  from step {s}: {_fmt(h)}" for s, h in schedule.changes),
         "  lineage: " + " -> ".join(f"{t}[{a}..{b}]" for t, a, b in schedule.path),

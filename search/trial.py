@@ -147,6 +147,8 @@ class TrialRun(tune.Trainable):
             self._yield()
         if not done and self._decides_at(out.step):
             self.awaiting = out.step
+        # Tune reports `config` with each result (its best-trial line shows it): the values trained with
+        self.config = {**self.config, **self.hparams}
         return {
             exp.metric: out.metric,
             TIME_ATTR: out.step,
