@@ -148,8 +148,9 @@ def ensure_ray(address: str | None) -> bool:
             log_to_driver=True,
             # The raylet warns once its Python workers reach 4x this, as if they were leaked tasks. An
             # experiment's are by design: per trial its actor, a Train controller, the workers and a gate
-            # (4 trials of 2 workers: ~22 on any machine); the bound only paces workers starting at once.
-            _system_config={"worker_maximum_startup_concurrency": max(os.cpu_count() or 1, 16)},
+            # (`make demo`: 26 on any machine). The bound paces workers starting at once: 8 lets 31 live
+            # without the warning, and starts no more than 8 Python processes at once on a small machine.
+            _system_config={"worker_maximum_startup_concurrency": max(os.cpu_count() or 1, 8)},
         )
     _REAPERS.append(Reaper.start(Reaper.local_ray_roots()))
     return True

@@ -133,12 +133,16 @@ def _console(quiet: bool):
         return
     env = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    tune_log = logging.getLogger("ray.tune.logger.logger")
+    # Tune's loggers: a trial's missing progress file (see above), and "the `X` operation took 1.1 s,
+    # which may be a performance bottleneck" whenever the machine is busy (its trials' Train runs are
+    # what keeps it busy; nothing to act on)
+    quieted = [logging.getLogger(name) for name in ("ray.tune.logger.logger", "ray.tune.utils.util")]
     ours = [logging.getLogger(name) for name in ("search.schedulers", "search.driver")]  # exploits, turns
-    levels = tune_log.level, [(log.level, log.propagate) for log in ours]
+    levels = [log.level for log in quieted], [(log.level, log.propagate) for log in ours]
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    tune_log.setLevel(logging.ERROR)
+    for log in quieted:
+        log.setLevel(logging.ERROR)
     for log in ours:
         log.setLevel(logging.INFO)
         log.addHandler(handler)
@@ -146,7 +150,8 @@ def _console(quiet: bool):
     try:
         yield
     finally:
-        tune_log.level = levels[0]
+        for log, level in zip(quieted, levels[0]):
+            log.setLevel(level)
         for log, (level, propagate) in zip(ours, levels[1]):
             log.removeHandler(handler)
             log.level, log.propagate = level, propagate

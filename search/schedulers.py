@@ -174,12 +174,22 @@ def build_scheduler(
 # as each restored trial is added.
 
 _TRIAL_FIELDS = ("last_score", "last_perturbation_time", "last_train_time", "last_result", "last_checkpoint")
-_SCHEDULER_FIELDS = ("_next_perturbation_sync", "_num_checkpoints", "_num_perturbations", "_applied")
+_SCHEDULER_FIELDS = ("_next_perturbation_sync", "_num_checkpoints", "_num_perturbations", "_applied", "_decided")
 _PB2_FIELDS = ("data", "last_exploration_time", "current")
 
 
 class _Resumable:
     _restored: dict[str, Any] | None = None
+    _decided = 0  # exploits decided (each logged on the console as it is): a class default for older states
+
+    def debug_string(self) -> str:
+        """Tune's status line for the scheduler. Ray's counts the exploits the trials have applied (a
+        decision reaches the trial at its next interval) next to "checkpoints" (donor candidates): it read
+        "1 perturbs" under two printed exploit lines. Here: the exploits decided, as the console lists them."""
+        applied = self._num_perturbations
+        decided = max(self._decided, applied)  # a state saved before decisions were counted
+        pending = f" ({decided - applied} not yet loaded)" if decided > applied else ""
+        return f"{type(self).__name__.removeprefix('Resumable')}: {decided} exploits{pending}"
 
     def export_state(self) -> dict[str, Any]:
         trials = {}
@@ -209,6 +219,7 @@ class _Resumable:
         if isinstance(explore, BoundedExplore):  # what the other members hold: not to be given again
             explore.avoid = [t.config for t in self._trial_state if t is not trial]
         config, operations = super()._get_new_config(trial, trial_to_clone)
+        self._decided += 1  # one call per exploit decision (in place, or Ray's pause and restore)
         return {**config, EXPLOIT_ID: uuid.uuid4().hex}, operations
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:

@@ -198,3 +198,17 @@ def test_ray_pbt_internals_that_in_place_exploits_rely_on():
     manager = _CheckpointManager(None)
     assert hasattr(manager, "_latest_checkpoint_result") and hasattr(manager, "_checkpoint_results")
     assert _TrainingResult(checkpoint=None, metrics={}).metrics == {}
+
+
+def test_the_status_line_counts_the_exploits_decided_as_the_console_lists_them():
+    pbt = _pbt()
+    weak, strong = _Trial("b", 1e-4), _Trial("a", 1e-2)
+    pbt._get_new_config(weak, strong)
+    pbt._get_new_config(_Trial("c", 1e-4), strong)
+    # decided twice, loaded by no trial yet (Ray's line read "0 perturbs" here, under two exploit lines)
+    assert pbt.debug_string() == "PBT: 2 exploits (2 not yet loaded)"
+    pbt._num_perturbations = 2  # both trials reported after loading theirs (InPlace._adopt_trial_log)
+    assert pbt.debug_string() == "PBT: 2 exploits"
+    restored = _pbt()
+    restored.import_state(pbt.export_state())
+    assert restored.debug_string() == "PBT: 2 exploits"
