@@ -20,9 +20,9 @@ __all__ = ["ExperimentReporter"]
 
 
 class ExperimentReporter(tune.CLIReporter):
-    def __init__(self, *args: Any, exp_dir: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, exp_dir: str, slots: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.exp_dir = exp_dir
+        self.exp_dir, self.slots = exp_dir, slots  # slots: the time-sharing actor's name (search.slots)
 
     def _progress_str(self, trials: list[Any], done: bool, *sys_info: str, **kwargs: Any) -> str:
         text = super()._progress_str(trials, done, *sys_info, **kwargs)
@@ -30,10 +30,20 @@ class ExperimentReporter(tune.CLIReporter):
 
     def _line(self, line: str) -> str:
         if line.startswith("Logical resource usage:"):
-            return held_by_workers()
+            return held_by_workers() + self._turns()
         if line.startswith("Result logdir:"):
             return f"Experiment folder: {self.exp_dir}"
         return line
+
+
+    def _turns(self) -> str:
+        if self.slots is None:
+            return ""
+        try:
+            stats = ray.get(ray.get_actor(self.slots).stats.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - a status line is never worth failing the experiment
+            return ""
+        return f"; Train runs: {stats['running']} of {stats['capacity']} slots, {stats['waiting']} members waiting their turn"
 
 
 def held_by_workers() -> str:

@@ -194,6 +194,7 @@ def run_experiment(
                     parameter_columns=sorted(exp.search_space),
                     max_report_frequency=30,
                     exp_dir=str(exp_dir),
+                    slots=turns,
                 ),
                 # Every report holds a checkpoint; exploit needs the donor's (num_to_keep <= 2 breaks it,
                 # ray #9036): ProtectedRetention deletes the rest once no pending exploit needs them.

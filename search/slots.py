@@ -55,7 +55,13 @@ class Slots:
         return len(self.queue)
 
     async def stats(self) -> dict[str, int]:
-        return {"capacity": self.capacity, "most_at_once": self.most, "grants": self.grants}
+        return {
+            "capacity": self.capacity,
+            "running": len(self.holders),
+            "waiting": len(self.queue),
+            "most_at_once": self.most,
+            "grants": self.grants,
+        }
 
     def _grant(self) -> None:
         while self.queue and len(self.holders) < self.capacity:
