@@ -18,7 +18,6 @@ GPUs per node against pp x dp x tp (a tensor-parallel group inside one node), th
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import json
@@ -26,13 +25,13 @@ import logging
 import math
 import re
 import shlex
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from raytrain_ext.worker_logs import quiet_logger
 from trainers._base import ConfigError
 from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
@@ -109,18 +108,6 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     return _load_ray_up(path, raw)
 
 
-@contextlib.contextmanager
-def _quiet_ray() -> Iterator[None]:
-    """Ray's config helpers log INFO lines and print PANIC lines before raising; we report one line."""
-    logger = logging.getLogger("ray")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _load_ray_up(path: Path, raw: dict[str, Any]) -> ClusterSpec:
     import click
     import jsonschema
@@ -128,7 +115,7 @@ def _load_ray_up(path: Path, raw: dict[str, Any]) -> ClusterSpec:
 
     _schema_check(path, raw)  # names a misspelt key before prepare_config trips over it
     try:
-        with _quiet_ray():
+        with quiet_logger("ray", logging.CRITICAL):  # config helpers log INFO, print PANIC, then raise
             prepared = prepare_config(copy.deepcopy(raw))
             validate_config(prepared)
     except jsonschema.ValidationError as e:
@@ -217,7 +204,7 @@ def _load_kuberay(path: Path, raw: dict[str, Any]) -> ClusterSpec:
     cr.setdefault("metadata", {}).setdefault("namespace", "default")
     cr["spec"].setdefault("workerGroupSpecs", [])
     try:
-        with _quiet_ray():
+        with quiet_logger("ray", logging.CRITICAL):  # config helpers log INFO, print PANIC, then raise
             derived = _derive_autoscaling_config_from_ray_cr(cr)
     except KeyError as e:
         raise ClusterError(f"{path}: missing key {e} in the RayCluster (Ray's KubeRay autoscaler needs it); "

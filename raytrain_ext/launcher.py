@@ -38,7 +38,7 @@ from raytrain_ext.cleanup import (
 )
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train_fn
-from raytrain_ext.worker_logs import WorkerLogs
+from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, is_complete
 from trainers.config import RunConfig, check_inputs
@@ -141,7 +141,7 @@ def ensure_ray(address: str | None) -> bool:
     if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
         ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
-    with _quiet(_TOKEN_SETUP):  # the local Ray's token is made and used here: nothing for the user to do
+    with quiet_logger(_TOKEN_SETUP):  # the local Ray's token is made and used here: nothing for the user to do
         ray.init(
             address="local",  # never another Ray on this machine
             num_cpus=os.cpu_count(),
@@ -157,18 +157,6 @@ def ensure_ray(address: str | None) -> bool:
 
 
 _TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str):
-    """`logger_name`'s warnings withheld for the block."""
-    log = logging.getLogger(logger_name)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def stop_ray() -> None:

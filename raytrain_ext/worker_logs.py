@@ -4,15 +4,18 @@ Ray forwards what its actors print to the driver's terminal (`log_to_driver`). W
 the survivors' collectives fail (gloo: "Connection closed by peer"), and Ray Train's workers, its
 controller and the raylet print tracebacks there before the run recovers from its newest checkpoint.
 `WorkerLogs` moves those blocks into the run's own log (`RUN_DIR/workers.log`) and prints one line per lost
-worker instead: which worker, how it ended, and from which step the group restarts.
+worker instead: which worker, how it ended, and from which step the group restarts. `quiet_logger`
+withholds a library logger's lines that a user cannot act on, for a block.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +150,15 @@ class WorkerLogs:
         from tqdm.auto import tqdm
 
         tqdm.write(line, file=sys.stderr)  # above the progress bar, not inside its line
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Logger `name` (and its children) shows only `level` and above for the block."""
+    log = logging.getLogger(name)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)

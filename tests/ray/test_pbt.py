@@ -274,16 +274,15 @@ class KillPidFiles(tune.Callback):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
+def lr_experiment(tmp: Path, corpus: Path, name: str, lrs=(1e-2, 1e-4), **more) -> Path:
+    """An experiment over AdamW's learning rate in [1e-4, 1e-2], one member per value of `lrs`."""
+    space = {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}}
+    initial = [{"optimizer.lr": lr} for lr in lrs]
+    return _experiment(tmp, corpus, name, {"name": "adamw", "lr": 1e-3}, space, initial, **more)
+
+
 def _run(tmp: Path, corpus: Path, name: str, scheduler: dict, steps: int = STEPS, **more):
-    path = _experiment(
-        tmp,
-        corpus,
-        name,
-        {"name": "adamw", "lr": 1e-3},
-        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
-        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
-        **more,
-    )
+    path = lr_experiment(tmp, corpus, name, **more)
     raw = yaml.safe_load(path.read_text())
     raw["scheduler"] = {**raw["scheduler"], **scheduler}
     raw["budget"] = {"steps": steps}

@@ -19,7 +19,7 @@ from search.config import load_experiment, save
 from search.driver import run_experiment
 from search.lineage import read_events, read_reports
 from tests.ray.conftest import RUNTIME_ENV, local_ray
-from tests.ray.test_pbt import _experiment
+from tests.ray.test_pbt import lr_experiment
 from trainers.metrics import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~2 min each on 2 cores: 16 Train-run starts
@@ -35,13 +35,11 @@ def ray_two_cpus():
 
 def _time_shared(tmp: Path, corpus: Path, synch: bool):
     name = "sync" if synch else "async"
-    path = _experiment(
+    path = lr_experiment(
         tmp,
         corpus,
         name,
-        {"name": "adamw", "lr": 1e-3},
-        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
-        [{"optimizer.lr": lr} for lr in (1e-2, 3e-3, 3e-4, 1e-4)],
+        lrs=(1e-2, 3e-3, 3e-4, 1e-4),
         population=POPULATION,
         resources={"workers": 1, "cpus_per_worker": 1.0},  # 2 fit on the 2 CPUs: half the population
         scheduler={
