@@ -9,6 +9,8 @@ ends at its committed checkpoint, which is where it resumes; Ray's PBT pauses me
 slot goes to the waiting member with the fewest steps, so that every member reaches every interval and
 PBT (asynchronous or synchronous) and PB2 decide as on a cluster that holds the whole population. Where
 the cluster holds the whole population no member ever waits, and runs stay live for the trial's life.
+A member whose run waits at synchronous PBT's barrier gives its slot up as soon as another member queues
+for one (that member may be the one the barrier waits for).
 """
 
 from __future__ import annotations

@@ -258,6 +258,8 @@ class TrialRun(tune.Trainable):
             decision = ray.get(self.board.take.remote(self.trial_id, step, 5.0))
             if decision is not None:
                 return decision
+            if self._should_yield(done=False):  # a member queued for a slot after our report: it may be
+                self._yield()  # the one synchronous PBT waits for, so this run gives its slot up meanwhile
         return "go"  # the scheduler never decided (it cannot act at this report): train on
 
     def _log_exploit(
