@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import os
 import random
 import time
 import uuid
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -25,7 +24,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTra
 
 from search.space import SearchSpace
 from trainers._base import StrictModel
-from trainers.storage import location, location_on, pyarrow_fs
+from trainers.storage import location, location_on, pyarrow_fs, write_json_atomic
 
 __all__ = [
     "Board",
@@ -528,16 +527,9 @@ class SchedulerState(tune.Callback):
         if not isinstance(self.scheduler, _Resumable):
             return None
         if self.staging is not None:  # None before Tune made the trials: nothing to summarise yet
-            _write_json(os.path.join(self.staging, SCHEDULER_FILE), self.scheduler.summary())
+            write_json_atomic(Path(self.staging) / SCHEDULER_FILE, self.scheduler.summary(), default=str)
         return self.scheduler.export_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
         if isinstance(self.scheduler, _Resumable):
             self.scheduler.import_state(state)
-
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)

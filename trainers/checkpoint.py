@@ -64,7 +64,6 @@ from trainers.checkpoint_files import (
     COMMITTED,
     STEP_DIR,
     _fsync_dir,
-    _write_json,
     checkpoint_step,
     delete_checkpoint,
     install_checkpoint,
@@ -73,7 +72,7 @@ from trainers.checkpoint_files import (
     read_trainer_state,
 )
 from trainers.checksums import HASH, PIECE_BYTES, check_files, digest_pieces, pieces_of
-from trainers.storage import is_remote, location, size_of, write_text_atomic
+from trainers.storage import is_remote, location, size_of, write_json_atomic, write_text_atomic
 
 __all__ = [
     "link_tree",
@@ -463,7 +462,7 @@ class Checkpointer:
             if remote:
                 write_text_atomic(partial / "trainer_state.json", json.dumps(trainer_state, indent=1))
             else:
-                _write_json(partial / "trainer_state.json", trainer_state)
+                write_json_atomic(partial / "trainer_state.json", trainer_state)
         _barrier(group)
         figures.write_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -477,7 +476,7 @@ class Checkpointer:
             if remote:
                 write_text_atomic(final / COMMITTED, json.dumps(marker, indent=1))
             else:
-                _write_json(partial / COMMITTED, marker)
+                write_json_atomic(partial / COMMITTED, marker)
                 _fsync_dir(partial)
                 if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
                     shutil.rmtree(final)

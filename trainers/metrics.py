@@ -29,7 +29,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainers.storage import cache_root, is_remote, location, read_bytes, write_bytes_atomic
+from trainers.storage import (
+    cache_root,
+    is_remote,
+    location,
+    read_bytes,
+    write_bytes_atomic,
+    write_text_atomic,
+)
 
 __all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "peak_memory_bytes", "read_metrics"]
 
@@ -129,9 +136,7 @@ class MetricsLog:
             self.local.write_text("".join(json.dumps(r) + "\n" for r in keep))
             self.flush()
         elif self.path.is_file():
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            tmp.replace(self.path)
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         for sink in self.sinks:
             if self._started:
                 sink.rewind(step)

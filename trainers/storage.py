@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -142,6 +143,11 @@ def write_bytes_atomic(path: Any, data: bytes) -> None:
 
 def write_text_atomic(path: Any, text: str) -> None:
     write_bytes_atomic(path, text.encode())
+
+
+def write_json_atomic(path: Any, obj: Any, indent: int | None = 1, default: Any = None) -> None:
+    """`obj` as JSON, whole or not at all (`write_bytes_atomic`): every JSON file this package writes."""
+    write_text_atomic(path, json.dumps(obj, indent=indent, default=default) + "\n")
 
 
 def append_bytes(path: Any, data: bytes, current: bytes | None = None) -> bytes:

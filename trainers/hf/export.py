@@ -31,6 +31,7 @@ from trainers.checkpoint import Checkpointer, is_complete
 from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
 from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, clean_fqn
 from trainers.models.config import ModelConfig
+from trainers.storage import write_json_atomic
 
 __all__ = ["DTYPES", "ExportResult", "export", "parse_size", "resolve_checkpoint"]
 
@@ -88,8 +89,8 @@ def export(
         files, total = _write_weights(tmp, reader, cfg, torch_dtype, max_shard_size)
         tokenizer, notes = _write_tokenizer(tmp, data_path, checkpoint, cfg)
         eos = tokenizer.eos_id if tokenizer is not None else None
-        _write_json(tmp / CONFIG_FILE, hf_config(cfg, _HF_DTYPE[torch_dtype], eos, None))
-        _write_json(tmp / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos})
+        write_json_atomic(tmp / CONFIG_FILE, hf_config(cfg, _HF_DTYPE[torch_dtype], eos, None))
+        write_json_atomic(tmp / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos}, indent=2)
         if out_dir.exists():
             out_dir.rmdir()  # _check_out_dir: empty
         os.replace(tmp, out_dir)
@@ -308,7 +309,7 @@ def _write_weights(
     if len(shards) > 1:
         total = itemsize * sum(_numel(e.shape) for s in shards for e in s)
         weight_map = {e.name: n for n, s in zip(names, shards) for e in s}
-        _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json_atomic(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     return names, sum(len(s) for s in shards)
 
 
@@ -385,10 +386,6 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
     tok = load_tokenizer(data_path)
     save_hf(tok, folder, cfg.max_seq_len)
     return tok, []
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def _check_out_dir(out_dir: Path | Any) -> None:

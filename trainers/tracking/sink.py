@@ -14,12 +14,13 @@ and the steps it recomputes after its checkpoint, sent already, are not sent aga
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from trainers.storage import write_json_atomic
 
 __all__ = ["Tracker", "TrackingSink", "metric_values"]
 
@@ -166,10 +167,7 @@ class TrackingSink:
 
     def _save_state(self) -> None:
         self.state["sent_step"] = self.sent_step
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.state))
-        os.replace(tmp, self.state_path)
+        write_json_atomic(self.state_path, self.state, indent=None)
 
 
 def _read_state(path: Path) -> dict[str, Any]:
