@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from search.config import ExperimentConfig
-from trainers._base import flat_keys
+from trainers._base import first_line, flat_keys
 from trainers.storage import read_bytes, write_text_atomic
 from trainers.tracking import MlflowConfig
 
@@ -62,7 +62,7 @@ def start_experiment_run(exp: ExperimentConfig) -> None:
                 client.log_batch(run.info.run_id, params=params[i : i + 100])
     except Exception as e:  # noqa: BLE001 - tracking never stops an experiment
         _say(
-            f"no parent run for the experiment ({type(e).__name__}: {_first_line(e)}); trials log runs of their own"
+            f"no parent run for the experiment ({type(e).__name__}: {first_line(e)}); trials log runs of their own"
         )
     _write(exp.exp_dir, state)
 
@@ -86,7 +86,7 @@ def finish_experiment_run(exp: ExperimentConfig, result: Any) -> None:
             client.log_metric(run_id, f"best_{exp.metric}", float(result.best_metric))
         client.set_terminated(run_id, "FINISHED" if result.finished else "KILLED")
     except Exception as e:  # noqa: BLE001
-        _say(f"could not end the experiment's parent run ({type(e).__name__}: {_first_line(e)})")
+        _say(f"could not end the experiment's parent run ({type(e).__name__}: {first_line(e)})")
 
 
 def catch_up(exp_dir: Path, timeout_s: float = 10.0) -> None:
@@ -156,11 +156,6 @@ def _read(exp_dir: Path) -> dict[str, Any]:
 
 def _write(exp_dir: Path, state: dict[str, Any]) -> None:
     write_text_atomic(exp_dir / PARENT_FILE, json.dumps(state))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 def _say(line: str) -> None:

@@ -21,6 +21,11 @@ class NonFiniteLossError(RuntimeError):
     """Too many NaN/inf steps in a row; the last good checkpoint is left as it was. The CLI exits 1."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message in one console line (its first, at most 300 characters)."""
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
 def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}: the dotted keys `--set` and one-line errors use (an empty mapping
     stays a value)."""

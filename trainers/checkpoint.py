@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainers._base import ConfigError
+from trainers._base import ConfigError, first_line
 from trainers.checkpoint_files import (
     COMMITTED,
     STEP_DIR,
@@ -395,7 +395,7 @@ class Checkpointer:
             return None
         self._in_flight = None
         if int(status[1]) > 0:
-            cause = f"{type(job.error).__name__}: {_first_line(job.error)}" if job.error else "on another rank"
+            cause = f"{type(job.error).__name__}: {first_line(job.error)}" if job.error else "on another rank"
             raise CheckpointError(
                 f"the save of step {job.step} failed ({cause}); the newest committed checkpoint is still the "
                 f"resume point; fix: check the disk or bucket (space, permissions) and resume"
@@ -531,7 +531,7 @@ class Checkpointer:
         except (OSError, RuntimeError, ValueError, EOFError) as e:
             if isinstance(e, ConfigError):
                 raise  # the backend's own one-line refusal (e.g. another engine wrote it)
-            raise CheckpointError(f"{path} could not be read: {type(e).__name__}: {_first_line(e)}") from e
+            raise CheckpointError(f"{path} could not be read: {type(e).__name__}: {first_line(e)}") from e
         return trainer_state, rng
 
     def _retain(self) -> None:
@@ -551,7 +551,3 @@ class Checkpointer:
         for pattern in ("step_*.partial", ".install-*", ".replaced-*"):  # what a crash left half done
             for stale in self.root.glob(pattern):
                 shutil.rmtree(stale, ignore_errors=True)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:300]

@@ -59,7 +59,23 @@ def test_sink_keeps_records_while_down_and_warns_once(tmp_path, capfd):
     err = capfd.readouterr().err.splitlines()
     assert sum("fake failed (ConnectionError" in line for line in err) == 1, err
     assert sum("fake works again" in line for line in err) == 1, err
-    assert json.loads((tmp_path / "state.json").read_text()) == {"run_id": "run-1", "sent_step": 40}
+    assert json.loads((tmp_path / "state.json").read_text()) == {"run_id": "run-1", "sent_step": 40, "sent_eval": 0}
+
+
+def test_an_eval_after_its_steps_train_row_was_sent_is_sent(tmp_path):
+    """The run's final eval (step 8) arrives after the train row of step 8 went out in a flush: it is a
+    different metric of that step, not a repeat (a busy machine lost it from MLflow this way)."""
+    tracker = _Flaky()
+    sink = TrackingSink(tracker, tmp_path / "state.json", flush_every_s=3600)
+    sink.start(0, [])
+    for s in range(1, 9):
+        sink.write(_train(s))
+    assert sink._attempt() and sink.sent_step == 8  # the train rows are out
+    final_eval = {"kind": "eval", "step": 8, "time": 2.0, "val_loss": 4.5}
+    sink.write(final_eval)
+    sink.close("FINISHED")
+    assert tracker.got[-1] == final_eval and len(tracker.got) == 9
+    assert json.loads((tmp_path / "state.json").read_text())["sent_eval"] == 8
 
 
 def test_resumed_sink_continues_its_run_and_never_sends_a_step_twice(tmp_path):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainers._base import first_line
 from trainers.storage import write_json_atomic
 
 __all__ = ["Tracker", "TrackingSink", "metric_values"]
@@ -51,7 +52,9 @@ class TrackingSink:
         self.tracker, self.state_path = tracker, Path(state_path)
         self.flush_every_s, self.close_timeout_s = flush_every_s, close_timeout_s
         self.state: dict[str, Any] = {}
-        self.sent_step = 0  # metrics of steps up to here are sent
+        # Per kind, the metrics of steps up to here are sent: an eval row arrives after its step's train
+        # row, which may be sent already (one counter for both dropped a run's final eval under load).
+        self.sent = {"train": 0, "eval": 0}
         self._buffer: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -67,9 +70,13 @@ class TrackingSink:
         metrics.jsonl up to there: those the tracker never got (a worker lost before it sent them) go
         first. Then the thread starts."""
         self.state = _read_state(self.state_path) if step > 0 else {}
-        self.sent_step = int(self.state.get("sent_step", 0))
+        train = int(self.state.get("sent_step", 0))
+        self.sent = {"train": train, "eval": int(self.state.get("sent_eval", train))}  # older: one counter
         with self._lock:
-            self._buffer[:0] = [r for r in kept if r.get("step", 0) > self.sent_step]
+            # of the kept records, events too are sent up to the training steps sent
+            self._buffer[:0] = [
+                r for r in kept if r.get("step", 0) > self.sent.get(r.get("kind"), self.sent["train"])
+            ]
         self._thread.start()
 
     def rewind(self, step: int) -> None:
@@ -77,10 +84,19 @@ class TrackingSink:
         trained anew, with new values, and are sent again (as a restarted run would send them)."""
         with self._lock:
             self._buffer = [r for r in self._buffer if r.get("step", 0) <= step]
-            self.sent_step = min(self.sent_step, step)
+            self.sent = {kind: min(sent, step) for kind, sent in self.sent.items()}
+
+    @property
+    def sent_step(self) -> int:
+        """The training steps the tracker has."""
+        return self.sent["train"]
+
+    def _sent_already(self, record: dict[str, Any]) -> bool:
+        kind = record.get("kind")
+        return kind in _METRIC_KINDS and record.get("step", 0) <= self.sent[kind]
 
     def write(self, record: dict[str, Any]) -> None:
-        if record.get("kind") in _METRIC_KINDS and record.get("step", 0) <= self.sent_step:
+        if self._sent_already(record):
             return  # recomputed after a resume: the tracker has this step already
         with self._lock:
             self._buffer.append(record)
@@ -142,9 +158,12 @@ class TrackingSink:
             return False
         with self._lock:
             del self._buffer[: len(batch)]
-        steps = [r.get("step", 0) for r in batch if r.get("kind") in _METRIC_KINDS]
-        if steps:
-            self.sent_step = max(self.sent_step, max(steps))
+        sent = dict(self.sent)
+        for r in batch:
+            if r.get("kind") in _METRIC_KINDS:
+                sent[r["kind"]] = max(sent[r["kind"]], r.get("step", 0))
+        if sent != self.sent:
+            self.sent = sent
             self._save_state()
         return True
 
@@ -153,9 +172,8 @@ class TrackingSink:
             call()
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
             if not self._down:
-                what = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
                 _say(
-                    f"{self.tracker.name} failed ({type(e).__name__}: {what}); training goes on, retrying in "
+                    f"{self.tracker.name} failed ({type(e).__name__}: {first_line(e)}); training goes on, retrying in "
                     f"the background; metrics.jsonl has every record"
                 )
             self._down = True
@@ -166,7 +184,7 @@ class TrackingSink:
         return True
 
     def _save_state(self) -> None:
-        self.state["sent_step"] = self.sent_step
+        self.state["sent_step"], self.state["sent_eval"] = self.sent["train"], self.sent["eval"]
         write_json_atomic(self.state_path, self.state, indent=None)
 
 
