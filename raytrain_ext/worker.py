@@ -180,10 +180,26 @@ def train_fn(config: dict[str, Any]) -> None:
         _write_failed(run_dir, e, "fatal")
         raise
     except Exception as e:
-        if not had_checkpoint and not _has_checkpoint(cfg):
+        if not had_checkpoint and not _has_checkpoint(cfg) and not lost_peer(e):
             # Failed before the run's first checkpoint: a restart would repeat the same steps from scratch.
+            # Not so where a peer was lost (its collective failed here): Ray restarts the group, from the
+            # start. With checkpoints written in the background the first commit lands a few steps after
+            # the step it holds, and a worker lost in between failed the whole run before this.
             _write_failed(run_dir, e, "early")
         raise
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is this rank's side of another rank's loss: a failed collective (gloo's transport
+    errors, NCCL's aborted communicator, torch's DistNetworkError), not a fault of its own."""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        return True
+    return any(text in str(e) for text in _PEER_LOST)
 
 
 def with_live_values(cfg: RunConfig) -> RunConfig:

@@ -81,16 +81,34 @@ class HoldAtCheckpoint(TrainerCallback):
 
 class KillMeAtStep(TrainerCallback):
     """On `rank`, the first time `step` is reached: write this process's pid to pids/rank<R>, then wait to
-    be killed. A restarted attempt finds the file and runs on."""
+    be killed. A restarted attempt finds the file and runs on. With `after_commit`: at the first step from
+    `step` on at which a checkpoint of step `after_commit` or later is committed (a background save
+    commits a few steps after the step it holds; on a busy machine, more); the step it holds at is
+    written to pids/rank<R>.step first."""
 
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int, after_commit: int | None = None) -> None:
+        self.step, self.rank, self.after_commit = step, rank, after_commit
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         pid_file = trainer.run_dir / "pids" / f"rank{self.rank}"
-        if trainer.step == self.step and _rank() == self.rank and not pid_file.exists():
-            _write_atomic(pid_file, str(os.getpid()))
-            _hold(f"waiting for SIGKILL at step {self.step}")
+        if trainer.step < self.step or _rank() != self.rank or pid_file.exists():
+            return
+        if self.after_commit is None:
+            if trainer.step != self.step:
+                return
+        elif _committed_step(trainer) < self.after_commit:
+            return
+        _write_atomic(pid_file.with_name(f"rank{self.rank}.step"), str(trainer.step))
+        _write_atomic(pid_file, str(os.getpid()))
+        _hold(f"waiting for SIGKILL at step {trainer.step}")
+
+
+def _committed_step(trainer: Trainer) -> int:
+    from trainers.checkpoint import Checkpointer
+    from trainers.checkpoint_files import checkpoint_step
+
+    latest = Checkpointer(trainer.run_dir / "checkpoints", 2).latest()
+    return checkpoint_step(latest) if latest is not None else -1
 
 
 class RaiseAtStep(TrainerCallback):

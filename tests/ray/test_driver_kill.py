@@ -147,7 +147,7 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
 
 
 def test_a_killed_worker_is_one_console_line_and_its_tracebacks_go_to_the_runs_log(corpus_dir, tmp_path, sessions):
-    """Rank 1 of 2 SIGKILLed at step 7 (checkpoints every 5): the console says once which worker was lost,
+    """Rank 1 of 2 SIGKILLed at step 7 or later, once step 5 is committed (checkpoints every 5): the console says once which worker was lost,
     how, and from which step the group restarts, then that it resumed; the survivor's gloo error and Ray's
     tracebacks are in the run's workers.log, not on the console."""
     run_dir = tmp_path / "run"
@@ -162,7 +162,7 @@ def test_a_killed_worker_is_one_console_line_and_its_tracebacks_go_to_the_runs_l
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump(raw))
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    cmd = [sys.executable, "-m", "raytrain_ext.cli", "train", str(run), "--callback", "tests.ray.hooks:KillMeAtStep(step=7, rank=1)"]
+    cmd = [sys.executable, "-m", "raytrain_ext.cli", "train", str(run), "--callback", "tests.ray.hooks:KillMeAtStep(step=7, rank=1, after_commit=5)"]
     with out.open("w") as o, err.open("w") as e:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=o, stderr=e, start_new_session=True

@@ -108,3 +108,17 @@ def test_a_resume_past_a_damaged_checkpoint_names_it_on_the_console():
         "resumed from step 8 on 2 workers; skipped damaged checkpoint step_00000012 (model/0.distcp: checksum mismatch)"
     )
     assert event_line({"kind": "event", "event": "checkpoint", "step": 8}) is None
+
+
+def test_a_lost_peers_collective_error_is_not_a_failure_of_the_rank_itself():
+    """A survivor's gloo error when another rank dies is retried (Ray restarts the group), also before the
+    first checkpoint; a rank's own error before it is not (a restart would repeat the same steps)."""
+    from raytrain_ext.worker import lost_peer
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:42370. This is typically caused by a remote worker crashing."
+    )
+    assert lost_peer(gloo)
+    assert not lost_peer(RuntimeError("injected failure at step 3"))
+    assert not lost_peer(ValueError("shape mismatch"))
