@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainers._base import ConfigError, StrictModel
+from trainers._base import ConfigError, StrictModel, parse_bytes
 from trainers.data.config import DataConfig
 from trainers.data.manifest import SPLITS, check_shard, read_manifest
 from trainers.models.config import ModelConfig, MoEConfig
@@ -147,9 +147,7 @@ class MemoryConfig(StrictModel):
     def _size(cls, v: Any) -> Any:
         if v is None:
             return v
-        from trainers.plan import parse_bytes  # a size the planner reads: check it here, before any worker
-
-        try:
+        try:  # a size the planner reads: checked here, before any worker
             parse_bytes(v, "memory.device_memory")
         except ConfigError as e:
             raise ValueError(str(e)) from None
