@@ -7,6 +7,9 @@ each world size a run may take (`check_world_sizes`), and the workers themselves
 a bad layout gets the same one line from `raytrain plan`, `raytrain train`, `raytrain cluster check` and
 `torchrun -m trainers train`.
 
+The pipeline's split of the blocks into stages (`split_stages`, balanced by `block_costs`) is here too:
+the pipeline engine cuts the model with it and the planner counts each rank's blocks with it.
+
 Ranks are laid out pp-major, then dp, with tp innermost, as torchtitan's ParallelDims:
 rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A tp group is tp consecutive ranks, so on GPUs it stays
 inside a node (its all-reduces are the most frequent). Inside the data-parallel dimension ep is the inner
@@ -20,6 +23,7 @@ built on first use, in a process group.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,14 +35,57 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from trainers.models.config import ModelConfig
+
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
     "ParallelLayout",
+    "block_costs",
     "check_config",
     "check_world_sizes",
     "num_stages",
+    "split_stages",
 ]
+
+# ------------------------------------------------------------------------------------------ the split
+
+
+def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each block (`trainers.models.flops.block_forward_flops`, the one place
+    that counts them; MoE blocks weigh their router and top_k experts)."""
+    from trainers.models.flops import block_forward_flops
+
+    return [block_forward_flops(cfg, i, seq_len) for i in range(cfg.n_layers)]
+
+
+def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
+    """Contiguous blocks per stage, each stage at least one, minimising the costliest stage (exact, by
+    dynamic programming over prefixes). Equal costs give equal block counts; where they cannot be equal,
+    earlier stages get the extra blocks (the last stage also runs the head and the loss)."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ConfigError(f"{num_stages} pipeline stages for {n} blocks; fix: use at most {n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][j]: the smallest max-stage cost of the first j blocks in k stages; cut[k][j]: its last cut
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):  # the k-th stage holds blocks i..j-1
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost <= best[k][j] * (1 + 1e-12):  # <=: the latest cut wins ties (smaller last stages)
+                    best[k][j], cut[k][j] = cost, i
+    stages, j = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][j]
+        stages.append(list(range(i, j)))
+        j = i
+    return stages[::-1]
+
 
 # ---------------------------------------------------------------------------------------- the layout
 

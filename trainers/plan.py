@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from trainers._base import ConfigError, format_bytes, parse_bytes  # sizes live in _base; importable here too
 from trainers.config import RunConfig, apply_overrides, parse_config
-from trainers.layout import ParallelLayout
+from trainers.layout import ParallelLayout, block_costs, split_stages
 from trainers.loss import chunk_tokens
 from trainers.models.config import ModelConfig
 from trainers.models.flops import (
@@ -326,8 +326,6 @@ def _ranks(cfg: RunConfig, lay: ParallelLayout) -> list[_Rank]:
     stages (`ParallelLayout.stage_ids`: looped or V-shaped)."""
     if lay.pp == 1:
         return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
-    from trainers.parallel.pipeline import block_costs, split_stages
-
     stages = lay.num_stages
     split = split_stages(block_costs(cfg.model, cfg.data.seq_len), stages)
     out = []
