@@ -7,7 +7,8 @@ Every failure is a `ConfigError` with one line that names the key path and the f
 
 This module is the bottom of the run-config layer: it imports only `trainers._base` and the sections it
 composes (each component's `config` module, `storage.Location`, `profiling.ProfileConfig`), never the
-layout, the planner or the engines (tests/test_architecture.py holds the order).
+layout, the planner or the engines (tests/test_architecture.py holds the order). One name is an exception
+kept for old callers: `check_inputs`, resolved from `trainers.preflight` on first use (`__getattr__`).
 """
 
 from __future__ import annotations
