@@ -22,8 +22,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     names a cluster), or in this process alone with --no-ray."""
     cfg = train_config(args)
     if args.no_ray:
-        from trainers.config import check_inputs
         from trainers.launch import run_local
+        from trainers.preflight import check_inputs
         from trainers.storage import check_run_storage
 
         check_run_storage(cfg)  # a bucket: there, with credentials, writable

@@ -1,7 +1,11 @@
-"""Shared config base: strict pydantic models and the one-line error users see."""
+"""What every layer shares, importing none of ours: strict pydantic models, the one-line error users see,
+dotted keys, and the byte sizes users write (`parse_bytes`, `format_bytes`: the config checks them, the
+planner and the CLI read them)."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -36,3 +40,33 @@ def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+# ------------------------------------------------------------------------------------------- sizes
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
+    """'80GiB' -> 85899345920; '80GB' / '80G' are powers of ten; a bare number is bytes. `what` names the
+    value in the error (e.g. --device-memory): a size must be at least one byte."""
+    fix = "fix: write e.g. 80GiB, 40GB or 512MiB"
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        size = text
+    else:
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text), re.IGNORECASE)
+        if not m or m.group(2).lower() not in _UNITS or not math.isfinite(float(m.group(1))):
+            raise ConfigError(f"{what} {text!r} is not understood; {fix}")
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not 1 <= size < math.inf:  # also NaN
+        raise ConfigError(f"{what} {text!r} must be a finite size of at least 1 byte; {fix}")
+    return int(size)
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

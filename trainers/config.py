@@ -1,8 +1,14 @@
 """A run is one YAML file validated into these typed models.
 
-Each component owns its section (model, data, ...); cross-field checks live in `RunConfig._check`;
-checks that touch the file system live in `check_inputs`. Every failure is a `ConfigError` with one
-line that names the key path and the fix.
+Each component owns its section (model, data, ...); cross-field checks live in `RunConfig._check`, the
+parallel layout's rules that need no world size among them (`check_layout`; the rules at a world size are
+`trainers.layout`'s). Checks that read the disk or a model folder are not here: `trainers.preflight`.
+Every failure is a `ConfigError` with one line that names the key path and the fix.
+
+This module is the bottom of the run-config layer: it imports only `trainers._base` and the sections it
+composes (each component's `config` module, `storage.Location`, `profiling.ProfileConfig`), never the
+layout, the planner or the engines (tests/test_architecture.py holds the order). One name is an exception
+kept for old callers: `check_inputs`, resolved from `trainers.preflight` on first use (`__getattr__`).
 """
 
 from __future__ import annotations
@@ -25,9 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-from trainers._base import ConfigError, StrictModel
+from trainers._base import ConfigError, StrictModel, parse_bytes
 from trainers.data.config import DataConfig
-from trainers.data.manifest import SPLITS, check_shard, read_manifest
 from trainers.models.config import ModelConfig, MoEConfig
 from trainers.profiling import ProfileConfig
 from trainers.storage import Location
@@ -37,6 +42,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "MULTI_STAGE_SCHEDULES",
     "MemoryConfig",
     "ModelConfig",
     "MoEConfig",
@@ -45,13 +51,15 @@ __all__ = [
     "PrecisionConfig",
     "ProfileConfig",
     "RunConfig",
+    "SPLIT_BACKWARD_SCHEDULES",
     "ScalingConfig",
     "ScheduleConfig",
     "TrainConfig",
     "TrackingConfig",
     "apply_overrides",
-    "check_inputs",
+    "check_layout",
     "load_config",
+    "num_stages",
     "parse_config",
     "with_values",
 ]
@@ -147,13 +155,15 @@ class MemoryConfig(StrictModel):
     def _size(cls, v: Any) -> Any:
         if v is None:
             return v
-        from trainers.plan import parse_bytes  # a size the planner reads: check it here, before any worker
-
-        try:
+        try:  # a size the planner reads: checked here, before any worker
             parse_bytes(v, "memory.device_memory")
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return str(v)
+
+
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")  # zero-bubble: input and weight gradients apart
 
 
 class ParallelConfig(StrictModel):
@@ -367,9 +377,7 @@ class RunConfig(StrictModel):
 
     def _check_layout(self) -> None:
         """The layout rules that need no world size (the rest: ParallelLayout.of, at each world size)."""
-        from trainers.layout import check_config
-
-        check_config(self)
+        check_layout(self)
 
     @property
     def out_dir(self) -> Path:
@@ -382,6 +390,115 @@ class RunConfig(StrictModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
+
+
+# ---------------------------------------------------------------------- layout rules without a world size
+
+
+def check_layout(cfg: RunConfig) -> None:
+    """The layout rules that need no world size: degrees against the model, the engine, the schedule and
+    the precision. Raises ConfigError (one line with its fix). RunConfig runs it on every load
+    (`trainers.layout.check_config` is this function; the rules at a world size: `ParallelLayout.of`)."""
+    par, model = cfg.parallel, cfg.model
+    for knob, degree in (("pp", par.pp), ("tp", par.tp), ("ep", par.ep)):
+        if degree > 1 and par.engine != "fsdp":
+            raise ConfigError(
+                f"parallel.{knob}={degree} needs parallel.engine=fsdp (got {par.engine}); fix: set "
+                f"parallel.engine=fsdp"
+            )
+    multi = par.pipeline_schedule in MULTI_STAGE_SCHEDULES
+    if par.pp == 1 and (par.virtual_stages > 1 or par.n_microbatches is not None):
+        raise ConfigError(
+            f"parallel.virtual_stages={par.virtual_stages}, n_microbatches={par.n_microbatches} with pp=1 "
+            f"(no pipeline); fix: set parallel.pp > 1 or remove them"
+        )
+    if par.virtual_stages > 1 and not multi:
+        raise ConfigError(
+            f"parallel.virtual_stages={par.virtual_stages} needs an interleaved schedule (pipeline_schedule="
+            f"{par.pipeline_schedule} runs one stage per rank); fix: set parallel.pipeline_schedule="
+            f"interleaved_1f1b"
+        )
+    if par.pp > 1 and multi and par.virtual_stages < 2:
+        raise ConfigError(
+            f"parallel.pipeline_schedule={par.pipeline_schedule} needs virtual_stages >= 2; fix: set "
+            f"parallel.virtual_stages=2"
+        )
+    if par.pipeline_schedule == "zbv" and par.virtual_stages not in (1, 2):
+        raise ConfigError(
+            "parallel.pipeline_schedule=zbv runs exactly 2 stages per rank; fix: set parallel.virtual_stages=2"
+        )
+    stages = num_stages(par.pp, par.virtual_stages, par.pipeline_schedule)
+    if stages > model.n_layers:
+        raise ConfigError(
+            f"parallel.pp={par.pp} x virtual_stages={par.virtual_stages} = {stages} pipeline stages for "
+            f"model.n_layers={model.n_layers} (stages get whole blocks); fix: lower pp/virtual_stages"
+        )
+    if par.pp > 1 and model.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings=true with parallel.pp > 1 (the embedding and head live on different "
+            "stages); fix: set model.tie_embeddings=false"
+        )
+    if par.pp > 1 and cfg.precision.dtype == "fp16":
+        raise ConfigError(
+            "precision.dtype=fp16 with parallel.pp > 1 (no loss scaling inside pipeline schedules); "
+            "fix: use precision.dtype=bf16 or fp32"
+        )
+    if par.pp > 1 and par.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES and par.zero_stage == 3:
+        raise ConfigError(
+            f"parallel.zero_stage=3 with pipeline_schedule={par.pipeline_schedule}: zero-bubble schedules "
+            f"compute weight gradients after resharding would have freed the gathered weights; fix: set "
+            f"parallel.zero_stage=2 (or leave it unset)"
+        )
+    if par.ep > 1 and model.moe is None:
+        raise ConfigError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
+    if par.ep > 1 and model.moe.num_experts % par.ep:
+        raise ConfigError(
+            f"parallel.ep={par.ep} does not divide model.moe.num_experts={model.moe.num_experts}; "
+            f"fix: use an ep that divides it"
+        )
+    if par.tp > 1:
+        _check_tp(cfg)
+
+
+def _check_tp(cfg: RunConfig) -> None:
+    """Tensor parallelism splits heads and the FFN's hidden units into tp equal parts (the vocabulary into
+    parts as equal as torch.chunk makes them: a vocabulary of 257 is split 129 + 128)."""
+    tp, model = cfg.parallel.tp, cfg.model
+    sizes = [("model.n_heads", model.n_heads), ("the KV heads (model.n_kv_heads)", model.kv_heads)]
+    sizes += [("the FFN hidden size", model.hidden_dim)]
+    for what, size in sizes:
+        if size % tp:
+            divisors = [d for d in range(2, size + 1) if size % d == 0][:6]
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide {what} = {size} (tensor parallelism splits it into tp "
+                f"equal parts); fix: use tp in {divisors or [1]} or change the model"
+            )
+    if cfg.data.seq_len % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallelism splits "
+            f"each sequence over the tp ranks); fix: use a seq_len that is a multiple of {tp}"
+        )
+    if model.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings=true with parallel.tp > 1 (the embedding is split by rows, the head by "
+            "columns); fix: set model.tie_embeddings=false"
+        )
+    if model.init_from is not None:
+        raise ConfigError(
+            "model.init_from with parallel.tp > 1 (loading Hugging Face tensors into tensor-parallel shards is "
+            "not built yet); fix: start the run at tp=1 (save a checkpoint, e.g. train.steps=0) and resume it "
+            "with parallel.tp set: checkpoints reshard across tp"
+        )
+    if cfg.precision.dtype == "fp16":
+        raise ConfigError(
+            "precision.dtype=fp16 with parallel.tp > 1 (the loss scaler does not see tensor-parallel "
+            "gradients); fix: use precision.dtype=bf16 or fp32"
+        )
+
+
+def num_stages(pp: int, virtual_stages: int, schedule: str) -> int:
+    """Pipeline stages in all: pp x stages per rank (zbv always runs two per rank)."""
+    return pp * (2 if schedule == "zbv" and pp > 1 else virtual_stages)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -511,36 +628,12 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-# ------------------------------------------------------------------------------------ file-system checks
+def __getattr__(name: str) -> Any:
+    """`check_inputs` moved to `trainers.preflight` (it reads the disk and model folders, so it sits above
+    the config); the old name stays importable from here for search/config.py and raytrain_ext/launcher.py
+    until they import it from there. tests/test_architecture.py lists this one edge against the order."""
+    if name == "check_inputs":
+        from trainers.preflight import check_inputs
 
-
-def check_inputs(cfg: RunConfig, shards: bool = True) -> dict[str, Any]:
-    """Checks that need the disk, done before any worker starts: the data manifest (the same reader as the
-    dataset's) and every shard it lists (`shards=False`: the caller's dataset checks them as it reads
-    them, so each byte is hashed once). Returns the manifest."""
-    manifest = read_manifest(cfg.data.path)
-    for split in SPLITS if shards else ():
-        for shard in manifest["splits"][split]["shards"]:
-            check_shard(cfg.data.path, shard)
-    vocab = manifest["tokenizer"]["vocab_size"]
-    if vocab > cfg.model.vocab_size:
-        fix = (
-            f"tokenize the data with the model's tokenizer: raytrain data prepare --tokenizer {cfg.model.init_from}"
-            if cfg.model.init_from is not None  # its vocab_size comes from config.json
-            else f"--set model.vocab_size={vocab}"
-        )
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; fix: {fix}"
-        )
-    if cfg.model.init_from is not None:
-        from trainers.hf.pretrained import check_init_from  # safetensors headers, tokenizer.json
-
-        check_init_from(cfg.model, cfg.data.path)
-    for split in SPLITS:
-        n = manifest["splits"][split]["tokens"]
-        if n < cfg.data.seq_len + 1:
-            raise ConfigError(
-                f"data.path={cfg.data.path}: the {split} split holds {n} tokens, fewer than one window of "
-                f"data.seq_len+1={cfg.data.seq_len + 1}; fix: add text or lower data.seq_len"
-            )
-    return manifest
+        return check_inputs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,14 @@
 """The one authority on the parallel layout pp x dp x tp (x ep inside dp): every rule, the ranks, the meshes.
 
 Every part that needs to know whether a layout is valid asks this module: the config (`check_config`, the
-rules that need no world size), the planner, `raytrain train`'s and `raytrain cluster check`'s checks of
+rules that need no world size: written in `trainers.config`, which runs them on every load, and importable
+from here), the planner, `raytrain train`'s and `raytrain cluster check`'s checks of
 each world size a run may take (`check_world_sizes`), and the workers themselves (`ParallelLayout.of`). So
 a bad layout gets the same one line from `raytrain plan`, `raytrain train`, `raytrain cluster check` and
 `torchrun -m trainers train`.
+
+The pipeline's split of the blocks into stages (`split_stages`, balanced by `block_costs`) is here too:
+the pipeline engine cuts the model with it and the planner counts each rank's blocks with it.
 
 Ranks are laid out pp-major, then dp, with tp innermost, as torchtitan's ParallelDims:
 rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A tp group is tp consecutive ranks, so on GPUs it stays
@@ -13,135 +17,74 @@ part (ep borrows from dp, as in torchtitan): dp_rank = edp_rank * ep + ep_rank, 
 into dp/ep expert groups of ep consecutive dp ranks, which together hold all experts of a layer (`edp`
 ranks hold the same experts: expert gradients are summed there).
 
-Importing this module does not import torch (the CLI checks layouts before any worker starts); the
-meshes are built on first use, in a process group.
+Importing this module builds no mesh (the CLI checks layouts before any worker starts); the meshes are
+built on first use, in a process group.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainers._base import ConfigError
+from trainers.config import MULTI_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, RunConfig, num_stages
+from trainers.config import check_layout as check_config
 
 if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from trainers.config import RunConfig
+    from trainers.models.config import ModelConfig
 
-__all__ = ["ParallelLayout", "check_config", "check_world_sizes"]
+__all__ = [
+    "MULTI_STAGE_SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
+    "ParallelLayout",
+    "block_costs",
+    "check_config",
+    "check_world_sizes",
+    "num_stages",
+    "split_stages",
+]
 
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")  # zero-bubble: input and weight gradients apart
-
-
-# ------------------------------------------------------------------------------ rules without a world
-
-
-def check_config(cfg: RunConfig) -> None:
-    """The layout rules that need no world size: degrees against the model, the engine, the schedule and
-    the precision. Raises ConfigError (one line with its fix). RunConfig runs it on every load."""
-    par, model = cfg.parallel, cfg.model
-    for knob, degree in (("pp", par.pp), ("tp", par.tp), ("ep", par.ep)):
-        if degree > 1 and par.engine != "fsdp":
-            raise ConfigError(
-                f"parallel.{knob}={degree} needs parallel.engine=fsdp (got {par.engine}); fix: set "
-                f"parallel.engine=fsdp"
-            )
-    multi = par.pipeline_schedule in MULTI_STAGE_SCHEDULES
-    if par.pp == 1 and (par.virtual_stages > 1 or par.n_microbatches is not None):
-        raise ConfigError(
-            f"parallel.virtual_stages={par.virtual_stages}, n_microbatches={par.n_microbatches} with pp=1 "
-            f"(no pipeline); fix: set parallel.pp > 1 or remove them"
-        )
-    if par.virtual_stages > 1 and not multi:
-        raise ConfigError(
-            f"parallel.virtual_stages={par.virtual_stages} needs an interleaved schedule (pipeline_schedule="
-            f"{par.pipeline_schedule} runs one stage per rank); fix: set parallel.pipeline_schedule="
-            f"interleaved_1f1b"
-        )
-    if par.pp > 1 and multi and par.virtual_stages < 2:
-        raise ConfigError(
-            f"parallel.pipeline_schedule={par.pipeline_schedule} needs virtual_stages >= 2; fix: set "
-            f"parallel.virtual_stages=2"
-        )
-    if par.pipeline_schedule == "zbv" and par.virtual_stages not in (1, 2):
-        raise ConfigError(
-            "parallel.pipeline_schedule=zbv runs exactly 2 stages per rank; fix: set parallel.virtual_stages=2"
-        )
-    stages = num_stages(par.pp, par.virtual_stages, par.pipeline_schedule)
-    if stages > model.n_layers:
-        raise ConfigError(
-            f"parallel.pp={par.pp} x virtual_stages={par.virtual_stages} = {stages} pipeline stages for "
-            f"model.n_layers={model.n_layers} (stages get whole blocks); fix: lower pp/virtual_stages"
-        )
-    if par.pp > 1 and model.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings=true with parallel.pp > 1 (the embedding and head live on different "
-            "stages); fix: set model.tie_embeddings=false"
-        )
-    if par.pp > 1 and cfg.precision.dtype == "fp16":
-        raise ConfigError(
-            "precision.dtype=fp16 with parallel.pp > 1 (no loss scaling inside pipeline schedules); "
-            "fix: use precision.dtype=bf16 or fp32"
-        )
-    if par.pp > 1 and par.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES and par.zero_stage == 3:
-        raise ConfigError(
-            f"parallel.zero_stage=3 with pipeline_schedule={par.pipeline_schedule}: zero-bubble schedules "
-            f"compute weight gradients after resharding would have freed the gathered weights; fix: set "
-            f"parallel.zero_stage=2 (or leave it unset)"
-        )
-    if par.ep > 1 and model.moe is None:
-        raise ConfigError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
-    if par.ep > 1 and model.moe.num_experts % par.ep:
-        raise ConfigError(
-            f"parallel.ep={par.ep} does not divide model.moe.num_experts={model.moe.num_experts}; "
-            f"fix: use an ep that divides it"
-        )
-    if par.tp > 1:
-        _check_tp(cfg)
+# ------------------------------------------------------------------------------------------ the split
 
 
-def _check_tp(cfg: RunConfig) -> None:
-    """Tensor parallelism splits heads and the FFN's hidden units into tp equal parts (the vocabulary into
-    parts as equal as torch.chunk makes them: a vocabulary of 257 is split 129 + 128)."""
-    tp, model = cfg.parallel.tp, cfg.model
-    sizes = [("model.n_heads", model.n_heads), ("the KV heads (model.n_kv_heads)", model.kv_heads)]
-    sizes += [("the FFN hidden size", model.hidden_dim)]
-    for what, size in sizes:
-        if size % tp:
-            divisors = [d for d in range(2, size + 1) if size % d == 0][:6]
-            raise ConfigError(
-                f"parallel.tp={tp} does not divide {what} = {size} (tensor parallelism splits it into tp "
-                f"equal parts); fix: use tp in {divisors or [1]} or change the model"
-            )
-    if cfg.data.seq_len % tp:
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallelism splits "
-            f"each sequence over the tp ranks); fix: use a seq_len that is a multiple of {tp}"
-        )
-    if model.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings=true with parallel.tp > 1 (the embedding is split by rows, the head by "
-            "columns); fix: set model.tie_embeddings=false"
-        )
-    if model.init_from is not None:
-        raise ConfigError(
-            "model.init_from with parallel.tp > 1 (loading Hugging Face tensors into tensor-parallel shards is "
-            "not built yet); fix: start the run at tp=1 (save a checkpoint, e.g. train.steps=0) and resume it "
-            "with parallel.tp set: checkpoints reshard across tp"
-        )
-    if cfg.precision.dtype == "fp16":
-        raise ConfigError(
-            "precision.dtype=fp16 with parallel.tp > 1 (the loss scaler does not see tensor-parallel "
-            "gradients); fix: use precision.dtype=bf16 or fp32"
-        )
+def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each block (`trainers.models.flops.block_forward_flops`, the one place
+    that counts them; MoE blocks weigh their router and top_k experts)."""
+    from trainers.models.flops import block_forward_flops
+
+    return [block_forward_flops(cfg, i, seq_len) for i in range(cfg.n_layers)]
 
 
-def num_stages(pp: int, virtual_stages: int, schedule: str) -> int:
-    """Pipeline stages in all: pp x stages per rank (zbv always runs two per rank)."""
-    return pp * (2 if schedule == "zbv" and pp > 1 else virtual_stages)
+def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
+    """Contiguous blocks per stage, each stage at least one, minimising the costliest stage (exact, by
+    dynamic programming over prefixes). Equal costs give equal block counts; where they cannot be equal,
+    earlier stages get the extra blocks (the last stage also runs the head and the loss)."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ConfigError(f"{num_stages} pipeline stages for {n} blocks; fix: use at most {n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][j]: the smallest max-stage cost of the first j blocks in k stages; cut[k][j]: its last cut
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):  # the k-th stage holds blocks i..j-1
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost <= best[k][j] * (1 + 1e-12):  # <=: the latest cut wins ties (smaller last stages)
+                    best[k][j], cut[k][j] = cost, i
+    stages, j = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][j]
+        stages.append(list(range(i, j)))
+        j = i
+    return stages[::-1]
 
 
 # ---------------------------------------------------------------------------------------- the layout

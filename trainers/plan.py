@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from trainers._base import ConfigError
+from trainers._base import ConfigError, format_bytes, parse_bytes  # sizes live in _base; importable here too
 from trainers.config import RunConfig, apply_overrides, parse_config
-from trainers.layout import ParallelLayout
+from trainers.layout import ParallelLayout, block_costs, split_stages
 from trainers.loss import chunk_tokens
 from trainers.models.config import ModelConfig
 from trainers.models.flops import (
@@ -98,36 +97,6 @@ _DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_s
 # DeepSpeed stage 3 defaults: parameters under this many elements stay whole on every rank, and parameters
 # reused within this many elements of fetches are not released after forward.
 _DS_PERSISTENCE, _DS_REUSE = 100_000, 1_000_000_000
-
-
-# ------------------------------------------------------------------------------------------- sizes
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
-    """'80GiB' -> 85899345920; '80GB' / '80G' are powers of ten; a bare number is bytes. `what` names the
-    value in the error (e.g. --device-memory): a size must be at least one byte."""
-    fix = "fix: write e.g. 80GiB, 40GB or 512MiB"
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        size = text
-    else:
-        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text), re.IGNORECASE)
-        if not m or m.group(2).lower() not in _UNITS or not math.isfinite(float(m.group(1))):
-            raise ConfigError(f"{what} {text!r} is not understood; {fix}")
-        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not 1 <= size < math.inf:  # also NaN
-        raise ConfigError(f"{what} {text!r} must be a finite size of at least 1 byte; {fix}")
-    return int(size)
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # ------------------------------------------------------------------------------------ precision
@@ -357,8 +326,6 @@ def _ranks(cfg: RunConfig, lay: ParallelLayout) -> list[_Rank]:
     stages (`ParallelLayout.stage_ids`: looped or V-shaped)."""
     if lay.pp == 1:
         return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
-    from trainers.parallel.pipeline import block_costs, split_stages
-
     stages = lay.num_stages
     split = split_stages(block_costs(cfg.model, cfg.data.seq_len), stages)
     out = []

@@ -18,7 +18,7 @@ import torch
 
 from trainers._base import NonFiniteLossError, flat_keys
 from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
-from trainers.config import ConfigError, RunConfig, check_inputs
+from trainers.config import ConfigError, RunConfig
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.fit import fit_for_this_rank
 from trainers.hf.pretrained import load_pretrained, materialize
@@ -29,6 +29,7 @@ from trainers.models import build_model, flops_per_token
 from trainers.optim import LRSchedule
 from trainers.parallel import build_engine
 from trainers.parallel.engine import Engine
+from trainers.preflight import check_inputs
 from trainers.profiling import build_profiler, span
 from trainers.resume import check_compatible, compat_of
 from trainers.storage import is_remote, location

@@ -12,10 +12,11 @@ import pytest
 
 from tests.conftest import tiny_raw
 from trainers._base import ConfigError
-from trainers.config import check_inputs, parse_config
+from trainers.config import parse_config
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.data.prepare import default_corpus, prepare_corpus
 from trainers.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from trainers.preflight import check_inputs
 
 TRICKY = "def f(x):\r\n\treturn x  # é ü 🙂 <eos> \x01 end\n"
 

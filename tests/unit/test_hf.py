@@ -17,11 +17,12 @@ transformers = pytest.importorskip("transformers")  # the `hf` extra
 from raytrain_ext.cli import main  # noqa: E402
 from tests.conftest import tiny_raw  # noqa: E402
 from trainers._base import ConfigError  # noqa: E402
-from trainers.config import check_inputs, parse_config  # noqa: E402
+from trainers.config import parse_config  # noqa: E402
 from trainers.data.prepare import prepare_corpus  # noqa: E402
 from trainers.data.tokenizer import load_tokenizer  # noqa: E402
 from trainers.hf.export import export  # noqa: E402
 from trainers.hf.pretrained import PretrainedWeights  # noqa: E402
+from trainers.preflight import check_inputs  # noqa: E402
 from trainers.trainer import Trainer  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

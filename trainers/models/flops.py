@@ -1,6 +1,6 @@
 """Parameter and FLOP counts as pure functions of the config (no model is built): the one place that counts
 them. The trainer's MFU (`flops_per_token`), the pipeline's stage balance (`block_forward_flops`, via
-`trainers.parallel.pipeline.block_costs`) and the memory planner (`trainers.plan`: the parameters of each
+`trainers.layout.block_costs`) and the memory planner (`trainers.plan`: the parameters of each
 block, of the embedding and of the head, whole or as one rank's tensor-/expert-parallel share) all read
 them here.
 
@@ -171,7 +171,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def block_forward_flops(cfg: ModelConfig, layer_id: int, seq_len: int) -> float:
-    """The pipeline's weight of block `layer_id` (its stage balance; `pipeline.block_costs`): forward FLOPs
+    """The pipeline's weight of block `layer_id` (its stage balance; `layout.block_costs`): forward FLOPs
     per token of the feed-forward (2 x the SwiGLU weights, or the router + top_k experts), the attention
     scores and values (4 x seq x dim), and the attention projections.
 

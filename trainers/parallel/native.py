@@ -1,8 +1,9 @@
 """torch's own data-parallel engines over the layout's `dp` mesh: DDP (replicated) and FSDP2 (sharded).
 
 FSDP2 is the last step of `trainers.parallel.parallelize` (TP -> activation checkpointing -> EP -> FSDP, as in
-torchtitan's `parallelize.py`): `apply_fsdp` shards each block, then the root; the optimizer is built
-last, over the sharded (DTensor) parameters, so its state is sharded too.
+torchtitan's `parallelize.py`): its `apply_fsdp` (importable from here too) shards each block, then the
+root, with the options this module makes (`fsdp_options`); the optimizer is built last, over the sharded
+(DTensor) parameters, so its state is sharded too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -29,8 +30,8 @@ from trainers.models import Transformer
 from trainers.models.moe import moe_totals, stats_from_totals
 from trainers.optim import build_optimizer
 from trainers.parallel.engine import Engine
-from trainers.parallel.expert import expert_params, sync_expert_grads
-from trainers.parallel.parallelize import parallelize
+from trainers.parallel.expert import sync_expert_grads
+from trainers.parallel.parallelize import apply_fsdp, parallelize
 from trainers.precision import Precision
 
 __all__ = ["DDPEngine", "FSDPEngine", "ShardedPrecision", "apply_fsdp", "on_meta"]
@@ -172,24 +173,6 @@ def fsdp_options(cfg: RunConfig, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
         mp_policy=mp_policy,
         offload_policy=offload if cfg.parallel.offload == "all" else OffloadPolicy(),
     )
-
-
-def apply_fsdp(model: nn.Module, **options) -> nn.Module:
-    """Shard each transformer block (its own all-gather / reduce-scatter unit, so communication of one
-    block overlaps compute of the next and, at stage 3, one block's full weights exist at a time), then
-    the root, which takes what no block claimed: embeddings, final norm, output head.
-
-    Blocks may already be activation-checkpoint wrappers: FSDP sits outside AC, so recomputation in
-    backward runs inside the block's all-gathered window. Expert-parallel weights are left out (see
-    `trainers.parallel.expert`)."""
-    for block in model.layers.values():
-        fully_shard(block, **options, **_ignoring(expert_params(block)))
-    fully_shard(model, **options, **_ignoring(expert_params(model)))
-    return model
-
-
-def _ignoring(params: list[nn.Parameter]) -> dict:
-    return {"ignored_params": set(params)} if params else {}
 
 
 class ShardedPrecision(Precision):

@@ -8,8 +8,9 @@ order (torchtitan's `parallelize.py` is the model):
    in place (`nn.Module.compile`, so parameter names do not change); identical blocks share one graph;
 4. expert parallelism (`trainers.parallel.expert`): swaps each MoE layer's experts for this rank's slice
    (split over ep and/or tp) before FSDP, so FSDP leaves ep-sharded experts alone;
-5. FSDP2 (`trainers.parallel.native.apply_fsdp`): each block, then the part's root, over the dp mesh; with
-   tp the parameters are already tp DTensors and FSDP makes them 2-D (dp x tp).
+5. FSDP2 (`apply_fsdp`, with the options `trainers.parallel.native.fsdp_options` makes): each block, then
+   the part's root, over the dp mesh; with tp the parameters are already tp DTensors and FSDP makes them
+   2-D (dp x tp).
 
 The single-stage engines call it once on the whole model; the pipeline calls it once per stage, on the
 stage's `Transformer` shell. The model files hold no distributed code.
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -52,12 +54,12 @@ from torch.distributed.tensor.parallel import (
 from trainers.layout import ParallelLayout
 from trainers.models import Transformer
 from trainers.parallel.ac import apply_activation_checkpointing
-from trainers.parallel.expert import apply_expert_parallel
+from trainers.parallel.expert import apply_expert_parallel, expert_params
 
 if TYPE_CHECKING:
     from trainers.config import RunConfig
 
-__all__ = ["apply_tensor_parallel", "parallelize"]
+__all__ = ["apply_fsdp", "apply_tensor_parallel", "parallelize"]
 
 
 def parallelize(part: nn.Module, layout: ParallelLayout, cfg: RunConfig, fsdp: dict | None = None) -> nn.Module:
@@ -74,8 +76,6 @@ def parallelize(part: nn.Module, layout: ParallelLayout, cfg: RunConfig, fsdp: d
     if expert_mesh is not None:
         apply_expert_parallel(part, expert_mesh)
     if fsdp is not None:
-        from trainers.parallel.native import apply_fsdp
-
         apply_fsdp(part, **fsdp)
     return part
 
@@ -140,3 +140,21 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh) -> None:
         )
     if plan:
         parallelize_module(part, mesh, plan)
+
+
+def apply_fsdp(model: nn.Module, **options) -> nn.Module:
+    """Shard each transformer block (its own all-gather / reduce-scatter unit, so communication of one
+    block overlaps compute of the next and, at stage 3, one block's full weights exist at a time), then
+    the root, which takes what no block claimed: embeddings, final norm, output head.
+
+    Blocks may already be activation-checkpoint wrappers: FSDP sits outside AC, so recomputation in
+    backward runs inside the block's all-gathered window. Expert-parallel weights are left out (see
+    `trainers.parallel.expert`)."""
+    for block in model.layers.values():
+        fully_shard(block, **options, **_ignoring(expert_params(block)))
+    fully_shard(model, **options, **_ignoring(expert_params(model)))
+    return model
+
+
+def _ignoring(params: list[nn.Parameter]) -> dict:
+    return {"ignored_params": set(params)} if params else {}

@@ -2,8 +2,9 @@
 the way torchtitan composes them (`distributed/pipeline_parallel.py`):
 
 1. split: the blocks are cut into pp x virtual_stages contiguous stages balanced by a cost estimate
-   (forward FLOPs per token of each block, so MoE blocks weigh what their top-k experts cost); stage 0
-   also holds the embedding, the last stage the final norm and the head;
+   (forward FLOPs per token of each block, so MoE blocks weigh what their top-k experts cost;
+   `trainers.layout.split_stages`, which the planner uses too); stage 0 also holds the embedding, the
+   last stage the final norm and the head;
 2. this rank keeps the blocks of its stages (looped, or V-shaped for ZBV) and drops the others; each
    stage is a `Transformer` shell over the kept modules (the model file's own stage form);
 3. the same parallelize steps as without a pipeline run on the kept part: experts sharded over ep, then
@@ -17,7 +18,6 @@ DCP folders as without a pipeline and load at another dp, pp or ep (DCP reshards
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from trainers._base import ConfigError
 from trainers.checkpoint import ModelOptimizerState
 from trainers.config import ModelConfig, OptimizerConfig, RunConfig
-from trainers.layout import SPLIT_BACKWARD_SCHEDULES, ParallelLayout
+from trainers.layout import SPLIT_BACKWARD_SCHEDULES, ParallelLayout, block_costs, split_stages
 from trainers.models import Transformer, build_model
 from trainers.models.moe import reset_moe_stats, set_aux_grad_scale
 from trainers.optim import build_optimizer
@@ -55,45 +55,6 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 _SINGLE_STAGE = ("gpipe", "1f1b")
-
-
-# ------------------------------------------------------------------------------------------ the split
-
-
-def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Forward FLOPs per token of each block (`trainers.models.flops.block_forward_flops`, the one place
-    that counts them; MoE blocks weigh their router and top_k experts)."""
-    from trainers.models.flops import block_forward_flops
-
-    return [block_forward_flops(cfg, i, seq_len) for i in range(cfg.n_layers)]
-
-
-def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
-    """Contiguous blocks per stage, each stage at least one, minimising the costliest stage (exact, by
-    dynamic programming over prefixes). Equal costs give equal block counts; where they cannot be equal,
-    earlier stages get the extra blocks (the last stage also runs the head and the loss)."""
-    n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ConfigError(f"{num_stages} pipeline stages for {n} blocks; fix: use at most {n} stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][j]: the smallest max-stage cost of the first j blocks in k stages; cut[k][j]: its last cut
-    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):  # the k-th stage holds blocks i..j-1
-                cost = max(best[k - 1][i], prefix[j] - prefix[i])
-                if cost <= best[k][j] * (1 + 1e-12):  # <=: the latest cut wins ties (smaller last stages)
-                    best[k][j], cut[k][j] = cost, i
-    stages, j = [], n
-    for k in range(num_stages, 0, -1):
-        i = cut[k][j]
-        stages.append(list(range(i, j)))
-        j = i
-    return stages[::-1]
 
 
 def _stage_module(part: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:

@@ -1,0 +1,48 @@
+"""Checks of a run's inputs that read the disk or a model folder, made once before any worker starts (the
+CLI, the launcher, a search's driver, `Trainer.__init__`): the prepared data's manifest and shards, the
+data's vocabulary against the model, and a Hugging Face `model.init_from` folder (its tensors and its
+tokenizer against the data's). What needs only the YAML is checked when the config loads (`trainers.config`).
+Every failure is a `ConfigError` with one line that names the key path and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainers._base import ConfigError
+from trainers.data.manifest import SPLITS, check_shard, read_manifest
+
+__all__ = ["check_inputs"]
+
+
+def check_inputs(cfg: Any, shards: bool = True) -> dict[str, Any]:
+    """Checks that need the disk, done before any worker starts: the data manifest (the same reader as the
+    dataset's) and every shard it lists (`shards=False`: the caller's dataset checks them as it reads
+    them, so each byte is hashed once). Returns the manifest. `cfg` is a validated `trainers.config.RunConfig`
+    (not imported here while `trainers.config` still re-exports this function: see its `__getattr__`)."""
+    manifest = read_manifest(cfg.data.path)
+    for split in SPLITS if shards else ():
+        for shard in manifest["splits"][split]["shards"]:
+            check_shard(cfg.data.path, shard)
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        fix = (
+            f"tokenize the data with the model's tokenizer: raytrain data prepare --tokenizer {cfg.model.init_from}"
+            if cfg.model.init_from is not None  # its vocab_size comes from config.json
+            else f"--set model.vocab_size={vocab}"
+        )
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; fix: {fix}"
+        )
+    if cfg.model.init_from is not None:
+        from trainers.hf.pretrained import check_init_from  # safetensors headers, tokenizer.json
+
+        check_init_from(cfg.model, cfg.data.path)
+    for split in SPLITS:
+        n = manifest["splits"][split]["tokens"]
+        if n < cfg.data.seq_len + 1:
+            raise ConfigError(
+                f"data.path={cfg.data.path}: the {split} split holds {n} tokens, fewer than one window of "
+                f"data.seq_len+1={cfg.data.seq_len + 1}; fix: add text or lower data.seq_len"
+            )
+    return manifest
