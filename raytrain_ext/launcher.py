@@ -41,9 +41,10 @@ from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, is_complete
-from trainers.config import RunConfig, check_inputs
+from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
 from trainers.metrics import read_metrics
+from trainers.preflight import check_inputs
 from trainers.resume import check_resume
 from trainers.run_lock import RunDirLock
 from trainers.storage import check_run_storage, is_remote, location, pyarrow_fs, read_bytes, write_text_atomic

@@ -42,10 +42,10 @@ from trainers.config import (
     TrainConfig,
     _one_line,
     apply_overrides,
-    check_inputs,
     parse_config,
     read_yaml_mapping,
 )
+from trainers.preflight import check_inputs
 from trainers.storage import (
     Location,
     check_location,

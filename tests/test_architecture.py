@@ -89,12 +89,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Edges against the order that are known and kept on purpose, each with why and until when. An entry no
 # import needs any more is an error (test_allowed_back_edges_are_still_needed).
-ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {
-    ("trainers.config", "trainers.preflight"): (
-        "check_inputs moved to trainers.preflight; trainers.config re-exports it (module __getattr__) for "
-        "search/config.py and raytrain_ext/launcher.py until they import it from trainers.preflight"
-    ),
-}
+ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {}  # (importer, imported): why; none is needed now
 
 
 @dataclass
@@ -292,7 +287,6 @@ def test_moved_names_stay_importable_where_they_were():
         ("trainers.layout", "check_config"): "trainers.config",  # as check_layout
         ("trainers.layout", "num_stages"): "trainers.config",
         ("trainers.layout", "SPLIT_BACKWARD_SCHEDULES"): "trainers.config",
-        ("trainers.config", "check_inputs"): "trainers.preflight",
         ("trainers.hf.format", "model_section_from_hf"): "trainers.hf.config_json",
         ("trainers.hf.format", "read_small"): "trainers.hf.config_json",
         ("trainers.parallel.native", "apply_fsdp"): "trainers.parallel.parallelize",

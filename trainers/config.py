@@ -7,8 +7,7 @@ Every failure is a `ConfigError` with one line that names the key path and the f
 
 This module is the bottom of the run-config layer: it imports only `trainers._base` and the sections it
 composes (each component's `config` module, `storage.Location`, `profiling.ProfileConfig`), never the
-layout, the planner or the engines (tests/test_architecture.py holds the order). One name is an exception
-kept for old callers: `check_inputs`, resolved from `trainers.preflight` on first use (`__getattr__`).
+layout, the planner or the engines (tests/test_architecture.py holds the order).
 """
 
 from __future__ import annotations
@@ -626,14 +625,3 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
-
-
-def __getattr__(name: str) -> Any:
-    """`check_inputs` moved to `trainers.preflight` (it reads the disk and model folders, so it sits above
-    the config); the old name stays importable from here for search/config.py and raytrain_ext/launcher.py
-    until they import it from there. tests/test_architecture.py lists this one edge against the order."""
-    if name == "check_inputs":
-        from trainers.preflight import check_inputs
-
-        return check_inputs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
