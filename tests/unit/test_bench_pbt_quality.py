@@ -90,6 +90,6 @@ def test_dry_run_of_the_real_harness(corpus_dir, tmp_path):
     assert set(result["methods"]) == {"pbt_sync", "grid"}
     pbt = result["methods"]["pbt_sync"]
     assert len(pbt["best_val_loss"]) == 2 and all(v > 0 for v in pbt["best_val_loss"])
-    assert pbt["total_steps"] == [16, 16]  # population 2 x 8 steps
+    assert all(t >= 16 for t in pbt["total_steps"])  # population 2 x 8 steps (more if a restore goes back)
     assert sum(pbt["restores"]) > 0  # synchronous PBT pauses every member at each report: restores
     assert len(result["methods"]["grid"]["best_val_loss"]) == 1
