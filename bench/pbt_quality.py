@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +47,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.provenance import provenance  # noqa: E402
+
 RESULTS, WORK = ROOT / "bench" / "results", ROOT / "bench" / "_work" / "pbt_quality"
 
 METHODS = ("pbt", "pbt_sync", "pb2", "asha", "random")
@@ -371,15 +370,7 @@ def write_results(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]
         }
     lrs, wds = grid_values(args)
     out = {
-        "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git_commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
-        "cpus": os.cpu_count(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "wall_s": time.time() - started,
+        **provenance(started, load_before),
         "dry_run": args.dry_run,
         "task": {**TASK, "overrides": OVERRIDES, "space": SPACE, "data": args.data},
         "harness": (

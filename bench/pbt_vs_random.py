@@ -21,13 +21,10 @@ bench/results/pbt_vs_random.{json,png}; `--summarize-only` rewrites them from th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.provenance import provenance  # noqa: E402
+
 RESULTS, WORK = ROOT / "bench" / "results", ROOT / "bench" / "_work" / "pbt"
 
 
@@ -190,15 +189,7 @@ def _write(
 ) -> None:
     med = {k: statistics.median(r["best_val_loss"] for r in v) for k, v in rows.items()}
     out = {
-        "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git_commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
-        "cpus": os.cpu_count(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "wall_s": time.time() - started,
+        **provenance(started, load_before),
         "setup": {
             "population": 4,
             "steps_per_trial": args.steps,
