@@ -35,7 +35,6 @@ class ExperimentReporter(tune.CLIReporter):
             return f"Experiment folder: {self.exp_dir}"
         return line
 
-
     def _turns(self) -> str:
         if self.slots is None:
             return ""

@@ -34,9 +34,13 @@ def _finite(x: Any) -> bool:
 def outside_steps_fraction(reports: list[dict[str, Any]]) -> float | None:
     """Share of the trials' time spent outside training steps (starting runs, restoring, evaluating,
     checkpointing, reporting), over the reports that trained."""
-    rows = [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
+    rows = _trained(reports)
     wall = sum(r["wall_s"] for r in rows)
     return 1.0 - sum(r["steps_s"] for r in rows) / wall if wall else None
+
+
+def _trained(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
 
 
 _PART_NAMES = {
@@ -56,7 +60,7 @@ def time_outside_steps(reports: list[dict[str, Any]]) -> str:
     frac = outside_steps_fraction(reports)
     if frac is None:
         return "time outside training steps: n/a"
-    rows = [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
+    rows = _trained(reports)
     wall = sum(r["wall_s"] for r in rows)
     parts = {k: sum(r.get(k) or 0.0 for r in rows) / wall for k in TIME_PARTS}
     if not any(parts.values()):  # an experiment logged before the parts existed

@@ -36,7 +36,6 @@ class Slots:
         self.queue: dict[str, tuple[int, int, asyncio.Event]] = {}  # trial -> (steps, arrival, granted)
         self.arrivals = itertools.count()
         self.most = 0  # the most members that held a slot at once
-        self.grants = 0
 
     async def acquire(self, trial: str, steps: int) -> int:
         """Waits until `trial` holds a slot; returns how many members hold one then (itself included)."""
@@ -62,7 +61,6 @@ class Slots:
             "running": len(self.holders),
             "waiting": len(self.queue),
             "most_at_once": self.most,
-            "grants": self.grants,
         }
 
     def _grant(self) -> None:
@@ -70,7 +68,6 @@ class Slots:
             trial = min(self.queue, key=lambda t: self.queue[t][:2])
             _, _, granted = self.queue.pop(trial)
             self.holders.add(trial)
-            self.grants += 1
             self.most = max(self.most, len(self.holders))
             granted.set()
 

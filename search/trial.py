@@ -71,8 +71,6 @@ class _Interval:
     parts: dict[str, float] = field(default_factory=dict)  # where the rest of the interval went (TIME_PARTS)
 
 
-
-
 class TrialRun(tune.Trainable):
     """Runs in a Tune actor; its Train run's controller and workers are separate actors. Imports no torch:
     the actor only waits on its run and moves files."""
