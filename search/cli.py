@@ -15,6 +15,8 @@ import shlex
 import sys
 from typing import Any
 
+from raytrain_ext.worker_logs import quiet_logger
+
 __all__ = ["add_commands"]
 
 USAGE = """raytrain tune EXP.yaml [--set KEY=VALUE] [--resume] [--address ADDR]
@@ -126,8 +128,9 @@ def _console(quiet: bool):
     """What a user watching the experiment sees, for the command's duration: Tune's classic table (it
     takes our columns: the metric, the step, each trial's current values; the newer one shows sampled
     parameters only, not values an exploit changed), the scheduler's one line per exploit (recipient <-
-    donor at step, old -> new values) and the driver's lines (how the population shares the cluster). Tune's loggers warn that a trial's progress file is missing in
-    storage whenever its config changes (an exploit in place) before the file is written: silenced."""
+    donor at step, old -> new values) and the driver's lines (how the population shares the cluster).
+    Tune's loggers warn that a trial's progress file is missing in storage whenever its config changes (an
+    exploit in place) before the file is written: silenced."""
     if quiet:
         yield
         return
@@ -136,23 +139,19 @@ def _console(quiet: bool):
     # Tune's loggers: a trial's missing progress file (see above), and "the `X` operation took 1.1 s,
     # which may be a performance bottleneck" whenever the machine is busy (its trials' Train runs are
     # what keeps it busy; nothing to act on)
-    quieted = [logging.getLogger(name) for name in ("ray.tune.logger.logger", "ray.tune.utils.util")]
     ours = [logging.getLogger(name) for name in ("search.schedulers", "search.driver")]  # exploits, turns
-    levels = [log.level for log in quieted], [(log.level, log.propagate) for log in ours]
+    levels = [(log.level, log.propagate) for log in ours]
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    for log in quieted:
-        log.setLevel(logging.ERROR)
     for log in ours:
         log.setLevel(logging.INFO)
         log.addHandler(handler)
         log.propagate = False
     try:
-        yield
+        with quiet_logger("ray.tune.logger.logger"), quiet_logger("ray.tune.utils.util"):
+            yield
     finally:
-        for log, level in zip(quieted, levels[0]):
-            log.setLevel(level)
-        for log, (level, propagate) in zip(ours, levels[1]):
+        for log, (level, propagate) in zip(ours, levels):
             log.removeHandler(handler)
             log.level, log.propagate = level, propagate
         if env is None:
