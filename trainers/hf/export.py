@@ -89,7 +89,7 @@ def export(
         files, total = _write_weights(tmp, reader, cfg, torch_dtype, max_shard_size)
         tokenizer, notes = _write_tokenizer(tmp, data_path, checkpoint, cfg)
         eos = tokenizer.eos_id if tokenizer is not None else None
-        write_json_atomic(tmp / CONFIG_FILE, hf_config(cfg, _HF_DTYPE[torch_dtype], eos, None))
+        write_json_atomic(tmp / CONFIG_FILE, hf_config(cfg, _HF_DTYPE[torch_dtype], eos, None), indent=2)
         write_json_atomic(tmp / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos}, indent=2)
         if out_dir.exists():
             out_dir.rmdir()  # _check_out_dir: empty
