@@ -37,10 +37,10 @@ from raytrain_ext.cleanup import (
     train_controllers_of_this_job,
 )
 from raytrain_ext.reaper import Reaper
-from raytrain_ext.worker import FAILED_FILE, RAY_LOG_LEVEL, load_callback, train_fn
+from raytrain_ext.worker import FAILED_FILE, FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
-from trainers._base import ConfigError, NonFiniteLossError
-from trainers.checkpoint import CheckpointError, is_complete
+from trainers._base import ConfigError
+from trainers.checkpoint import is_complete
 from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
 from trainers.metrics import read_metrics
@@ -466,18 +466,12 @@ def _read_failed(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _as_error(failed: dict[str, Any]) -> Exception:
-    message = failed["message"]
-    known = {
-        "ConfigError": ConfigError,
-        "NonFiniteLossError": NonFiniteLossError,
-        "CheckpointError": CheckpointError,
-    }
-    if failed["type"] in known:
-        return known[failed["type"]](message)
-    where = "before the first checkpoint" if failed["kind"] == "early" else ""
+    """The error the driver raises for a FAILED.json record (`worker._write_failed`): by its kind."""
+    if failed["kind"] in FAILURE_KINDS:
+        return FAILURE_KINDS[failed["kind"]](failed["message"])
     return RunFailedError(
-        f"rank {failed['rank']} failed {where}: {failed['type']}: {message} (not retried: a restart would "
-        f"redo the same steps; traceback tail in {FAILED_FILE})"
+        f"rank {failed['rank']} failed before the first checkpoint: {failed['error']}: {failed['message']} "
+        f"(not retried: a restart would redo the same steps; traceback tail in {FAILED_FILE})"
     )
 
 

@@ -38,10 +38,10 @@ from trainers.trainer import Trainer, TrainerCallback
 
 __all__ = [
     "FAILED_FILE",
+    "FAILURE_KINDS",
     "LIVE_VALUES",
     "LatestMetrics",
     "ReportToRay",
-    "StopRun",
     "load_callback",
     "train_fn",
     "with_live_values",
@@ -53,10 +53,13 @@ LIVE_VALUES = "live_values.json"  # in the run dir: run-config values set while 
 # Errors every rank meets at the same point, which a restart would only meet again: they end the run.
 FATAL_ERRORS = (ConfigError, NonFiniteLossError)
 
-
-class StopRun(Exception):
-    """Raised by a TrainerCallback on every rank at the same step to end the run there on purpose (a Tune
-    segment's last step, after its checkpoint was reported): the workers return normally."""
+# FAILED.json's `kind` for the errors the driver raises again as themselves (`failure_of`); any other error
+# is "early" (before the run's first checkpoint: a restart would redo the same steps).
+FAILURE_KINDS: dict[str, type[Exception]] = {
+    "config": ConfigError,
+    "non_finite_loss": NonFiniteLossError,
+    "checkpoint": CheckpointError,
+}
 
 
 class LatestMetrics(TrainerCallback):
@@ -128,10 +131,12 @@ def load_callback(spec: str) -> TrainerCallback:
     return factory(**kwargs)
 
 
-def _write_failed(run_dir: Path, error: BaseException, kind: str) -> None:
+def _write_failed(run_dir: Path, error: BaseException) -> None:
+    """FAILED.json: the failure's kind (`FAILURE_KINDS`, else "early"), its message and traceback tail."""
+    kind = next((k for k, cls in FAILURE_KINDS.items() if isinstance(error, cls)), "early")
     record = {
         "kind": kind,
-        "type": type(error).__name__,
+        "error": type(error).__name__,  # for the message only
         "message": str(error),
         "traceback": traceback.format_exception(error)[-8:],
         "rank": int(os.environ.get("RANK", "0")),
@@ -169,15 +174,13 @@ def train_fn(config: dict[str, Any]) -> None:
     try:
         callbacks = [ReportToRay(), *(load_callback(spec) for spec in config.get("callbacks", []))]
         run_local(cfg, callbacks=callbacks, progress=False, hold_lock=False)
-    except StopRun:
-        return
     except FATAL_ERRORS as e:
         # Deterministic, reached by every rank at the same point: retrying cannot help.
         if ray.train.get_context().get_world_rank() == 0:
-            _write_failed(run_dir, e, "fatal")
+            _write_failed(run_dir, e)
         return
     except CheckpointError as e:
-        _write_failed(run_dir, e, "fatal")
+        _write_failed(run_dir, e)
         raise
     except Exception as e:
         if not had_checkpoint and not _has_checkpoint(cfg) and not lost_peer(e):
@@ -185,7 +188,7 @@ def train_fn(config: dict[str, Any]) -> None:
             # Not so where a peer was lost (its collective failed here): Ray restarts the group, from the
             # start. With checkpoints written in the background the first commit lands a few steps after
             # the step it holds, and a worker lost in between failed the whole run before this.
-            _write_failed(run_dir, e, "early")
+            _write_failed(run_dir, e)
         raise
 
 

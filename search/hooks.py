@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raytrain_ext.worker import LatestMetrics, StopRun
+from raytrain_ext.worker import LatestMetrics
 from trainers.checkpoint_files import checkpoint_step
-from trainers.config import with_values
 from trainers.trainer import Trainer, TrainerCallback
 
-__all__ = ["ApplySchedule", "StopAtStep", "WaitAtGate", "apply_live"]
+__all__ = ["ApplySchedule", "StopAtStep", "WaitAtGate"]
 
 
 class StopAtStep(TrainerCallback):
@@ -25,7 +24,7 @@ class StopAtStep(TrainerCallback):
 
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
         if checkpoint_step(path) >= self.step:
-            raise StopRun(f"segment ends at step {checkpoint_step(path)}")
+            trainer.request_stop(f"segment ends at step {checkpoint_step(path)}")
 
 
 class WaitAtGate(LatestMetrics):
@@ -69,12 +68,11 @@ class WaitAtGate(LatestMetrics):
         except (ValueError, ray.exceptions.RayActorError):  # the trial is gone
             answer = "stop"
         if isinstance(answer, dict):  # an exploit: the trial installed the donor's checkpoint as our newest
-            cfg = with_values(trainer.cfg, answer["values"])
             extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
             self.branch = answer["branch"]
-            trainer.load_in_place(Path(answer["checkpoint"]), cfg, donor=answer["donor"], **extra)
+            trainer.load_in_place(Path(answer["checkpoint"]), answer["values"], donor=answer["donor"], **extra)
         elif answer != "go":
-            raise StopRun(f"the trial stopped the run at step {step}")
+            trainer.request_stop(f"the trial stopped the run at step {step}")
 
 
 class ApplySchedule(TrainerCallback):
@@ -87,20 +85,9 @@ class ApplySchedule(TrainerCallback):
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step in self.changes:  # restored exactly at a change
-            apply_live(trainer, self.changes[trainer.step])
+            trainer.set_hparams(self.changes[trainer.step])
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if trainer.step in self.changes:
-            apply_live(trainer, self.changes[trainer.step])
+            trainer.set_hparams(self.changes[trainer.step])
 
-
-def apply_live(trainer: Trainer, values: dict[str, Any]) -> None:
-    """Set optimizer.* and schedule.* keys on a running Trainer, as a restore with a new config would
-    (`Engine.apply_hparams` writes them into the optimizer; the schedule is closed-form)."""
-    for key in values:
-        if not key.startswith(("optimizer.", "schedule.")):
-            raise ValueError(f"{key} cannot change during a run (only optimizer.* and schedule.*)")
-    cfg = with_values(trainer.cfg, values)
-    trainer.cfg = cfg
-    trainer.engine.apply_hparams(cfg.optimizer)
-    trainer.schedule.cfg = cfg.schedule

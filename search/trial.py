@@ -50,6 +50,7 @@ from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
 from search.tracking import in_place_tags, trial_tracking
 from trainers.checkpoint_files import STEP_DIR, install_checkpoint, link_tree
+from trainers.config import HPARAM_PREFIXES
 from trainers.metrics import read_metrics
 from trainers.storage import location, remove_tree, write_text_atomic
 
@@ -58,7 +59,6 @@ __all__ = ["META", "PINS", "Gate", "TrialRun"]
 META = "meta.json"
 PINS = "pins"  # in the trial's folder: the step folders its Tune checkpoints point at (hard links)
 LIVE_VALUES = "live_values.json"  # raytrain_ext.worker.LIVE_VALUES (not imported: it imports torch)
-_LIVE_KEYS = ("optimizer.", "schedule.")  # what a running Trainer can take on (Trainer.load_in_place)
 
 
 @dataclass
@@ -241,7 +241,7 @@ class TrialRun(tune.Trainable):
         self.hparams = values
         donor_dir = pin / meta["step_dir"]
         live = self.runner is not None and self.error is None
-        if live and self.runner.waits_at(step) and all(k.startswith(_LIVE_KEYS) for k in changed):
+        if live and self.runner.waits_at(step) and all(k.startswith(HPARAM_PREFIXES) for k in changed):
             self.runner.load(donor_dir, values, meta["trial"], step, in_place_tags(self.exp, self.trial_id))
         elif self.runner is not None:  # a value a running Trainer cannot take on: a new run from the donor
             self.runner.stop()

@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "HPARAM_PREFIXES",
     "MULTI_STAGE_SCHEDULES",
     "MemoryConfig",
     "ModelConfig",
@@ -56,6 +57,7 @@ __all__ = [
     "TrainConfig",
     "TrackingConfig",
     "apply_overrides",
+    "check_hparam_keys",
     "check_layout",
     "load_config",
     "num_stages",
@@ -528,6 +530,20 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_one_line(e, RunConfig)) from None
+
+
+# What a running trainer can take on (`Trainer.set_hparams`): a PBT exploit's, a replay's, live values.
+HPARAM_PREFIXES = ("optimizer.", "schedule.")
+
+
+def check_hparam_keys(values: dict[str, Any]) -> None:
+    """ConfigError naming the keys of `values` that a running trainer cannot take on."""
+    fixed = sorted(k for k in values if not k.startswith(HPARAM_PREFIXES))
+    if fixed:
+        raise ConfigError(
+            f"{', '.join(fixed)} cannot change in a running trainer (only optimizer.* and schedule.*); fix: "
+            f"start a new run from the checkpoint"
+        )
 
 
 def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainers._base import NonFiniteLossError, flat_keys
+from trainers._base import NonFiniteLossError
 from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
-from trainers.config import ConfigError, RunConfig
+from trainers.config import ConfigError, RunConfig, check_hparam_keys, with_values
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.fit import fit_for_this_rank
 from trainers.hf.pretrained import load_pretrained, materialize
@@ -56,6 +56,7 @@ class FitResult:
     train_loss: float | None
     val_loss: float | None
     checkpoint: Path | None
+    stopped: str | None = None  # why a callback ended the run before train.steps (`Trainer.request_stop`)
 
 
 class Trainer:
@@ -103,8 +104,10 @@ class Trainer:
         )
         self.profiler = build_profiler(cfg.profile, self.run_dir, self.device)
         self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
+        self.stop_reason: str | None = None
         self._restore(*resume)
-        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
+        if resume[0] is None:
+            self.set_hparams({})  # the learning-rate schedule (a restore sets it up itself)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     # ------------------------------------------------------------------------------------------ build
@@ -155,25 +158,34 @@ class Trainer:
             )
         return None, skipped, time.perf_counter() - start
 
-    def load_in_place(self, path: Path, cfg: RunConfig, **event: Any) -> None:
-        """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
-        donor's weights, optimizer state, data position, RNG and step), with `cfg`'s hyperparameters applied
-        to the restored optimizer and schedule: exactly a resume from `path` with `cfg`, without a new
-        process, model build or process group. Emits an `exploit` event (with `event`'s fields), not a
-        `resume`: the run did not start again."""
-        new, old = flat_keys(cfg.model_dump(mode="json")), flat_keys(self.cfg.model_dump(mode="json"))
-        live = ("optimizer.", "schedule.")
-        fixed = [k for k in sorted(new.keys() | old.keys()) if not k.startswith(live) and new.get(k) != old.get(k)]
-        if fixed:
-            raise ConfigError(
-                f"{', '.join(sorted(fixed))} cannot change in a running trainer (only optimizer.* and "
-                f"schedule.*); fix: start a new run from the checkpoint"
-            )
+    def set_hparams(self, values: dict[str, Any]) -> None:
+        """The one way a running trainer's hyperparameters change (a restore, a PBT exploit, a replayed
+        schedule, live values): dotted `optimizer.*` and `schedule.*` run-config keys, validated with the
+        whole config, written into the optimizer's param groups (`Engine.apply_hparams`) and the learning-rate
+        schedule (closed-form in the step). `{}` re-applies the current ones (over a restored optimizer's)."""
+        check_hparam_keys(values)
+        cfg = with_values(self.cfg, values) if values else self.cfg
         self.cfg = cfg
+        self.engine.apply_hparams(cfg.optimizer)
+        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
+
+    def load_in_place(self, path: Path, values: dict[str, Any], **event: Any) -> None:
+        """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
+        donor's weights, optimizer state, data position, RNG and step), with the hyperparameters `values`
+        (dotted keys, `set_hparams`) applied to the restored optimizer and schedule: exactly a resume from
+        `path` with those values, without a new process, model build or process group. Emits an `exploit`
+        event (with `event`'s fields), not a `resume`: the run did not start again."""
+        check_hparam_keys(values)
         # The records this run made after its reported checkpoint belong to the branch the exploit abandons.
         branch = checkpoint_step(self.last_checkpoint) if self.last_checkpoint is not None else None
+        self.cfg = with_values(self.cfg, values)  # applied by the restore, over the donor's optimizer state
         self._restore(location(path), [], event="exploit", branch=branch, **event)
-        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
+
+    def request_stop(self, reason: str) -> None:
+        """Ends the run at the next step boundary on purpose (a Tune segment's last step, a trial stopped by
+        its scheduler): `fit()` returns with `FitResult.stopped = reason` after no further step or save (a
+        save in flight commits first). Called from a callback, on every rank at the same step."""
+        self.stop_reason = reason
 
     def _restore(
         self,
@@ -199,7 +211,7 @@ class Trainer:
         start = time.perf_counter()
         trainer_state, rng = self.checkpointer.load(path, state)
         restore_s = time.perf_counter() - start
-        self.engine.apply_hparams(self.cfg.optimizer)  # hyperparameters may differ from the saved run
+        self.set_hparams({})  # this run's hyperparameters over the saved optimizer's (which may differ)
         self.step = int(trainer_state["step"])
         self.bad_steps = int(trainer_state.get("bad_steps", 0))
         self.engine.load_extra_state(trainer_state.get("engine", {}))
@@ -244,10 +256,12 @@ class Trainer:
         status = "KILLED"  # for trackers: stopped (Ctrl-C, a lost worker, a Tune trial's end), may go on
         hold_freed_heap()  # on CPU, glibc would hand each step's activations back and fault them in again
         try:
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and self.stop_reason is None:
                 record = self.train_step()
                 if self._collect(wait=False):  # a background save committed; its report loaded another
                     continue  # checkpoint in place (a PBT exploit): go on from that step, nothing else here
+                if self.stop_reason is not None:  # a callback asked (after this step, or at a commit)
+                    break
                 train_loss = record["loss"] if math.isfinite(record["loss"]) else train_loss
                 done = self.step == cfg.train.steps
                 if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
@@ -265,7 +279,10 @@ class Trainer:
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             lr=f"{record['lr']:.2e}",
                         )
-            status = "FINISHED"
+            if self.stop_reason is None:
+                status = "FINISHED"
+            else:  # stopped on purpose: the save in flight (if any) commits first, without a report
+                self._stop_with_save_in_flight(None)
         except (NonFiniteLossError, ConfigError, CheckpointError) as e:
             status = "FAILED"
             self._stop_with_save_in_flight(e)
@@ -279,7 +296,7 @@ class Trainer:
             self.profiler.close()
             self.log.close(status)
             release_freed_heap()
-        return FitResult(self.run_dir, self.step, train_loss, val_loss, self.last_checkpoint)
+        return FitResult(self.run_dir, self.step, train_loss, val_loss, self.last_checkpoint, self.stop_reason)
 
     def train_step(self) -> dict[str, Any]:
         cfg, step = self.cfg, self.step
@@ -381,7 +398,7 @@ class Trainer:
     def save(self) -> Path | None:
         """Collective: a checkpoint of the current step, returned once committed (its event written, its
         callbacks run), in either `checkpoint.mode`. None when the commit of a save before it had a callback
-        load another checkpoint in place (a PBT exploit), so that there was nothing of this step to save."""
+        load another checkpoint in place (a PBT exploit) or stop the run, so that there was nothing to save."""
         if not self._start_save():
             return None
         self._collect(wait=True)
@@ -393,7 +410,7 @@ class Trainer:
         in flight: this one waits for the one before to commit (`wait_s`). False when that commit's callbacks
         loaded another checkpoint in place (an exploit): nothing is saved then."""
         start = time.perf_counter()
-        if self._collect(wait=True):
+        if self._collect(wait=True) or self.stop_reason is not None:
             return False
         wait_s = time.perf_counter() - start
         trainer_state = {
@@ -434,22 +451,24 @@ class Trainer:
         for cb in self.callbacks if callbacks else ():
             cb.after_checkpoint(self, committed.path)
 
-    def _stop_with_save_in_flight(self, error: BaseException) -> None:
-        """Stopping on `error` with a save in flight: on one process, or an error every rank meets at the same
-        point, wait for its commit (it is then the resume point); else (a lost peer could hold its barriers
-        forever) leave it: it commits if its writer still can, and is never loaded if not. Says which."""
+    def _stop_with_save_in_flight(self, error: BaseException | None) -> None:
+        """Stopping on `error` (None: on request, `request_stop`) with a save in flight: on one process, on
+        request, or on an error every rank meets at the same point, wait for its commit (it is then the resume
+        point); else (a lost peer could hold its barriers forever) leave it: it commits if its writer still
+        can, and is never loaded if not. Says which."""
         step = self.checkpointer.in_flight
         if step is None:
             return
-        why = type(error).__name__
-        if self.engine.world_size == 1 or isinstance(error, (NonFiniteLossError, ConfigError)):
+        why = "stop requested" if error is None else type(error).__name__
+        together = error is None or isinstance(error, (NonFiniteLossError, ConfigError))
+        if self.engine.world_size == 1 or together:
             try:
                 committed = self.checkpointer.collect(wait=True)
             except CheckpointError as e:
                 self._say(f"stopping ({why}): the save of step {step} failed ({e})")
                 return
             if committed is not None:
-                self._on_commit(committed, callbacks=False)  # no report: the run is stopping on an error
+                self._on_commit(committed, callbacks=False)  # no report: the run is stopping
                 self._say(f"stopping ({why}): waited for the save of step {step}, committed: {committed.path}")
             return
         self.checkpointer.abandon()

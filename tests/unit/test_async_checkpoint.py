@@ -143,6 +143,30 @@ def test_ctrl_c_with_a_save_in_flight_waits_for_its_commit_on_one_process(tiny_c
     assert resumed.step == 4
 
 
+class _StopAt(TrainerCallback):
+    """Asks the trainer to stop after `step` (as a Tune trial's hook does), releasing a held write then."""
+
+    def __init__(self, step: int, release: threading.Event) -> None:
+        self.step, self.release = step, release
+
+    def after_step(self, trainer: Trainer, record) -> None:
+        if trainer.step == self.step:
+            self.release.set()
+            trainer.request_stop(f"asked at step {self.step}")
+
+
+def test_a_stop_request_ends_fit_after_its_step_with_the_save_in_flight_committed(tiny_config, capsys):
+    cfg = tiny_config(train={"steps": 20}, checkpoint={"every": 4})
+    hook = _GatedWrites(hold=4, release=10**6)  # only the stop request releases it
+    result = Trainer(cfg, callbacks=[hook, _StopAt(6, hook.gate)], progress=False).fit()
+    assert result.stopped == "asked at step 6" and result.step == 6, "returned, no exception, no step after 6"
+    assert result.checkpoint is not None and result.checkpoint.name == "step_00000004"
+    assert "stopping (stop requested): waited for the save of step 4, committed" in capsys.readouterr().out
+    assert [r["step"] for r in _records(cfg.out_dir, "train")] == list(range(1, 7))
+    assert [e["step"] for e in _records(cfg.out_dir, "event") if e["event"] == "checkpoint"] == [4]
+    assert Trainer(cfg, progress=False).step == 4, "the committed save is the resume point"
+
+
 def _flip_a_byte(path) -> None:
     victim = max(path.rglob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())

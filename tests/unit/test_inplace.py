@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
+from trainers._base import ConfigError
 from trainers.checkpoint_files import COMMITTED, checkpoint_step, install_checkpoint
-from trainers.config import with_values
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback
 
@@ -28,7 +29,7 @@ class _ExploitAt(TrainerCallback):
         if checkpoint_step(path) == self.step and not self.done:
             self.done = True
             installed = install_checkpoint(trainer.run_dir / "checkpoints", self.donor)
-            trainer.load_in_place(installed, with_values(trainer.cfg, {"optimizer.lr": NEW_LR}), donor="d")
+            trainer.load_in_place(installed, {"optimizer.lr": NEW_LR}, donor="d")
 
 
 def _rows(run_dir, kind="train"):
@@ -91,3 +92,14 @@ def test_install_makes_the_donor_newest_and_removes_own_checkpoints_from_its_ste
     assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000010"], "no staging left"
     assert (installed / "shard.distcp").read_text() == "donor 10"
     assert os.stat(installed / "shard.distcp").st_ino == os.stat(donor / "shard.distcp").st_ino, "linked"
+
+
+def test_set_hparams_is_the_one_way_hyperparameters_change_and_refuses_the_rest(tiny_config):
+    trainer = Trainer(tiny_config("live", train={"steps": 4}, schedule={"name": "constant"}), progress=False)
+    trainer.set_hparams({"optimizer.lr": 0.25, "schedule.name": "warmup_linear", "schedule.warmup_steps": 2})
+    assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.schedule.name == "warmup_linear"
+    assert {g["initial_lr"] for g in trainer.engine.param_groups} == {0.25}, "written into the optimizer"
+    assert trainer.schedule.apply(0) == 0.25 / 2, "and the schedule: warmup step 1 of 2"
+    with pytest.raises(ConfigError, match=r"^model\.dim, train\.steps cannot change in a running trainer"):
+        trainer.set_hparams({"train.steps": 8, "model.dim": 64, "optimizer.lr": 0.5})
+    assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.train.steps == 4, "a refused change changes nothing"

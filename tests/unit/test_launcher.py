@@ -122,3 +122,29 @@ def test_a_lost_peers_collective_error_is_not_a_failure_of_the_rank_itself():
     assert lost_peer(gloo)
     assert not lost_peer(RuntimeError("injected failure at step 3"))
     assert not lost_peer(ValueError("shape mismatch"))
+
+
+def test_a_failure_is_recorded_by_its_kind_and_raised_again_as_itself(tmp_path):
+    import json
+
+    from raytrain_ext.launcher import RunFailedError, _as_error, _read_failed
+    from raytrain_ext.worker import FAILED_FILE, _write_failed
+    from trainers._base import NonFiniteLossError
+    from trainers.checkpoint import CheckpointError
+
+    class ConfigErrorOfAPlugin(ConfigError):  # a subclass is still a config failure: no class names involved
+        pass
+
+    cases = [
+        (ConfigErrorOfAPlugin("data.path: missing; fix: ..."), "config", ConfigError),
+        (NonFiniteLossError("loss is nan at step 3"), "non_finite_loss", NonFiniteLossError),
+        (CheckpointError("step_00000004: damaged"), "checkpoint", CheckpointError),
+        (ZeroDivisionError("division by zero"), "early", RunFailedError),
+    ]
+    for error, kind, raised in cases:
+        _write_failed(tmp_path, error)
+        record = json.loads((tmp_path / FAILED_FILE).read_text())
+        assert record["kind"] == kind
+        again = _as_error(_read_failed(tmp_path))
+        assert type(again) is raised and str(error) in str(again)
+    assert "ZeroDivisionError: division by zero" in str(again) and "before the first checkpoint" in str(again)

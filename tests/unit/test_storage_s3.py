@@ -160,11 +160,11 @@ def test_a_run_in_a_bucket_resumes_with_the_losses_of_a_local_run(s3, s3_corpus,
     bucket = s3.make_bucket()
     uri = f"s3://{bucket}/runs/tiny"
     raw, _ = _run_yaml(tmp_path, s3_corpus, uri)
-    from raytrain_ext.worker import StopRun
     from search.hooks import StopAtStep
 
-    with pytest.raises(StopRun):  # ends right after the commit of step 4 (checkpoints at 2 and 4)
-        run_local(parse_config(raw), callbacks=[StopAtStep(4)], progress=False)
+    # Ends right after the commit of step 4 (checkpoints at 2 and 4), on the callback's request.
+    stopped = run_local(parse_config(raw), callbacks=[StopAtStep(4)], progress=False)
+    assert stopped.stopped and stopped.checkpoint.name == "step_00000004"
     result = run_local(parse_config(raw), progress=False)  # the same command again: on to step 8
     assert result.step == 8 and str(result.checkpoint) == f"{uri}/checkpoints/step_00000008"
     rows = read_metrics(location(uri) / "metrics.jsonl")
