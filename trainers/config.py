@@ -117,7 +117,7 @@ class MemoryConfig(StrictModel):
     # logits (trainers/loss.py); 0 = whole logits
     loss_chunk: NonNegativeInt = 0
     # auto: before the model is built, choose micro-batch size, activation checkpointing and loss chunking
-    # from the planner so the step fits `device_memory` (the global batch is kept; trainers/fit.py)
+    # from the planner so the step fits `device_memory` (the global batch is kept; trainers/autofit.py)
     fit: Literal["off", "auto"] = "off"
     # what memory.fit may plan for, per rank, e.g. 80GiB or 512MiB; unset: the device's own figure (CUDA:
     # its total memory; CPU: the memory available now, shared by this node's ranks)

@@ -24,7 +24,7 @@ SwiGLU saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) wh
 Leaner steps: a chunked loss (`memory.loss_chunk`) keeps no logits, only the gradients it made in forward
 (d hidden, d head weight) and one chunk's fp32 logits at a time; selective checkpointing keeps each block's
 input and its matmul and attention outputs (`selective_saved_bytes`); a fused optimizer step makes no
-temporaries. `trainers.fit` asks this planner which of them a run needs (`memory.fit: auto`).
+temporaries. `trainers.autofit` asks this planner which of them a run needs (`memory.fit: auto`).
 
 The layout (pp x dp x tp, ep inside dp, the step's micro-batches) is `trainers.layout.ParallelLayout.of`'s:
 a layout the workers would refuse is refused here with their line. Parameters are counted by
@@ -848,7 +848,7 @@ def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "c
                    ) -> list[tuple[dict[str, Any], str, float]]:
     """The changes that lower the activations' peak without touching the model states, each alone, as
     (settings, why, predicted extra step time as a fraction), cheapest on `device_type` first: the one list
-    `memory.fit: auto` (trainers/fit.py) combines and `plan_run` explains. The global batch is kept."""
+    `memory.fit: auto` (trainers/autofit.py) combines and `plan_run` explains. The global batch is kept."""
     out: list[tuple[dict[str, Any], str]] = []
     if not cfg.memory.loss_chunk:
         chunk = chunk_tokens(cfg.model.vocab_size, device_type)

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from trainers._base import NonFiniteLossError, flat_keys
+from trainers.autofit import fit_for_this_rank
 from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
 from trainers.config import ConfigError, RunConfig
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
-from trainers.fit import fit_for_this_rank
 from trainers.hf.pretrained import load_pretrained, materialize
 from trainers.host_memory import hold_freed_heap, release_freed_heap
 from trainers.loss import lm_loss
