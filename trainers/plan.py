@@ -350,9 +350,9 @@ def _in_flight(lay: ParallelLayout, r: int) -> float:
     p, v, m = lay.pp, lay.virtual_stages, lay.microbatches
     if p == 1:
         return 1.0
-    if lay.schedule == "gpipe":
+    if lay.pipeline_schedule == "gpipe":
         return float(m)
-    if lay.schedule in ("interleaved_1f1b", "interleaved_zb"):
+    if lay.pipeline_schedule in ("interleaved_1f1b", "interleaved_zb"):
         return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
     return float(min(m, p - r))
 
@@ -713,7 +713,7 @@ def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -
     if lay.ep > 1:
         out.append("experts are kept out of FSDP and whole on their ep rank")
     if lay.pp > 1:
-        out.append(f"pipeline: {lay.schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
+        out.append(f"pipeline: {lay.pipeline_schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
     if lay.tp > 1:
         out.append(f"tensor parallelism over {lay.tp} ranks with sequence parallelism: norms and the residual "
                    f"stream on 1/tp of the tokens; heads, FFN/expert hidden units and the vocabulary split; the "
@@ -725,7 +725,7 @@ def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -
 def layout_dict(lay: ParallelLayout) -> dict[str, Any]:
     """The layout's degrees and step arithmetic, as `raytrain plan --json` reports them."""
     return {"world_size": lay.world_size, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "ep": lay.ep, "edp": lay.edp,
-            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "num_stages": lay.num_stages,
+            "schedule": lay.pipeline_schedule, "virtual_stages": lay.virtual_stages, "num_stages": lay.num_stages,
             "microbatches": lay.microbatches, "microbatch_size": lay.microbatch_size,
             "accumulation": lay.accumulation}
 

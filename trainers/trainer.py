@@ -104,8 +104,17 @@ class Trainer:
         self.profiler = build_profiler(cfg.profile, self.run_dir, self.device)
         self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
         self._restore(*resume)
-        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
+        self.lr_schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+
+    @property
+    def schedule(self) -> LRSchedule:
+        """The learning-rate schedule under its former name (`lr_schedule`)."""
+        return self.lr_schedule
+
+    @schedule.setter
+    def schedule(self, value: LRSchedule) -> None:  # load_in_place still assigns the former name
+        self.lr_schedule = value
 
     # ------------------------------------------------------------------------------------------ build
 
@@ -290,7 +299,7 @@ class Trainer:
         micro_batches = np.split(
             shard_for_rank(sample_ids, self.engine.dp_rank, self.engine.dp_size), self.accum
         )
-        lr = self.schedule.apply(step)
+        lr = self.lr_schedule.apply(step)
         self.engine.zero_grad()
         data_s = [0.0]  # the engine pulls micro-batches as it goes: their loading is timed one by one
         t_fb = time.perf_counter()

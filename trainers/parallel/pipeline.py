@@ -47,7 +47,7 @@ from trainers.parallel.parallelize import parallelize
 
 __all__ = ["PipelineEngine", "PartitionedState", "block_costs", "split_stages"]
 
-SCHEDULES = {
+PIPELINE_SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -125,7 +125,7 @@ class PipelineEngine(FSDPEngine):
         self.optimizer = build_optimizer(model, cfg.optimizer)
         self.n_microbatches, self.microbatch_size = lay.microbatches, lay.microbatch_size
         self.stages = [self._stage(part, s, cfg) for part, s in zip(parts, self.stage_ids)]
-        self.schedule = self._schedule(cfg.parallel.pipeline_schedule)
+        self.pipeline_schedule = self._build_pipeline_schedule(cfg.parallel.pipeline_schedule)
 
     def fsdp_roots(self) -> list[nn.Module]:
         return self.parts  # the stage roots: together they hold every module this rank keeps
@@ -160,8 +160,8 @@ class PipelineEngine(FSDPEngine):
             group=self.pp_group,
         )
 
-    def _schedule(self, name: str) -> Any:
-        cls = SCHEDULES[name]
+    def _build_pipeline_schedule(self, name: str) -> Any:
+        cls = PIPELINE_SCHEDULES[name]
         stages = self.stages[0] if name in _SINGLE_STAGE else self.stages
         try:
             return cls(stages, n_microbatches=self.n_microbatches, loss_fn=self._loss)
@@ -187,7 +187,7 @@ class PipelineEngine(FSDPEngine):
         target = targets if self.has_last else None
         kwargs = {"targets": targets} if self.loss_in_stage else {}  # split into micro-batches as inputs are
         with self.loss_context():  # the schedule runs each loss's backward inside it
-            self.schedule.step(
+            self.pipeline_schedule.step(
                 *args,
                 target=target,
                 losses=losses if self.has_last else None,
