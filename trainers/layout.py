@@ -268,10 +268,6 @@ class ParallelLayout:
         self.mesh()
         return self._mesh[1]
 
-    def ep_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of this rank's expert group (ep consecutive data-parallel ranks)."""
-        return self.mesh()["ep"]
-
     def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D mesh of this rank's tensor-parallel group (None without tensor parallelism)."""
         return self.mesh()["tp"] if self.tp > 1 else None

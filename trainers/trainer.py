@@ -122,14 +122,14 @@ class Trainer:
         # Same seed, same init, whatever the world size; parallelism is applied from outside, by the engine's
         # setup (trainers/parallel/parallelize.py: TP -> activation checkpointing -> EP -> FSDP).
         torch.manual_seed(self.cfg.seed)
+        chunk = self.cfg.memory.loss_chunk
         if pretrained is None:
-            model = build_model(self.cfg.model)
+            model = build_model(self.cfg.model, loss_chunk=chunk)
         else:  # meta first: an engine that shards allocates only its shards (see trainers/hf/pretrained.py)
-            model = build_model(self.cfg.model, device="meta")
+            model = build_model(self.cfg.model, device="meta", loss_chunk=chunk)
             if not self.engine.shards_meta_models:
                 materialize([model], torch.get_default_device())
                 load_pretrained(model, pretrained)
-        model.loss_chunk = self.cfg.memory.loss_chunk
         return model
 
     def _resume_candidates(self) -> list[Path]:
@@ -303,7 +303,7 @@ class Trainer:
         self.engine.zero_grad()
         data_s = [0.0]  # the engine pulls micro-batches as it goes: their loading is timed one by one
         t_fb = time.perf_counter()
-        loss = self.engine.forward_backward(self._batches(micro_batches, data_s), self.accum, lm_loss)
+        loss = self.engine.forward_backward(self._batches(micro_batches, data_s), self.accum)
         with span("communication"):
             loss_value = float(self.engine.reduce_mean(loss))
         t_opt = time.perf_counter()
@@ -379,7 +379,7 @@ class Trainer:
         )
         chunks = np.array_split(ids, max(len(ids) // cfg.train.micro_batch_size, 1))
         batches = (tuple(t.to(self.device) for t in self.val_data.get(chunk)) for chunk in chunks)
-        total = self.engine.eval_loss(batches, lm_loss)
+        total = self.engine.eval_loss(batches)
         val_loss = float(self.engine.reduce_mean(total / len(ids)))
         record = {"val_loss": val_loss}
         self._emit("eval", **record)

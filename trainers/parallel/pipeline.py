@@ -10,7 +10,8 @@ the way torchtitan composes them (`distributed/pipeline_parallel.py`):
 3. the same parallelize steps as without a pipeline run on the kept part: experts sharded over ep, then
    FSDP2 per block and per stage root over this stage's dp ranks; the optimizer over all of it;
 4. a schedule (GPipe, 1F1B, Interleaved 1F1B, Interleaved zero-bubble, ZBV zero-bubble) runs each
-   step's microbatches; the last stage's loss goes to every rank of the pipeline.
+   step's microbatches; the last stage's loss (`lm_loss` over its logits, or the model's own chunked loss
+   inside the stage) goes to every rank of the pipeline.
 
 The kept part keeps the whole model's parameter names (`layers.N...`), so checkpoints are the same
 DCP folders as without a pipeline and load at another dp, pp or ep (DCP reshards by name).
@@ -38,10 +39,11 @@ from trainers._base import ConfigError
 from trainers.checkpoint import ModelOptimizerState
 from trainers.config import ModelConfig, OptimizerConfig, RunConfig
 from trainers.layout import SPLIT_BACKWARD_SCHEDULES, ParallelLayout, block_costs, split_stages
+from trainers.loss import lm_loss
 from trainers.models import Transformer, build_model
 from trainers.models.moe import reset_moe_stats, set_aux_grad_scale
 from trainers.optim import build_optimizer
-from trainers.parallel.engine import Batch, LossFn, plain
+from trainers.parallel.engine import Batch, plain
 from trainers.parallel.native import FSDPEngine, ShardedPrecision, fsdp_options, on_meta
 from trainers.parallel.parallelize import parallelize
 
@@ -61,13 +63,12 @@ def _stage_module(part: Transformer, layer_ids: list[int], first: bool, last: bo
     """A `Transformer` over modules of `part` (shared, not copied): blocks `layer_ids`, the embedding
     when `first`, the final norm and head when `last` (see Transformer's docstring on stages)."""
     with torch.device("meta"):
-        stage = Transformer(part.cfg)
+        stage = Transformer(part.cfg, loss_chunk=part.loss_chunk)
     stage.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in layer_ids})
     stage.embed_tokens = part.embed_tokens if first else None
     stage.norm = part.norm if last else None
     stage.lm_head = part.lm_head if last else None
     stage.rope_cos, stage.rope_sin = part.rope_cos, part.rope_sin
-    stage.loss_chunk = part.loss_chunk
     return stage
 
 
@@ -173,10 +174,9 @@ class PipelineEngine(FSDPEngine):
 
     # ------------------------------------------------------------------------------------------ step
 
-    def forward_backward(self, batches: Iterable[Batch], count: int, loss_fn: LossFn) -> torch.Tensor:
+    def forward_backward(self, batches: Iterable[Batch], count: int) -> torch.Tensor:
         """The whole step's batch through the schedule, split into `n_microbatches`; returns the mean
         loss, from the last stage, on every rank of the pipeline."""
-        self._loss_fn = loss_fn
         reset_moe_stats(self.model)
         # The schedule divides every gradient by n_microbatches after the last backward: the aux losses'
         # gradient must not be divided before (each microbatch's task loss is not either).
@@ -204,7 +204,7 @@ class PipelineEngine(FSDPEngine):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.loss_in_stage:  # the last stage returned its loss already
             return output
-        return self._loss_fn(self._logits(output), target)
+        return lm_loss(self._logits(output), target)
 
     def _logits(self, output: torch.Tensor) -> torch.Tensor:
         """The last stage's output as the loss takes it: with tensor parallelism, this rank's vocabulary
@@ -220,7 +220,7 @@ class PipelineEngine(FSDPEngine):
         return value
 
     @torch.no_grad()
-    def eval_loss(self, batches: Iterable[Batch], loss_fn: LossFn) -> torch.Tensor:
+    def eval_loss(self, batches: Iterable[Batch]) -> torch.Tensor:
         """Forward only, stage by stage, without a schedule (validation batches may differ in size from
         the training microbatches the schedule's buffers are sized for). Activations travel in fp32."""
         self.model.eval()
@@ -245,7 +245,7 @@ class PipelineEngine(FSDPEngine):
                     )
             if self.has_last:
                 with self.loss_context():
-                    loss = h if self.loss_in_stage else loss_fn(self._logits(h), targets)
+                    loss = h if self.loss_in_stage else lm_loss(self._logits(h), targets)
                     total += plain(loss) * len(inputs)
         self.model.train()
         return self._from_last_stage(total)
