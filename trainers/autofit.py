@@ -110,10 +110,10 @@ def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: 
         return choice
     fitting, smallest = [], (planned, {})
     for sets in _combinations(memory_ladder(cfg, world_size, device_type)):
-        planned = replan(raw, sets, world_size, device_type)
-        if planned is None:  # e.g. a micro-batch the layout refuses (pipeline microbatches)
+        replanned = replan(raw, sets, world_size, device_type)
+        if replanned is None:  # e.g. a micro-batch the layout refuses (pipeline microbatches)
             continue
-        trial, peak = planned
+        trial, peak = replanned
         smallest = min(smallest, (peak, sets), key=lambda p: p[0])
         if peak <= usable:
             fitting.append((predicted_step_s(trial, world_size, device_type), peak, len(sets), trial, sets))
