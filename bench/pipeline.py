@@ -104,8 +104,8 @@ class ActionLog:
             self._wrap(stage, "forward_one_chunk", "F", stage.stage_index)
             self._wrap(stage, "backward_one_chunk", "B", stage.stage_index)
             self._wrap(stage, "backward_weight_one_chunk", "W", stage.stage_index)
-        self._wrap(engine.schedule, "_loss_fn", "L", engine.num_stages - 1)
-        step = engine.schedule.step
+        self._wrap(engine.pipeline_schedule, "_loss_fn", "L", engine.num_stages - 1)
+        step = engine.pipeline_schedule.step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -114,7 +114,7 @@ class ActionLog:
                 self.steps.append((t0, time.perf_counter()))
             return out
 
-        engine.schedule.step = timed_step
+        engine.pipeline_schedule.step = timed_step
 
     def _wrap(self, obj: Any, method: str, kind: str, stage: int) -> None:
         original = getattr(obj, method)

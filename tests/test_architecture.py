@@ -76,7 +76,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the engines that run a step over the layout (DDP, FSDP2, pipeline, DeepSpeed) and what they apply
     ("parallel", ("trainers.parallel.*",)),
     # memory arithmetic before anything starts, and memory.fit: auto, which asks it
-    ("plan", ("trainers.plan", "trainers.fit")),
+    ("plan", ("trainers.plan", "trainers.autofit")),
     # one run: the training loop, and the export of its checkpoints as a Hugging Face folder
     ("trainer", ("trainers.trainer", "trainers.hf.export")),
     # starting runs without Ray: one process or torchrun

@@ -52,6 +52,7 @@ __all__ = [
     "ProfileConfig",
     "RunConfig",
     "SPLIT_BACKWARD_SCHEDULES",
+    "LRScheduleConfig",
     "ScalingConfig",
     "ScheduleConfig",
     "TrainConfig",
@@ -91,7 +92,8 @@ class OptimizerConfig(StrictModel):
         return self
 
 
-class ScheduleConfig(StrictModel):
+# The learning-rate schedule: the run YAML's `schedule:` section (parallel.pipeline_schedule is the pipeline's).
+class LRScheduleConfig(StrictModel):
     name: Literal["constant", "warmup_cosine", "warmup_linear", "inverse_sqrt", "exponential", "step"] = (
         "warmup_cosine"
     )
@@ -100,6 +102,9 @@ class ScheduleConfig(StrictModel):
     decay_steps: PositiveInt | None = None  # cosine/linear: None = train.steps - warmup_steps
     gamma: float = Field(0.5, gt=0, le=1)  # exponential (per step_size steps) and step
     step_size: PositiveInt = 100  # exponential and step
+
+
+ScheduleConfig = LRScheduleConfig  # the name before the learning-rate and pipeline schedules were told apart
 
 
 class PrecisionConfig(StrictModel):
@@ -119,7 +124,7 @@ class MemoryConfig(StrictModel):
     # logits (trainers/loss.py); 0 = whole logits
     loss_chunk: NonNegativeInt = 0
     # auto: before the model is built, choose micro-batch size, activation checkpointing and loss chunking
-    # from the planner so the step fits `device_memory` (the global batch is kept; trainers/fit.py)
+    # from the planner so the step fits `device_memory` (the global batch is kept; trainers/autofit.py)
     fit: Literal["off", "auto"] = "off"
     # what memory.fit may plan for, per rank, e.g. 80GiB or 512MiB; unset: the device's own figure (CUDA:
     # its total memory; CPU: the memory available now, shared by this node's ranks)
@@ -332,7 +337,7 @@ class RunConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     data: DataConfig
     optimizer: OptimizerConfig = OptimizerConfig()
-    schedule: ScheduleConfig = ScheduleConfig()
+    schedule: LRScheduleConfig = LRScheduleConfig()  # the YAML key stays `schedule`
     precision: PrecisionConfig = PrecisionConfig()
     memory: MemoryConfig = MemoryConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -497,9 +502,9 @@ def _check_tp(cfg: RunConfig) -> None:
         )
 
 
-def num_stages(pp: int, virtual_stages: int, schedule: str) -> int:
+def num_stages(pp: int, virtual_stages: int, pipeline_schedule: str) -> int:
     """Pipeline stages in all: pp x stages per rank (zbv always runs two per rank)."""
-    return pp * (2 if schedule == "zbv" and pp > 1 else virtual_stages)
+    return pp * (2 if pipeline_schedule == "zbv" and pp > 1 else virtual_stages)
 
 
 # --------------------------------------------------------------------------------------------- loading

@@ -104,7 +104,7 @@ class ParallelLayout:
     ep: int = 1
     tp: int = 1
     virtual_stages: int = 1
-    schedule: str = "1f1b"
+    pipeline_schedule: str = "1f1b"
     accumulation: int = 1  # micro-batches per rank per step (micro x accumulation x dp = global batch)
     microbatches: int = 1  # pipeline microbatches per step (= accumulation without a pipeline)
     microbatch_size: int = 0  # samples per forward/backward (a pipeline splits a rank's share of the step)
@@ -141,7 +141,7 @@ class ParallelLayout:
             ep=par.ep,
             tp=par.tp,
             virtual_stages=2 if par.pipeline_schedule == "zbv" and par.pp > 1 else par.virtual_stages,
-            schedule=par.pipeline_schedule,
+            pipeline_schedule=par.pipeline_schedule,
             accumulation=accumulation,
             microbatches=microbatches,
             microbatch_size=size,
@@ -227,7 +227,7 @@ class ParallelLayout:
 
     @property
     def v_shape(self) -> bool:
-        return self.schedule == "zbv"
+        return self.pipeline_schedule == "zbv"
 
     def stage_owner(self, stage: int, v_shape: bool | None = None) -> int:
         """The pp rank holding pipeline `stage`: looped (stage s on rank s mod pp) as Interleaved1F1B
@@ -267,10 +267,6 @@ class ParallelLayout:
         """The 1-D data-parallel mesh of this rank's pipeline stage and tp rank (what FSDP shards over)."""
         self.mesh()
         return self._mesh[1]
-
-    def ep_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of this rank's expert group (ep consecutive data-parallel ranks)."""
-        return self.mesh()["ep"]
 
     def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D mesh of this rank's tensor-parallel group (None without tensor parallelism)."""

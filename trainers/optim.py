@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from trainers.config import OptimizerConfig, ScheduleConfig
+from trainers.config import LRScheduleConfig, OptimizerConfig
 
 __all__ = ["LRSchedule", "apply_hparams", "build_optimizer", "lr_factor", "param_groups"]
 
@@ -69,7 +69,7 @@ def apply_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
             group[key] = getattr(cfg, key)
 
 
-def lr_factor(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
+def lr_factor(step: int, cfg: LRScheduleConfig, total_steps: int) -> float:
     """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
     w = cfg.warmup_steps
     if cfg.name == "constant":
@@ -92,7 +92,7 @@ class LRSchedule:
     """Sets `lr = initial_lr * lr_factor(step)` on the param groups before each step. Closed form (no
     state besides the step), and it drives any optimizer with torch-style param groups, DeepSpeed's too."""
 
-    def __init__(self, param_groups: list[dict], cfg: ScheduleConfig, total_steps: int):
+    def __init__(self, param_groups: list[dict], cfg: LRScheduleConfig, total_steps: int):
         self.param_groups, self.cfg, self.total_steps = param_groups, cfg, total_steps
 
     def apply(self, step: int) -> float:

@@ -3,7 +3,9 @@
 `plan_memory(cfg, world_size)` predicts the peak bytes one rank's device holds during a training step,
 broken down into parameters, gradients, optimizer state, activations and temporary buffers; `plan_run`
 adds a verdict against the device's memory and, when it does not fit, the cheapest change that does
-(found by re-planning candidate changes, not by rule of thumb).
+(found by re-planning the changes, not by rule of thumb). The changes are this module's memory ladder
+(`memory_ladder`): the one ordered list of what lowers the peak, each rung with its line and its predicted
+price (`predicted_step_s`), that `raytrain plan` explains and `memory.fit: auto` (`trainers.autofit`) applies.
 
 The peak is the largest of three kinds of moment in a step, each the sum of what is live then:
   1. backward start: the saved activations of every micro-batch in flight, the loss's buffers;
@@ -24,7 +26,7 @@ SwiGLU saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) wh
 Leaner steps: a chunked loss (`memory.loss_chunk`) keeps no logits, only the gradients it made in forward
 (d hidden, d head weight) and one chunk's fp32 logits at a time; selective checkpointing keeps each block's
 input and its matmul and attention outputs (`selective_saved_bytes`); a fused optimizer step makes no
-temporaries. `trainers.fit` asks this planner which of them a run needs (`memory.fit: auto`).
+temporaries. `trainers.autofit` takes the ladder's rungs among them that a run needs (`memory.fit: auto`).
 
 The layout (pp x dp x tp, ep inside dp, the step's micro-batches) is `trainers.layout.ParallelLayout.of`'s:
 a layout the workers would refuse is refused here with their line. Parameters are counted by
@@ -66,6 +68,7 @@ from trainers.models.flops import (
 __all__ = [
     "GPUS_PER_NODE",
     "KINDS",
+    "MemoryChange",
     "MemoryPlan",
     "RunPlan",
     "Widths",
@@ -73,12 +76,14 @@ __all__ = [
     "compiled_block_bytes",
     "format_bytes",
     "memory_changes",
+    "memory_ladder",
     "predicted_step_s",
     "selective_saved_bytes",
     "layout_dict",
     "parse_bytes",
     "plan_memory",
     "plan_run",
+    "replan",
     "widths",
 ]
 
@@ -345,9 +350,9 @@ def _in_flight(lay: ParallelLayout, r: int) -> float:
     p, v, m = lay.pp, lay.virtual_stages, lay.microbatches
     if p == 1:
         return 1.0
-    if lay.schedule == "gpipe":
+    if lay.pipeline_schedule == "gpipe":
         return float(m)
-    if lay.schedule in ("interleaved_1f1b", "interleaved_zb"):
+    if lay.pipeline_schedule in ("interleaved_1f1b", "interleaved_zb"):
         return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
     return float(min(m, p - r))
 
@@ -708,7 +713,7 @@ def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -
     if lay.ep > 1:
         out.append("experts are kept out of FSDP and whole on their ep rank")
     if lay.pp > 1:
-        out.append(f"pipeline: {lay.schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
+        out.append(f"pipeline: {lay.pipeline_schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
     if lay.tp > 1:
         out.append(f"tensor parallelism over {lay.tp} ranks with sequence parallelism: norms and the residual "
                    f"stream on 1/tp of the tokens; heads, FFN/expert hidden units and the vocabulary split; the "
@@ -720,12 +725,12 @@ def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -
 def layout_dict(lay: ParallelLayout) -> dict[str, Any]:
     """The layout's degrees and step arithmetic, as `raytrain plan --json` reports them."""
     return {"world_size": lay.world_size, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "ep": lay.ep, "edp": lay.edp,
-            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "num_stages": lay.num_stages,
+            "schedule": lay.pipeline_schedule, "virtual_stages": lay.virtual_stages, "num_stages": lay.num_stages,
             "microbatches": lay.microbatches, "microbatch_size": lay.microbatch_size,
             "accumulation": lay.accumulation}
 
 
-# ------------------------------------------------------------------------------- verdict, changes
+# ---------------------------------------------------------------------------------------- verdict
 
 
 @dataclass
@@ -748,8 +753,8 @@ class RunPlan:
 
 def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: DeviceType = "cuda",
              raw: dict[str, Any] | None = None, gpus_per_node: int = GPUS_PER_NODE) -> RunPlan:
-    """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, re-plan the
-    candidate changes, cheapest first, and name the first that fits. `gpus_per_node` bounds the tensor-
+    """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, re-plan the rungs
+    of the memory ladder, cheapest first, and name the first that fits. `gpus_per_node` bounds the tensor-
     parallel degrees suggested (a tp group stays inside a node)."""
     plan = plan_memory(cfg, world_size, device_type)
     usable = int(device_memory * USABLE_FRACTION)
@@ -759,96 +764,81 @@ def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: D
     return RunPlan(plan, device_memory, usable, fits, change, candidates)
 
 
-# Cheapest first. Raising the ZeRO stage adds parameter all-gathers that FSDP/DeepSpeed overlap with
-# compute (ZeRO: 1.5x data-parallel traffic); a smaller micro-batch keeps the math and the global batch
-# (accumulation grows) at lower kernel efficiency; checkpointing recomputes the forward (+~1/3 FLOPs);
-# tensor parallelism inside a node divides every term by tp but puts 4 activation all-gathers /
-# reduce-scatters per block in forward and as many in backward on the critical path (not overlapped, so
-# only within a node's NVLink); more pipeline stages grow the bubble (p-1)/m; CPU offload moves the step
-# to the host over PCIe.
-def _changes(cfg: RunConfig, world_size: int, gpus_per_node: int = GPUS_PER_NODE,
-             device_type: DeviceType = "cuda") -> list[tuple[dict[str, Any], str]]:
-    par, out = cfg.parallel, []
-    memory = memory_changes(cfg, world_size, device_type)
-    # memory changes that cost little predicted time (< 5%) come before sharding the model states
-    cheap = [(sets, why) for sets, why, cost in memory if cost < 0.05]
-    out += cheap
-    if par.engine == "fsdp" and par.stage == 2:
-        out.append(({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters after forward"))
-    if par.engine == "deepspeed" and par.stage < 3:
-        out += [({"parallel.zero_stage": s}, f"raise the ZeRO stage to {s}") for s in range(par.stage + 1, 4)]
-    if par.engine == "ddp" and getattr(par, "pp", 1) == 1:
-        out.append(({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
-                    "shard the model states: FSDP (ZeRO-3) instead of DDP"))
-    mb, pp = cfg.train.micro_batch_size, getattr(par, "pp", 1)
-    dp = world_size // (pp * par.tp) if world_size % (pp * par.tp) == 0 else 0
-    whole = cfg.train.global_batch_size // dp if dp and cfg.train.global_batch_size % dp == 0 else 0
-    if par.engine == "fsdp" and pp == 1 and whole > mb and not par.sharded_accumulation:
-        # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
-        out.append(({"parallel.grad_accumulation": "sharded"}, "accumulate gradients in the shards "
-                     "(a reduce-scatter per micro-batch)"))
-    out += [(sets, why) for sets, why, cost in memory if cost >= 0.05]
-    tp = par.tp
-    if par.engine == "fsdp":  # a tp group must sit inside a node: tp divides its GPUs
-        for more in (tp * 2, tp * 4, tp * 8):
-            if gpus_per_node % more == 0 and world_size % (pp * more) == 0:
-                was = f" instead of {tp}" if tp > 1 else ""
-                out.append(({"parallel.tp": more}, f"tensor parallelism over {more} GPUs of a node{was} "
-                             f"(activation collectives in every block, on the node's links)"))
-    pp = getattr(par, "pp", None)
-    if pp is not None and par.engine == "fsdp":
-        for more in (pp * 2, pp * 4):
-            if world_size % more == 0:
-                out.append(({"parallel.pp": more}, f"{more} pipeline stages instead of {pp}"))
-    if par.engine == "fsdp" and par.offload == "none":
-        out.append(({"parallel.offload": "all"}, "FSDP CPU offload of parameters, gradients and optimizer"))
-    if par.engine == "deepspeed" and par.offload == "none":
-        out.append(({"parallel.offload": "optimizer"}, "DeepSpeed CPU offload of the optimizer"))
-    return out
-
-
 def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable: int,
                 raw: dict[str, Any] | None, gpus_per_node: int = GPUS_PER_NODE) -> list[dict[str, Any]]:
-    """Each change alone, cheapest first; if none fits, changes added up greedily in that order (a change
-    joins when it lowers the peak). A change that is not a valid run (e.g. a tp that does not divide the
+    """Each rung of the ladder alone, in its order; if none fits, rungs added up greedily in that order (a
+    rung joins when it lowers the peak). A rung that is not a valid run (e.g. a tp that does not divide the
     heads) is left out."""
     raw = raw if raw is not None else json.loads(cfg.model_dump_json())
-    changes, out = _changes(cfg, world_size, gpus_per_node, device_type), []
-    for sets, why in changes:
-        peak = _replan(raw, sets, world_size, device_type)
-        if peak is not None:
-            out.append({"set": sets, "why": why, "peak_bytes": peak, "fits": peak <= usable})
+    ladder, out = memory_ladder(cfg, world_size, device_type, gpus_per_node), []
+    for change in ladder:
+        planned = replan(raw, change.sets, world_size, device_type)
+        if planned is not None:
+            peak = planned[1]
+            out.append({"set": change.sets, "why": change.why, "peak_bytes": peak, "fits": peak <= usable})
             if peak <= usable:
                 return out
     combined, best = {}, plan_memory(cfg, world_size, device_type).peak_bytes
-    for sets, why in changes:
-        trial = {**combined, **sets}
-        peak = _replan(raw, trial, world_size, device_type)
-        if peak is not None and peak < best:
-            combined, best = trial, peak
-            out.append({"set": trial, "why": "together: " + why, "peak_bytes": peak, "fits": peak <= usable})
-            if peak <= usable:
+    for change in ladder:
+        trial = {**combined, **change.sets}
+        planned = replan(raw, trial, world_size, device_type)
+        if planned is not None and planned[1] < best:
+            combined, best = trial, planned[1]
+            out.append({"set": trial, "why": "together: " + change.why, "peak_bytes": best, "fits": best <= usable})
+            if best <= usable:
                 return out
     return out
 
 
-def _replan(raw: dict[str, Any], sets: dict[str, Any], world_size: int, device_type: DeviceType) -> int | None:
-    """The peak after applying `sets`, or None when the change is not a valid run (e.g. pp too large)."""
-    try:
-        cfg = parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
-        return plan_memory(cfg, world_size, device_type).peak_bytes
-    except ConfigError:
-        return None
+# ------------------------------------------------------------------------------ the memory ladder
 
 
-# ------------------------------------------------------------------------- memory changes and their time
+@dataclass(frozen=True)
+class MemoryChange:
+    """One rung of the memory ladder: settings that lower the peak per rank, why (one line), and its price."""
+
+    sets: dict[str, Any]  # dotted config key -> new value
+    why: str
+    # predicted extra step time, a fraction of the step as written (`predicted_step_s`); None where the
+    # step-time model does not see the price (communication, the host)
+    cost: float | None = None
+    # True: only what the step keeps for backward changes (layout, model states and global batch stay): the
+    # rungs `memory.fit: auto` may take by itself, before the model is built
+    activations: bool = False
 
 
-def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda"
-                   ) -> list[tuple[dict[str, Any], str, float]]:
-    """The changes that lower the activations' peak without touching the model states, each alone, as
-    (settings, why, predicted extra step time as a fraction), cheapest on `device_type` first: the one list
-    `memory.fit: auto` (trainers/fit.py) combines and `plan_run` explains. The global batch is kept."""
+# Activation rungs predicted to cost less than this share of a step come before sharding the model states.
+CHEAP_COST = 0.05
+
+
+def memory_ladder(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda",
+                  gpus_per_node: int = GPUS_PER_NODE) -> list[MemoryChange]:
+    """Every change that lowers this run's peak per rank, each alone, cheapest first: the one list that
+    `plan_run` explains (`raytrain plan`: each rung alone, then added up) and `memory.fit: auto` applies
+    (trainers/autofit.py: every combination of the `activations` rungs; the fastest that fits wins).
+
+    The order, by what each rung costs: activation rungs predicted under CHEAP_COST of a step (on a CPU the
+    chunked loss); then sharding the model states, whose extra traffic FSDP/DeepSpeed overlap with compute
+    (ZeRO: 1.5x data-parallel traffic); then the costlier activation rungs (a smaller micro-batch keeps the
+    math and the global batch at lower kernel efficiency; checkpointing recomputes the forward, +~1/3
+    FLOPs); last what puts its cost on the critical path: tensor parallelism inside a node (it divides every
+    term by tp but puts 4 activation all-gathers / reduce-scatters per block in forward and as many in
+    backward, not overlapped, so only within a node's NVLink), more pipeline stages (the bubble (p-1)/m
+    grows), CPU offload (the step moves to the host over PCIe)."""
+    activations = _activation_changes(cfg, world_size, device_type)
+    return [
+        *(c for c in activations if c.cost < CHEAP_COST),
+        *_sharding_changes(cfg, world_size),
+        *(c for c in activations if c.cost >= CHEAP_COST),
+        *_critical_path_changes(cfg, world_size, gpus_per_node),
+    ]
+
+
+def _activation_changes(cfg: RunConfig, world_size: int, device_type: DeviceType) -> list[MemoryChange]:
+    """The rungs that lower the activations' peak without touching the model states (the global batch is
+    kept), each priced by `predicted_step_s` against the run as written and sorted by that price (stable:
+    at equal prices the order below). A rung that is not a valid run (e.g. a micro-batch a pipeline
+    refuses) is left out."""
     out: list[tuple[dict[str, Any], str]] = []
     if not cfg.memory.loss_chunk:
         chunk = chunk_tokens(cfg.model.vocab_size, device_type)
@@ -865,15 +855,82 @@ def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "c
         out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
     raw = json.loads(cfg.model_dump_json())
     base = predicted_step_s(cfg, world_size, device_type)
-    timed = []
+    priced = []
     for sets, why in out:
         try:
-            trial = parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
-            cost = predicted_step_s(trial, world_size, device_type) / base - 1
-        except ConfigError:  # e.g. a micro-batch a pipeline refuses
+            cost = predicted_step_s(_changed(raw, sets), world_size, device_type) / base - 1
+        except ConfigError:
             continue
-        timed.append((sets, why, cost))
-    return sorted(timed, key=lambda c: c[2])  # stable: equal costs keep the order above
+        priced.append(MemoryChange(sets, why, cost, activations=True))
+    return sorted(priced, key=lambda c: c.cost)
+
+
+def _sharding_changes(cfg: RunConfig, world_size: int) -> list[MemoryChange]:
+    """Shard the model states further: a higher ZeRO stage, FSDP instead of DDP, gradients accumulated in
+    the shards."""
+    par, out = cfg.parallel, []
+    if par.engine == "fsdp" and par.stage == 2:
+        out.append(MemoryChange({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters "
+                                "after forward"))
+    if par.engine == "deepspeed" and par.stage < 3:
+        out += [MemoryChange({"parallel.zero_stage": s}, f"raise the ZeRO stage to {s}")
+                for s in range(par.stage + 1, 4)]
+    if par.engine == "ddp" and par.pp == 1:
+        out.append(MemoryChange({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
+                                "shard the model states: FSDP (ZeRO-3) instead of DDP"))
+    dp = world_size // (par.pp * par.tp) if world_size % (par.pp * par.tp) == 0 else 0
+    whole = cfg.train.global_batch_size // dp if dp and cfg.train.global_batch_size % dp == 0 else 0
+    if par.engine == "fsdp" and par.pp == 1 and whole > cfg.train.micro_batch_size and not par.sharded_accumulation:
+        # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
+        out.append(MemoryChange({"parallel.grad_accumulation": "sharded"}, "accumulate gradients in the shards "
+                                "(a reduce-scatter per micro-batch)"))
+    return out
+
+
+def _critical_path_changes(cfg: RunConfig, world_size: int, gpus_per_node: int) -> list[MemoryChange]:
+    """Split the model over more ranks (tensor parallelism inside a node, more pipeline stages) or move its
+    states to the host."""
+    par, out = cfg.parallel, []
+    if par.engine == "fsdp":
+        for more in (par.tp * 2, par.tp * 4, par.tp * 8):  # a tp group must sit inside a node: tp divides its GPUs
+            if gpus_per_node % more == 0 and world_size % (par.pp * more) == 0:
+                was = f" instead of {par.tp}" if par.tp > 1 else ""
+                out.append(MemoryChange({"parallel.tp": more}, f"tensor parallelism over {more} GPUs of a node{was} "
+                                        f"(activation collectives in every block, on the node's links)"))
+        for more in (par.pp * 2, par.pp * 4):
+            if world_size % more == 0:
+                out.append(MemoryChange({"parallel.pp": more}, f"{more} pipeline stages instead of {par.pp}"))
+        if par.offload == "none":
+            out.append(MemoryChange({"parallel.offload": "all"},
+                                    "FSDP CPU offload of parameters, gradients and optimizer"))
+    if par.engine == "deepspeed" and par.offload == "none":
+        out.append(MemoryChange({"parallel.offload": "optimizer"}, "DeepSpeed CPU offload of the optimizer"))
+    return out
+
+
+def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda"
+                   ) -> list[tuple[dict[str, Any], str, float]]:
+    """The ladder's activation rungs as (settings, why, cost) tuples, cheapest first (the name and shape
+    from before `memory_ladder`; kept for callers of it)."""
+    return [(c.sets, c.why, c.cost) for c in _activation_changes(cfg, world_size, device_type)]
+
+
+def replan(raw: dict[str, Any], sets: dict[str, Any], world_size: int, device_type: DeviceType
+           ) -> tuple[RunConfig, int] | None:
+    """The config `raw` (as JSON) with `sets` applied, and its planned peak; None when that is not a valid
+    run (e.g. a pp the world size refuses, a micro-batch a pipeline refuses)."""
+    try:
+        cfg = _changed(raw, sets)
+        return cfg, plan_memory(cfg, world_size, device_type).peak_bytes
+    except ConfigError:
+        return None
+
+
+def _changed(raw: dict[str, Any], sets: dict[str, Any]) -> RunConfig:
+    return parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
+
+
+# -------------------------------------------------------------------------------------- step time
 
 
 @dataclass(frozen=True)

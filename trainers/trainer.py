@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from trainers._base import NonFiniteLossError
+from trainers.autofit import fit_for_this_rank
 from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
 from trainers.config import ConfigError, RunConfig, check_hparam_keys, with_values
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
-from trainers.fit import fit_for_this_rank
 from trainers.hf.pretrained import load_pretrained, materialize
 from trainers.host_memory import hold_freed_heap, release_freed_heap
 from trainers.loss import lm_loss
@@ -110,20 +110,25 @@ class Trainer:
             self.set_hparams({})  # the learning-rate schedule (a restore sets it up itself)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
+    @property
+    def schedule(self) -> LRSchedule:
+        """The learning-rate schedule under its former name (`lr_schedule`)."""
+        return self.lr_schedule
+
     # ------------------------------------------------------------------------------------------ build
 
     def _build_model(self, pretrained: Path | None) -> torch.nn.Module:
         # Same seed, same init, whatever the world size; parallelism is applied from outside, by the engine's
         # setup (trainers/parallel/parallelize.py: TP -> activation checkpointing -> EP -> FSDP).
         torch.manual_seed(self.cfg.seed)
+        chunk = self.cfg.memory.loss_chunk
         if pretrained is None:
-            model = build_model(self.cfg.model)
+            model = build_model(self.cfg.model, loss_chunk=chunk)
         else:  # meta first: an engine that shards allocates only its shards (see trainers/hf/pretrained.py)
-            model = build_model(self.cfg.model, device="meta")
+            model = build_model(self.cfg.model, device="meta", loss_chunk=chunk)
             if not self.engine.shards_meta_models:
                 materialize([model], torch.get_default_device())
                 load_pretrained(model, pretrained)
-        model.loss_chunk = self.cfg.memory.loss_chunk
         return model
 
     def _resume_candidates(self) -> list[Path]:
@@ -167,7 +172,7 @@ class Trainer:
         cfg = with_values(self.cfg, values) if values else self.cfg
         self.cfg = cfg
         self.engine.apply_hparams(cfg.optimizer)
-        self.schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
+        self.lr_schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
 
     def load_in_place(self, path: Path, values: dict[str, Any], **event: Any) -> None:
         """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
@@ -307,11 +312,11 @@ class Trainer:
         micro_batches = np.split(
             shard_for_rank(sample_ids, self.engine.dp_rank, self.engine.dp_size), self.accum
         )
-        lr = self.schedule.apply(step)
+        lr = self.lr_schedule.apply(step)
         self.engine.zero_grad()
         data_s = [0.0]  # the engine pulls micro-batches as it goes: their loading is timed one by one
         t_fb = time.perf_counter()
-        loss = self.engine.forward_backward(self._batches(micro_batches, data_s), self.accum, lm_loss)
+        loss = self.engine.forward_backward(self._batches(micro_batches, data_s), self.accum)
         with span("communication"):
             loss_value = float(self.engine.reduce_mean(loss))
         t_opt = time.perf_counter()
@@ -387,7 +392,7 @@ class Trainer:
         )
         chunks = np.array_split(ids, max(len(ids) // cfg.train.micro_batch_size, 1))
         batches = (tuple(t.to(self.device) for t in self.val_data.get(chunk)) for chunk in chunks)
-        total = self.engine.eval_loss(batches, lm_loss)
+        total = self.engine.eval_loss(batches)
         val_loss = float(self.engine.reduce_mean(total / len(ids)))
         record = {"val_loss": val_loss}
         self._emit("eval", **record)

@@ -1,4 +1,4 @@
-"""`memory.fit: auto` (trainers/fit.py): for runs that do not fit a given `memory.device_memory` as written,
+"""`memory.fit: auto` (trainers/autofit.py): for runs that do not fit a given `memory.device_memory` as written,
 the trainer picks micro-batch size, activation checkpointing and loss chunking that the planner says fit,
 keeps the global batch, says what it chose in one line, and the step's measured peak of live tensors stays
 under the budget; a run that cannot fit stops with one line before it builds anything."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import tiny_raw
+from trainers.autofit import fit_memory
 from trainers.config import ConfigError, parse_config
-from trainers.fit import fit_memory
 from trainers.metrics import LiveTensorBytes, read_metrics
 from trainers.plan import USABLE_FRACTION, plan_memory
 from trainers.trainer import Trainer, TrainerCallback

@@ -99,7 +99,7 @@ def test_set_hparams_is_the_one_way_hyperparameters_change_and_refuses_the_rest(
     trainer.set_hparams({"optimizer.lr": 0.25, "schedule.name": "warmup_linear", "schedule.warmup_steps": 2})
     assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.schedule.name == "warmup_linear"
     assert {g["initial_lr"] for g in trainer.engine.param_groups} == {0.25}, "written into the optimizer"
-    assert trainer.schedule.apply(0) == 0.25 / 2, "and the schedule: warmup step 1 of 2"
+    assert trainer.lr_schedule.apply(0) == 0.25 / 2, "and the schedule: warmup step 1 of 2"
     with pytest.raises(ConfigError, match=r"^model\.dim, train\.steps cannot change in a running trainer"):
         trainer.set_hparams({"train.steps": 8, "model.dim": 64, "optimizer.lr": 0.5})
     assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.train.steps == 4, "a refused change changes nothing"

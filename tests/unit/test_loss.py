@@ -71,8 +71,7 @@ def test_model_loss_chunked_equals_whole_with_every_gradient(name):
     runs = []
     for chunk in (0, 40):
         torch.manual_seed(0)
-        model = build_model(cfg)
-        model.loss_chunk = chunk
+        model = build_model(cfg, loss_chunk=chunk)
         with LargestTensor() as seen:
             loss = model(tokens, targets)
             loss.backward()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainers.config import OptimizerConfig, ScheduleConfig
+from trainers.config import LRScheduleConfig, OptimizerConfig
 from trainers.optim import LRSchedule, apply_hparams, build_optimizer, lr_factor, param_groups
 
 
@@ -58,25 +58,25 @@ def test_every_optimizer_reduces_a_quadratic(name):
 
 def test_schedules_shape():
     total = 100
-    cos = ScheduleConfig(name="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1)
+    cos = LRScheduleConfig(name="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor(0, cos, total) == pytest.approx(0.1)
     assert lr_factor(9, cos, total) == pytest.approx(1.0)
     assert lr_factor(10, cos, total) == pytest.approx(1.0)
     assert lr_factor(55, cos, total) == pytest.approx(0.55)
     assert lr_factor(100, cos, total) == pytest.approx(0.1)
-    lin = ScheduleConfig(name="warmup_linear", warmup_steps=0, min_lr_ratio=0.0)
+    lin = LRScheduleConfig(name="warmup_linear", warmup_steps=0, min_lr_ratio=0.0)
     assert lr_factor(50, lin, total) == pytest.approx(0.5)
-    inv = ScheduleConfig(name="inverse_sqrt", warmup_steps=4)
+    inv = LRScheduleConfig(name="inverse_sqrt", warmup_steps=4)
     assert lr_factor(15, inv, total) == pytest.approx(math.sqrt(4 / 16))
-    exp = ScheduleConfig(name="exponential", gamma=0.5, step_size=10)
+    exp = LRScheduleConfig(name="exponential", gamma=0.5, step_size=10)
     assert lr_factor(20, exp, total) == pytest.approx(0.25)
-    step = ScheduleConfig(name="step", gamma=0.5, step_size=10)
+    step = LRScheduleConfig(name="step", gamma=0.5, step_size=10)
     assert lr_factor(19, step, total) == pytest.approx(0.5)
-    assert lr_factor(37, ScheduleConfig(name="constant"), total) == 1.0
+    assert lr_factor(37, LRScheduleConfig(name="constant"), total) == 1.0
 
 
 def test_schedule_is_a_function_of_the_step_and_the_current_base_lr():
-    sched_cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=5)
+    sched_cfg = LRScheduleConfig(name="warmup_cosine", warmup_steps=5)
     opt = build_optimizer(nn.Linear(2, 2), OptimizerConfig(lr=1e-2))
     schedule = LRSchedule(opt.param_groups, sched_cfg, 40)
     assert [schedule.apply(s) for s in range(40)] == [1e-2 * lr_factor(s, sched_cfg, 40) for s in range(40)]
@@ -96,4 +96,4 @@ def test_hyperparameters_applied_after_loading_old_optimizer_state():
     assert decay["lr"] == decay["initial_lr"] == 5e-3
     assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
     assert decay["betas"] == (0.8, 0.99)
-    assert LRSchedule(new.param_groups, ScheduleConfig(name="constant"), 10).apply(3) == 5e-3
+    assert LRSchedule(new.param_groups, LRScheduleConfig(name="constant"), 10).apply(3) == 5e-3

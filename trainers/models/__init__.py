@@ -27,15 +27,16 @@ __all__ = [
 ]
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> Transformer:
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None, loss_chunk: int = 0) -> Transformer:
     """Build on `device` (default: torch's default device) and init the weights; "meta" leaves them
     for `model.to_empty(device=...)` then `model.init_weights()`. Seeds nothing: the caller seeds.
+    `loss_chunk`: tokens per chunk of the loss with targets (see `Transformer`); 0 = the whole logits.
 
     Built on meta first, so the weights depend only on `init_weights` and the RNG state (not on what
     the module constructors draw): an eager build and a meta build + init_weights give the same model.
     """
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, loss_chunk)
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type != "meta":
         model.to_empty(device=device)

@@ -110,7 +110,7 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """tokens (B, S) -> logits (B, S, vocab); with targets (B, S), the mean next-token loss instead (as
     Hugging Face models take labels). `loss_chunk` > 0 computes that loss `loss_chunk` tokens at a time
-    without ever making the whole logits (`trainers.loss.chunked_lm_loss`); the trainer sets it.
+    without ever making the whole logits (`trainers.loss.chunked_lm_loss`; the run's `memory.loss_chunk`).
 
     A pipeline stage is made by setting `embed_tokens`, `norm` or `lm_head` to None and deleting entries
     of `layers` (keys stay "N", so FQNs stay `layers.N...`): without `embed_tokens` the input is hidden
@@ -118,9 +118,10 @@ class Transformer(nn.Module):
     applied only when both `embed_tokens` and `norm` are present (tied weights across stages unsupported).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, loss_chunk: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.loss_chunk = loss_chunk  # tokens per chunk of the output projection + loss; 0 = whole logits
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -130,7 +131,6 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, filled by init_weights (so a meta build can fill them).
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
-        self.loss_chunk = 0  # tokens per chunk of the output projection + loss; 0 = whole logits
 
     @torch.no_grad()
     def init_weights(self) -> None:

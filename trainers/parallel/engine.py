@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,10 +24,9 @@ from trainers.optim import apply_hparams, build_optimizer
 from trainers.precision import Precision
 from trainers.profiling import span
 
-__all__ = ["Batch", "Engine", "LocalEngine", "LossFn", "plain"]
+__all__ = ["Batch", "Engine", "LocalEngine", "plain"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch, on the engine's device
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
 
 
 class Engine:
@@ -78,11 +77,11 @@ class Engine:
     def loss_scale(self) -> float:
         return self.precision.loss_scale
 
-    def forward_backward(self, batches: Iterable[Batch], count: int, loss_fn: LossFn) -> torch.Tensor:
+    def forward_backward(self, batches: Iterable[Batch], count: int) -> torch.Tensor:
         """Forward and backward over this step's `count` micro-batches on this rank, gradients accumulated
         (and synced on the final one). Returns this rank's mean loss, detached. The model computes its
         loss from the targets (`Transformer.forward(tokens, targets)`, chunked where configured); a
-        pipeline engine runs its schedule here instead and applies `loss_fn` to the last stage's output."""
+        pipeline engine runs its schedule here instead."""
         reset_moe_stats(self.model)
         set_aux_grad_scale(self.model, self.loss_scale / count)
         loss_sum = torch.zeros((), device=self.device)
@@ -105,7 +104,7 @@ class Engine:
         return loss_parallel()
 
     @torch.no_grad()
-    def eval_loss(self, batches: Iterable[Batch], loss_fn: LossFn) -> torch.Tensor:
+    def eval_loss(self, batches: Iterable[Batch]) -> torch.Tensor:
         """Sum over `batches` of mean loss x batch size, on this rank (model in eval mode meanwhile)."""
         self.model.eval()
         total = torch.zeros((), device=self.device)

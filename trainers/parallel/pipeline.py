@@ -10,7 +10,8 @@ the way torchtitan composes them (`distributed/pipeline_parallel.py`):
 3. the same parallelize steps as without a pipeline run on the kept part: experts sharded over ep, then
    FSDP2 per block and per stage root over this stage's dp ranks; the optimizer over all of it;
 4. a schedule (GPipe, 1F1B, Interleaved 1F1B, Interleaved zero-bubble, ZBV zero-bubble) runs each
-   step's microbatches; the last stage's loss goes to every rank of the pipeline.
+   step's microbatches; the last stage's loss (`lm_loss` over its logits, or the model's own chunked loss
+   inside the stage) goes to every rank of the pipeline.
 
 The kept part keeps the whole model's parameter names (`layers.N...`), so checkpoints are the same
 DCP folders as without a pipeline and load at another dp, pp or ep (DCP reshards by name).
@@ -38,16 +39,17 @@ from trainers._base import ConfigError
 from trainers.checkpoint import ModelOptimizerState
 from trainers.config import ModelConfig, OptimizerConfig, RunConfig
 from trainers.layout import SPLIT_BACKWARD_SCHEDULES, ParallelLayout, block_costs, split_stages
+from trainers.loss import lm_loss
 from trainers.models import Transformer, build_model
 from trainers.models.moe import reset_moe_stats, set_aux_grad_scale
 from trainers.optim import build_optimizer
-from trainers.parallel.engine import Batch, LossFn, plain
+from trainers.parallel.engine import Batch, plain
 from trainers.parallel.native import FSDPEngine, ShardedPrecision, fsdp_options, on_meta
 from trainers.parallel.parallelize import parallelize
 
 __all__ = ["PipelineEngine", "PartitionedState", "block_costs", "split_stages"]
 
-SCHEDULES = {
+PIPELINE_SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -61,13 +63,12 @@ def _stage_module(part: Transformer, layer_ids: list[int], first: bool, last: bo
     """A `Transformer` over modules of `part` (shared, not copied): blocks `layer_ids`, the embedding
     when `first`, the final norm and head when `last` (see Transformer's docstring on stages)."""
     with torch.device("meta"):
-        stage = Transformer(part.cfg)
+        stage = Transformer(part.cfg, loss_chunk=part.loss_chunk)
     stage.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in layer_ids})
     stage.embed_tokens = part.embed_tokens if first else None
     stage.norm = part.norm if last else None
     stage.lm_head = part.lm_head if last else None
     stage.rope_cos, stage.rope_sin = part.rope_cos, part.rope_sin
-    stage.loss_chunk = part.loss_chunk
     return stage
 
 
@@ -125,7 +126,7 @@ class PipelineEngine(FSDPEngine):
         self.optimizer = build_optimizer(model, cfg.optimizer)
         self.n_microbatches, self.microbatch_size = lay.microbatches, lay.microbatch_size
         self.stages = [self._stage(part, s, cfg) for part, s in zip(parts, self.stage_ids)]
-        self.schedule = self._schedule(cfg.parallel.pipeline_schedule)
+        self.pipeline_schedule = self._build_pipeline_schedule(cfg.parallel.pipeline_schedule)
 
     def fsdp_roots(self) -> list[nn.Module]:
         return self.parts  # the stage roots: together they hold every module this rank keeps
@@ -160,8 +161,8 @@ class PipelineEngine(FSDPEngine):
             group=self.pp_group,
         )
 
-    def _schedule(self, name: str) -> Any:
-        cls = SCHEDULES[name]
+    def _build_pipeline_schedule(self, name: str) -> Any:
+        cls = PIPELINE_SCHEDULES[name]
         stages = self.stages[0] if name in _SINGLE_STAGE else self.stages
         try:
             return cls(stages, n_microbatches=self.n_microbatches, loss_fn=self._loss)
@@ -173,10 +174,9 @@ class PipelineEngine(FSDPEngine):
 
     # ------------------------------------------------------------------------------------------ step
 
-    def forward_backward(self, batches: Iterable[Batch], count: int, loss_fn: LossFn) -> torch.Tensor:
+    def forward_backward(self, batches: Iterable[Batch], count: int) -> torch.Tensor:
         """The whole step's batch through the schedule, split into `n_microbatches`; returns the mean
         loss, from the last stage, on every rank of the pipeline."""
-        self._loss_fn = loss_fn
         reset_moe_stats(self.model)
         # The schedule divides every gradient by n_microbatches after the last backward: the aux losses'
         # gradient must not be divided before (each microbatch's task loss is not either).
@@ -187,7 +187,7 @@ class PipelineEngine(FSDPEngine):
         target = targets if self.has_last else None
         kwargs = {"targets": targets} if self.loss_in_stage else {}  # split into micro-batches as inputs are
         with self.loss_context():  # the schedule runs each loss's backward inside it
-            self.schedule.step(
+            self.pipeline_schedule.step(
                 *args,
                 target=target,
                 losses=losses if self.has_last else None,
@@ -204,7 +204,7 @@ class PipelineEngine(FSDPEngine):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.loss_in_stage:  # the last stage returned its loss already
             return output
-        return self._loss_fn(self._logits(output), target)
+        return lm_loss(self._logits(output), target)
 
     def _logits(self, output: torch.Tensor) -> torch.Tensor:
         """The last stage's output as the loss takes it: with tensor parallelism, this rank's vocabulary
@@ -220,7 +220,7 @@ class PipelineEngine(FSDPEngine):
         return value
 
     @torch.no_grad()
-    def eval_loss(self, batches: Iterable[Batch], loss_fn: LossFn) -> torch.Tensor:
+    def eval_loss(self, batches: Iterable[Batch]) -> torch.Tensor:
         """Forward only, stage by stage, without a schedule (validation batches may differ in size from
         the training microbatches the schedule's buffers are sized for). Activations travel in fp32."""
         self.model.eval()
@@ -245,7 +245,7 @@ class PipelineEngine(FSDPEngine):
                     )
             if self.has_last:
                 with self.loss_context():
-                    loss = h if self.loss_in_stage else loss_fn(self._logits(h), targets)
+                    loss = h if self.loss_in_stage else lm_loss(self._logits(h), targets)
                     total += plain(loss) * len(inputs)
         self.model.train()
         return self._from_last_stage(total)

@@ -2,12 +2,14 @@
 
 The planner (`trainers.plan.plan_memory`) predicts the step's peak for the layout the run will have; when the
 config as written does not fit the device's usable memory (`plan.USABLE_FRACTION` of `memory.device_memory`,
-or of the device's own figure), every combination of the planner's memory changes (`plan.memory_changes`:
-the chunked loss, selective or full activation checkpointing, a smaller micro-batch with more accumulation;
-the global batch never changes) is planned, and of those that fit the one with the least predicted step time
-(`plan.predicted_step_s`, a per-device model over the planner's FLOP and byte counts) is taken. On a GPU that
-is often a smaller micro-batch at full speed rather than the chunked loss or recomputation; on a CPU the
-chunked loss costs nothing.
+or of the device's own figure), every combination of the rungs of the planner's memory ladder
+(`plan.memory_ladder`, the one list `raytrain plan` explains) that a run may take by itself is planned: the
+`activations` rungs (the chunked loss, selective or full activation checkpointing, a smaller micro-batch with
+more accumulation; the layout and the global batch never change). Of those that fit, the one with the least
+predicted step time (`plan.predicted_step_s`, a per-device model over the planner's FLOP and byte counts) is
+taken. On a GPU that is often a smaller micro-batch at full speed rather than the chunked loss or
+recomputation; on a CPU the chunked loss costs nothing. This module owns that choice and the device's
+memory figure; the ladder and its prices are the planner's.
 
 What was chosen and why is one line (`FitChoice.line`); a run that fits nowhere stops with a ConfigError that
 names the smallest plan and the next things to change (`raytrain plan` for the sharding side).
@@ -23,14 +25,16 @@ from typing import Any
 import torch
 
 from trainers._base import ConfigError
-from trainers.config import RunConfig, apply_overrides, parse_config
+from trainers.config import RunConfig
 from trainers.plan import (
     USABLE_FRACTION,
+    MemoryChange,
     format_bytes,
-    memory_changes,
+    memory_ladder,
     parse_bytes,
     plan_memory,
     predicted_step_s,
+    replan,
 )
 
 __all__ = ["FitChoice", "device_memory_bytes", "fit_for_this_rank", "fit_memory"]
@@ -83,11 +87,12 @@ def _mem_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _combinations(cfg: RunConfig, world_size: int, device_type: str) -> list[dict[str, Any]]:
-    """Every combination of the planner's memory changes, at most one setting per key (e.g. one micro-batch)."""
+def _combinations(ladder: list[MemoryChange]) -> list[dict[str, Any]]:
+    """Every combination of the ladder's `activations` rungs, at most one setting per key (e.g. one
+    micro-batch), the settings of each key in the ladder's order."""
     options: dict[str, list[Any]] = {}
-    for sets, _, _ in memory_changes(cfg, world_size, device_type):
-        for key, value in sets.items():
+    for change in ladder:
+        for key, value in change.sets.items() if change.activations else ():
             options.setdefault(key, []).append(value)
     combos: list[dict[str, Any]] = [{}]
     for key, values in options.items():
@@ -104,12 +109,11 @@ def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: 
     if planned <= usable:
         return choice
     fitting, smallest = [], (planned, {})
-    for sets in _combinations(cfg, world_size, device_type):
-        try:
-            trial = parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
-            peak = plan_memory(trial, world_size, device_type).peak_bytes
-        except ConfigError:  # e.g. a micro-batch the layout refuses (pipeline microbatches)
+    for sets in _combinations(memory_ladder(cfg, world_size, device_type)):
+        replanned = replan(raw, sets, world_size, device_type)
+        if replanned is None:  # e.g. a micro-batch the layout refuses (pipeline microbatches)
             continue
+        trial, peak = replanned
         smallest = min(smallest, (peak, sets), key=lambda p: p[0])
         if peak <= usable:
             fitting.append((predicted_step_s(trial, world_size, device_type), peak, len(sets), trial, sets))
