@@ -48,12 +48,11 @@ from trainers.config import (
 from trainers.preflight import check_inputs
 from trainers.storage import (
     Location,
+    absolute,
     check_location,
     check_run_storage,
     default_root,
-    is_remote,
     is_uri,
-    location,
     read_bytes,
     write_text_atomic,
 )
@@ -121,7 +120,7 @@ class ExperimentConfig(StrictModel):
     @field_validator("storage")
     @classmethod
     def _absolute_storage(cls, path: Any) -> Any:
-        return path if is_remote(path) else Path(path).resolve()
+        return absolute(path)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
@@ -244,8 +243,7 @@ def save(exp: ExperimentConfig) -> Path | Any:
 
 def load_saved(exp_dir: str | Path) -> ExperimentConfig:
     """The experiment an `EXP_DIR` ran (wherever that folder is now: a moved folder, a bucket)."""
-    exp_dir = location(exp_dir)
-    exp_dir = exp_dir if is_remote(exp_dir) else exp_dir.resolve()
+    exp_dir = absolute(exp_dir)
     check_location(exp_dir, "EXP_DIR", write=False)  # a bucket: there, with credentials (one line if not)
     path = exp_dir / EXPERIMENT_FILE
     text = read_bytes(path)
