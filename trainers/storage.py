@@ -454,6 +454,9 @@ def read_bytes(path: Any) -> bytes | None:
         return None
 
 
+_buffers = threading.local()  # read_range's buffer per thread (checksums hash pieces on a thread pool)
+
+
 def read_range(path: Any, offset: int, length: int) -> bytes | memoryview:
     """Bytes [offset, offset + length) of a file: one ranged GET on a store; locally one `preadv` into a
     buffer kept per thread and reused (no fresh pages per read: the view is valid until this thread's next
@@ -471,8 +474,6 @@ def read_range(path: Any, offset: int, length: int) -> bytes | memoryview:
         os.close(fd)
     return view[:got]
 
-
-_buffers = threading.local()
 
 
 def read_appended(path: Any, offset: int, version: Any = None) -> tuple[bytes | None, int, Any]:
