@@ -37,7 +37,7 @@ from raytrain_ext.cleanup import (
     train_controllers_of_this_job,
 )
 from raytrain_ext.reaper import Reaper
-from raytrain_ext.worker import FAILED_FILE, FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
+from raytrain_ext.worker import FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError
 from trainers.checkpoint import is_complete
@@ -46,8 +46,19 @@ from trainers.layout import check_world_sizes
 from trainers.metrics import read_metrics
 from trainers.preflight import check_inputs
 from trainers.resume import check_resume
+from trainers.run_dir import FAILED, RunDir
 from trainers.run_lock import RunDirLock
-from trainers.storage import check_run_storage, is_remote, location, pyarrow_fs, read_bytes, write_text_atomic
+from trainers.storage import (
+    absolute,
+    check_run_storage,
+    location,
+    location_on,
+    poll_interval,
+    ray_storage,
+    read_appended,
+    remove_file,
+    write_json_atomic,
+)
 
 __all__ = [
     "RayRunResult",
@@ -81,10 +92,8 @@ class RayRunResult:
 
 def run_config_for_workers(cfg: RunConfig) -> RunConfig:
     """Absolute paths: Ray workers do not run in the driver's working directory (URIs stay as they are)."""
-    data_path = cfg.data.path if is_remote(cfg.data.path) else Path(cfg.data.path).resolve()
-    run_dir = cfg.out_dir if is_remote(cfg.out_dir) else cfg.out_dir.resolve()
-    data = cfg.data.model_copy(update={"path": data_path})
-    return cfg.model_copy(update={"run_dir": run_dir, "data": data})
+    data = cfg.data.model_copy(update={"path": absolute(cfg.data.path)})
+    return cfg.model_copy(update={"run_dir": absolute(cfg.out_dir), "data": data})
 
 
 def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
@@ -191,10 +200,10 @@ def build_trainer(
         elastic_resize_monitor_interval_s=s.resize_check_s,
     )
     # A bucket: Ray gets the same fsspec file system we write with (credentials from the environment).
-    storage_fs, storage_path = pyarrow_fs(cfg.out_dir.parent) if is_remote(cfg.out_dir) else (None, None)
+    storage_fs, storage_path = ray_storage(cfg.out_dir.parent)
     run = ray.train.RunConfig(
         name=cfg.out_dir.name,
-        storage_path=storage_path or str(cfg.out_dir.parent),
+        storage_path=storage_path,
         storage_filesystem=storage_fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         # Our Checkpointer keeps `checkpoint.keep` and deletes older ones; Ray only registers them.
@@ -236,10 +245,10 @@ def train(
     if local:
         check_fits_local(cfg, os.cpu_count() or 1, _local_gpus())
     with RunDirLock(run_dir), _interrupts_raise():
-        (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a new invocation: an old failure is history
+        remove_file(RunDir(run_dir).failed)  # a new invocation: an old failure is history
         reconcile_ray_snapshot(run_dir, fresh=cfg.checkpoint.resume == "none")
         started = ensure_ray(address)
-        watcher = _ProgressWatcher(run_dir / "metrics.jsonl", cfg.train.steps, cfg.name) if progress else None
+        watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name) if progress else None
         try:
             if watcher:
                 watcher.start()
@@ -257,9 +266,8 @@ def train(
     failed = _read_failed(run_dir)
     if failed is not None:
         raise _as_error(failed)
-    checkpoint = result.checkpoint.path if result.checkpoint else None
-    if checkpoint and is_remote(run_dir):  # a path on Ray's storage file system: the bucket's, without protocol
-        checkpoint = f"{run_dir.protocol}://{checkpoint.lstrip('/')}"
+    # A path on Ray's storage file system (a bucket's without its protocol), as a location.
+    checkpoint = str(location_on(result.checkpoint.filesystem, result.checkpoint.path)) if result.checkpoint else None
     return summarize(run_dir, checkpoint)
 
 
@@ -344,7 +352,7 @@ def _env_default(key: str, value: str):
 
 def _started_since(run_dir: Path, since: float) -> bool:
     """A worker group of this invocation got as far as the Trainer's start or resume event."""
-    rows = read_metrics(run_dir / "metrics.jsonl", "event")
+    rows = read_metrics(RunDir(run_dir).metrics, "event")
     since -= 2.0  # the workers' clocks may lag the driver's a little
     return any(r.get("event") in ("start", "resume") and r.get("time", 0) >= since for r in rows)
 
@@ -365,7 +373,7 @@ def _unplaced_message(cfg: RunConfig) -> str:
 def _continue_hint(run_dir: Path) -> str:
     from trainers.checkpoint import Checkpointer
 
-    latest = Checkpointer(run_dir / "checkpoints", 1).latest()
+    latest = Checkpointer(RunDir(run_dir).checkpoints, 1).latest()
     where = f"from step {int(latest.name.split('_')[-1])}" if latest else "from the start (no checkpoint yet)"
     return f"interrupted; run the same command again to continue {where} ({run_dir})"
 
@@ -393,16 +401,13 @@ def _local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
-
-
 def reconcile_ray_snapshot(run_dir: Path, fresh: bool = False) -> None:
     """Make Ray's record of the run's checkpoints true to the disk before Ray reads it: our retention
     deletes checkpoints Ray registered, and Ray refuses to start a run whose snapshot names a missing
     one ("delete the existing folder"). Entries without a complete checkpoint go; a snapshot that cannot
     be read as Ray 2.60 wrote it is removed (our committed checkpoints are the truth: the workers resume
     from them). `fresh` (checkpoint.resume=none): no snapshot, so Ray hands over no old checkpoint."""
-    path = run_dir / RAY_SNAPSHOT
+    path = RunDir(run_dir).ray_snapshot
     if not path.is_file():
         return
     try:
@@ -413,7 +418,7 @@ def reconcile_ray_snapshot(run_dir: Path, fresh: bool = False) -> None:
     except (ValueError, KeyError, TypeError):
         path.unlink()
         return
-    write_text_atomic(path, json.dumps(state))
+    write_json_atomic(path, state, indent=None)
 
 
 def _snapshot_on_disk(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -446,7 +451,7 @@ def _snapshot_on_disk(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 def summarize(run_dir: Path, checkpoint: str | None = None) -> RayRunResult:
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(RunDir(run_dir).metrics)
     train_rows = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     starts = [r for r in rows if r.get("kind") == "event" and r.get("event") in ("start", "resume")]
@@ -461,7 +466,7 @@ def summarize(run_dir: Path, checkpoint: str | None = None) -> RayRunResult:
 
 
 def _read_failed(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / FAILED_FILE
+    path = RunDir(run_dir).failed
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -471,7 +476,7 @@ def _as_error(failed: dict[str, Any]) -> Exception:
         return FAILURE_KINDS[failed["kind"]](failed["message"])
     return RunFailedError(
         f"rank {failed['rank']} failed before the first checkpoint: {failed['error']}: {failed['message']} "
-        f"(not retried: a restart would redo the same steps; traceback tail in {FAILED_FILE})"
+        f"(not retried: a restart would redo the same steps; traceback tail in {FAILED})"
     )
 
 
@@ -480,9 +485,8 @@ class _ProgressWatcher:
     is running writes it): step, loss, tokens/s and the current world size."""
 
     def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5):
-        self.path, self.total, self.name, self.interval_s = path, total, name, interval_s
-        if is_remote(path):  # a GET per look: fewer looks (the file changes at each checkpoint anyway)
-            self.interval_s = max(interval_s, 2.0)
+        self.path, self.total, self.name = path, total, name
+        self.interval_s = poll_interval(path, interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
         self._inode: int | None = None
@@ -495,24 +499,10 @@ class _ProgressWatcher:
         self._thread.join(timeout=5)
 
     def _read_from(self, offset: int) -> tuple[bytes | None, int]:
-        """The file's bytes from `offset` on (and the offset they start at: 0 after a rewind)."""
-        if is_remote(self.path):  # replaced whole at each flush: one GET of all of it
-            data = read_bytes(self.path)
-            if data is None:
-                return None, offset
-            offset = 0 if len(data) < offset else offset
-            return data[offset:], offset
-        try:
-            stat = self.path.stat()
-        except OSError:
-            return None, offset
-        # A restart rewinds the log to its checkpoint by replacing the file: read the new one from its start
-        # (it may have grown past the old offset already, which then fell inside a line).
-        if stat.st_ino != self._inode or stat.st_size < offset:
-            self._inode, offset = stat.st_ino, 0
-        with self.path.open("rb") as f:
-            f.seek(offset)
-            return f.read(), offset
+        """The file's bytes from `offset` on (and the offset they start at: 0 after a rewind: a restart
+        rewinds the log to its checkpoint by replacing the file)."""
+        data, offset, self._inode = read_appended(self.path, offset, self._inode)
+        return data, offset
 
     def _run(self) -> None:
         from tqdm.auto import tqdm

@@ -33,13 +33,12 @@ from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, checkpoint_step
 from trainers.config import RunConfig, parse_config, with_values
 from trainers.launch import run_local
-from trainers.storage import is_remote, write_text_atomic
+from trainers.run_dir import RunDir
+from trainers.storage import absolute, is_remote, is_within, location_on, write_json_atomic
 from trainers.trainer import Trainer, TrainerCallback
 
 __all__ = [
-    "FAILED_FILE",
     "FAILURE_KINDS",
-    "LIVE_VALUES",
     "LatestMetrics",
     "ReportToRay",
     "load_callback",
@@ -47,13 +46,10 @@ __all__ = [
     "with_live_values",
 ]
 
-FAILED_FILE = "FAILED.json"
-LIVE_VALUES = "live_values.json"  # in the run dir: run-config values set while it ran (see with_live_values)
-
 # Errors every rank meets at the same point, which a restart would only meet again: they end the run.
 FATAL_ERRORS = (ConfigError, NonFiniteLossError)
 
-# FAILED.json's `kind` for the errors the driver raises again as themselves (`failure_of`); any other error
+# FAILED.json's `kind` for the errors the driver raises again as themselves (`launcher._as_error`); any other error
 # is "early" (before the run's first checkpoint: a restart would redo the same steps).
 FAILURE_KINDS: dict[str, type[Exception]] = {
     "config": ConfigError,
@@ -103,7 +99,7 @@ class ReportToRay(LatestMetrics):
 def as_ray_checkpoint(path: Any) -> Checkpoint:
     """Our committed checkpoint as Ray's: a local folder, or (in a bucket) the same objects on the run's
     storage file system, registered where they are (nothing uploaded twice)."""
-    if not is_remote(path):
+    if not is_remote(path):  # Ray needs the file system object: the run's storage one for a bucket
         return Checkpoint.from_directory(str(path))
     storage = ray.train.get_context().get_storage()
     return Checkpoint(path.path, filesystem=storage.storage_filesystem)
@@ -141,7 +137,7 @@ def _write_failed(run_dir: Path, error: BaseException) -> None:
         "traceback": traceback.format_exception(error)[-8:],
         "rank": int(os.environ.get("RANK", "0")),
     }
-    write_text_atomic(run_dir / FAILED_FILE, json.dumps(record, indent=1))
+    write_json_atomic(RunDir(run_dir).failed, record)
 
 
 # Ray Train's own console lines in trial actors and workers, unless `raytrain train --ray-log-level` says
@@ -164,7 +160,7 @@ def train_fn(config: dict[str, Any]) -> None:
     cfg: RunConfig = with_live_values(parse_config(config["run"]))
     set_ray_train_log_level(config["ray_log_level"])
     run_dir = cfg.out_dir
-    failed = run_dir / FAILED_FILE
+    failed = RunDir(run_dir).failed
     if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause
         return
     given = ray.train.get_checkpoint()
@@ -206,9 +202,9 @@ def lost_peer(e: BaseException) -> bool:
 
 
 def with_live_values(cfg: RunConfig) -> RunConfig:
-    """`cfg` with the run-config values its run took on while it ran (`LIVE_VALUES`, written before a PBT
-    exploit is loaded in place): a restarted worker resumes the exploited checkpoint with them."""
-    path = cfg.out_dir / LIVE_VALUES
+    """`cfg` with the run-config values its run took on while it ran (`RunDir.live_values`, written before a
+    PBT exploit is loaded in place): a restarted worker resumes the exploited checkpoint with them."""
+    path = RunDir(cfg.out_dir).live_values
     return with_values(cfg, json.loads(path.read_text())["values"]) if path.is_file() else cfg
 
 
@@ -223,16 +219,12 @@ def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> str:
     - No checkpoint from Ray: `checkpoint.resume` from the run YAML decides."""
     if ray_checkpoint is None:
         return cfg.checkpoint.resume
-    if is_remote(cfg.out_dir):  # a path on the run's storage file system (the bucket, no protocol)
-        given, ours = ray_checkpoint.path.strip("/"), cfg.out_dir.path.strip("/")
-        if given == ours or given.startswith(ours + "/"):
-            return "auto"
-        return f"{cfg.out_dir.protocol}://{given}"
-    given = Path(ray_checkpoint.path).resolve()
-    return "auto" if given.is_relative_to(cfg.out_dir.resolve()) else str(given)
+    # A path on Ray's storage file system (a bucket's without its protocol), as a location.
+    given = absolute(location_on(ray_checkpoint.filesystem, ray_checkpoint.path))
+    return "auto" if is_within(given, cfg.out_dir) else str(given)
 
 
 def _has_checkpoint(cfg: RunConfig) -> bool:
     from trainers.checkpoint import Checkpointer
 
-    return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest() is not None
+    return Checkpointer(RunDir(cfg.out_dir).checkpoints, cfg.checkpoint.keep).latest() is not None

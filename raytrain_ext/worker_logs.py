@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from trainers.checkpoint_files import STEP_DIR, is_complete
-from trainers.storage import append_bytes, location
+from trainers.run_dir import WORKER_LOG, RunDir
+from trainers.storage import append_bytes
 
-__all__ = ["LOG_FILE", "WorkerLogs", "lost_worker", "split_tracebacks"]
+__all__ = ["WorkerLogs", "lost_worker", "split_tracebacks"]
 
-LOG_FILE = "workers.log"  # in the run dir: the tracebacks taken off the console
 _SOURCES = ("RayTrainWorker", "TrainController", "PlacementGroupCleaner")  # a Train run's actors (and the raylet)
 _STARTS = (
     "Traceback (most recent call last):",
@@ -73,12 +73,12 @@ def lost_worker(lines: list[str], restart_step: int | None) -> tuple[str, str] |
     on = f" on {where.group(1)}" if where else ""
     return pid.group(1), (
         f"raytrain: lost Train worker pid {pid.group(1)}{on} ({how}); the group restarts from {restart}; "
-        f"tracebacks in {LOG_FILE}"
+        f"tracebacks in {WORKER_LOG}"
     )
 
 
 def newest_committed_step(run_dir: Any) -> int | None:
-    root = location(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     try:
         names = [p.name for p in root.iterdir()]
     except OSError:
@@ -135,7 +135,7 @@ class WorkerLogs:
         if moved:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             text = "".join(f"{stamp} ({source} pid={data.get('pid')}) {line}\n" for line in moved)
-            append_bytes(location(self.run_dir) / LOG_FILE, text.encode())
+            append_bytes(RunDir(self.run_dir).worker_log, text.encode())
             lost = lost_worker(moved, newest_committed_step(self.run_dir))
             if lost is not None and lost[0] not in self.told:
                 self.told.add(lost[0])

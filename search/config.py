@@ -48,14 +48,13 @@ from trainers.config import (
 from trainers.preflight import check_inputs
 from trainers.storage import (
     Location,
+    absolute,
     check_location,
     check_run_storage,
     default_root,
-    is_remote,
     is_uri,
-    location,
     read_bytes,
-    write_text_atomic,
+    write_json_atomic,
 )
 
 __all__ = ["EXPERIMENT_FILE", "ExperimentConfig", "load_experiment", "load_saved", "parse_experiment", "save"]
@@ -121,7 +120,7 @@ class ExperimentConfig(StrictModel):
     @field_validator("storage")
     @classmethod
     def _absolute_storage(cls, path: Any) -> Any:
-        return path if is_remote(path) else Path(path).resolve()
+        return absolute(path)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
@@ -238,14 +237,13 @@ def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:
 def save(exp: ExperimentConfig) -> Path | Any:
     path = exp.exp_dir / EXPERIMENT_FILE
     dump = {"experiment": exp.model_dump(mode="json", exclude_unset=True), "base_raw": exp.base_raw}
-    write_text_atomic(path, json.dumps(dump, indent=1))
+    write_json_atomic(path, dump)
     return path
 
 
 def load_saved(exp_dir: str | Path) -> ExperimentConfig:
     """The experiment an `EXP_DIR` ran (wherever that folder is now: a moved folder, a bucket)."""
-    exp_dir = location(exp_dir)
-    exp_dir = exp_dir if is_remote(exp_dir) else exp_dir.resolve()
+    exp_dir = absolute(exp_dir)
     check_location(exp_dir, "EXP_DIR", write=False)  # a bucket: there, with credentials (one line if not)
     path = exp_dir / EXPERIMENT_FILE
     text = read_bytes(path)

@@ -42,7 +42,7 @@ from search.state import (
 from search.tracking import finish_experiment_run, start_experiment_run
 from search.trial import TrialRun
 from trainers._base import ConfigError
-from trainers.storage import is_remote, pyarrow_fs
+from trainers.storage import ray_storage
 
 __all__ = ["ExperimentResult", "check_target", "max_concurrent_trials", "run_experiment"]
 
@@ -160,7 +160,7 @@ def run_experiment(
         )
     trainable, space = _tuner_parts(exp, board, turns)
     # A bucket: Tune gets the same fsspec file system the trials write with (credentials from the environment).
-    fs, fs_path = pyarrow_fs(exp_dir) if is_remote(exp_dir) else (None, str(exp_dir))
+    fs, fs_path = ray_storage(exp_dir)
     if resume:
         tuner = tune.Tuner.restore(
             fs_path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from search.times import TIME_PARTS
-from trainers.storage import append_bytes, is_remote, list_sizes, location, read_bytes, write_bytes_atomic
+from trainers.storage import append_bytes, list_sizes, location, read_bytes, write_bytes_atomic
 
 __all__ = [
     "LineageLog",
@@ -94,7 +94,7 @@ class LineageLog:
         if data and not data.endswith(b"\n"):
             keep = data[: data.rfind(b"\n") + 1]
             write_bytes_atomic(self.path, keep)
-            self._content = keep if is_remote(self.path) else None
+            self._content = None  # read again (a store's: once, by the next append)
 
     def _rows(self) -> list[dict[str, Any]]:
         if self._content is None:
@@ -147,9 +147,8 @@ class LineageLog:
 
     def _append(self, **row: Any) -> None:
         row = {"time": time.time(), "trial": self.trial, **row}
-        after = append_bytes(self.path, (json.dumps(row) + "\n").encode(), self._content)
-        if is_remote(self.path):
-            self._content = after
+        # A store's content as this writer left it (spares a GET per row); None locally: the file is read.
+        self._content = append_bytes(self.path, (json.dumps(row) + "\n").encode(), self._content)
 
 
 def _read_jsonl(path: Any) -> list[dict[str, Any]]:

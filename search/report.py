@@ -8,7 +8,6 @@ Writes `EXP_DIR/report/`: `population.png` (each trial's metric over steps, expl
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from search.lineage import Schedule, best_trial, collect, schedule_of
 from search.state import load_experiment_dir, read_scheduler_summary
 from search.times import TIME_PARTS
-from trainers.storage import is_remote, location, upload_folder
+from trainers.storage import absolute, location, write_folder
 
 __all__ = ["ReportOutput", "outside_steps_fraction", "write_report"]
 
@@ -89,8 +88,7 @@ def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
     import matplotlib
 
     matplotlib.use("Agg")
-    exp_dir = location(exp_dir)
-    exp_dir = exp_dir if is_remote(exp_dir) else exp_dir.resolve()
+    exp_dir = absolute(exp_dir)
     exp = load_experiment_dir(exp_dir)
     scheduler = read_scheduler_summary(exp_dir)  # read first: a damaged file is one line, before any plot
     reports, events = collect(exp_dir)
@@ -99,8 +97,7 @@ def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
 
         raise ConfigError(f"{exp_dir}: no trial has reported yet; fix: run `raytrain tune` first")
     target = location(output) if output is not None else exp_dir / "report"
-    with tempfile.TemporaryDirectory(prefix="raytrain-report-") as staging:
-        out = Path(staging) if is_remote(target) else Path(target)
+    with write_folder(target, last="summary.txt") as out:  # a bucket's: drawn here, uploaded there
         out.mkdir(parents=True, exist_ok=True)
         trials = sorted({r["trial"] for r in reports})
         winner, row = best_trial(reports, exp.mode)
@@ -112,10 +109,7 @@ def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
         ]
         summary = _summary(exp, reports, events, trials, winner, row, schedule, scheduler)
         (out / "summary.txt").write_text(summary + "\n")
-        if is_remote(target):
-            upload_folder(out, target, last="summary.txt")
-            plots = [target / p.name for p in plots]
-    return ReportOutput(summary, plots)
+    return ReportOutput(summary, [target / p.name for p in plots])
 
 
 # ----------------------------------------------------------------------------------------- plots

@@ -16,7 +16,7 @@ from typing import Any
 from search.config import EXPERIMENT_FILE, ExperimentConfig, load_saved
 from search.schedulers import SCHEDULER_FILE
 from trainers._base import ConfigError, flat_keys
-from trainers.storage import is_remote, list_sizes, location, read_bytes
+from trainers.storage import absolute, list_sizes, location, read_bytes
 
 __all__ = [
     "check_same_experiment",
@@ -32,8 +32,7 @@ _REWRITE = "fix: delete it and run `raytrain tune EXP.yaml --resume` with the ex
 
 def load_experiment_dir(exp_dir: str | Path) -> ExperimentConfig:
     """`search.config.load_saved`, with a damaged `experiment.json` as one line."""
-    where = location(exp_dir)
-    path = (where if is_remote(where) else where.resolve()) / EXPERIMENT_FILE
+    path = absolute(exp_dir) / EXPERIMENT_FILE
     try:
         return load_saved(exp_dir)
     except ConfigError:

@@ -21,7 +21,7 @@ from typing import Any
 
 from search.config import ExperimentConfig
 from trainers._base import first_line, flat_keys
-from trainers.storage import read_bytes, write_text_atomic
+from trainers.storage import read_bytes, write_json_atomic
 from trainers.tracking import MlflowConfig
 
 __all__ = ["catch_up", "finish_experiment_run", "start_experiment_run", "in_place_tags", "trial_tracking"]
@@ -155,7 +155,7 @@ def _read(exp_dir: Path) -> dict[str, Any]:
 
 
 def _write(exp_dir: Path, state: dict[str, Any]) -> None:
-    write_text_atomic(exp_dir / PARENT_FILE, json.dumps(state))
+    write_json_atomic(exp_dir / PARENT_FILE, state, indent=None)
 
 
 def _say(line: str) -> None:

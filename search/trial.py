@@ -52,13 +52,13 @@ from search.tracking import in_place_tags, trial_tracking
 from trainers.checkpoint_files import STEP_DIR, install_checkpoint, link_tree
 from trainers.config import HPARAM_PREFIXES
 from trainers.metrics import read_metrics
-from trainers.storage import location, remove_tree, write_text_atomic
+from trainers.run_dir import CHECKPOINTS, RunDir
+from trainers.storage import location, remove_tree, write_json_atomic
 
 __all__ = ["META", "PINS", "Gate", "TrialRun"]
 
 META = "meta.json"
 PINS = "pins"  # in the trial's folder: the step folders its Tune checkpoints point at (hard links)
-LIVE_VALUES = "live_values.json"  # raytrain_ext.worker.LIVE_VALUES (not imported: it imports torch)
 
 
 @dataclass
@@ -295,9 +295,9 @@ class TrialRun(tune.Trainable):
         first: a trial's steps go back when it exploits a donor behind it), which retention keeps by."""
         pin = self.dir / PINS / f"{time.time_ns():020d}-{out.step_dir.name}-{uuid.uuid4().hex[:6]}"
         link_tree(out.step_dir, pin / out.step_dir.name)
-        meta = json.dumps({**self._meta(out.metric), "pin": str(pin)})
-        write_text_atomic(pin / REF / META, meta)
-        write_text_atomic(pin / META, meta)  # last: a pin with its metadata is whole
+        meta = {**self._meta(out.metric), "pin": str(pin)}
+        write_json_atomic(pin / REF / META, meta, indent=None)
+        write_json_atomic(pin / META, meta, indent=None)  # last: a pin with its metadata is whole
         return pin
 
     # ------------------------------------------------------------------------------- time-sharing
@@ -365,10 +365,10 @@ class TrialRun(tune.Trainable):
             result = train(cfg, progress=False, callbacks=[f"search.hooks:StopAtStep(step={stop})", *self.exp.callbacks])
         except Exception as e:  # NaN loss, a crash Ray could not recover: PBT replaces this member
             return _Interval(stop, _worst(self.exp), None, 0.0, f"{type(e).__name__}: {e}")
-        rows = read_metrics(run_dir / "metrics.jsonl")
+        rows = read_metrics(RunDir(run_dir).metrics)
         last = {k: v for r in rows if r.get("step") == result.step for k, v in r.items()}
         before = self.step_dir.parent if self.step_dir is not None else None
-        if before is not None and before.name == "checkpoints" and str(before.parent.parent) == str(self.dir):
+        if before is not None and before.name == CHECKPOINTS and str(before.parent.parent) == str(self.dir):
             remove_tree(before)  # the previous segment's: its pin holds what Tune needs
         steps_s, parts = _run_times(run_dir, start, result.step, launched)
         return _Interval(result.step, _metric_of(self.exp, last), result.checkpoint, steps_s, parts=parts)
@@ -475,8 +475,8 @@ class _LiveRun:
     ) -> None:
         """An exploit in place: the donor's checkpoint becomes the run's newest (a restarted worker resumes
         it, with `values`), then the waiting workers load it (`tags`: for the run's trackers)."""
-        write_text_atomic(self.run_dir / LIVE_VALUES, json.dumps({"values": values, "donor": donor}))
-        installed = install_checkpoint(self.run_dir / "checkpoints", donor_dir)
+        write_json_atomic(RunDir(self.run_dir).live_values, {"values": values, "donor": donor}, indent=None)
+        installed = install_checkpoint(RunDir(self.run_dir).checkpoints, donor_dir)
         answer = {"checkpoint": str(installed), "values": values, "donor": donor, "tags": tags or {}}
         ray.get(self.gate.answer.remote(step, answer))
 
@@ -544,7 +544,7 @@ def _run_times(run_dir: Path, after: int, upto: int, launched: float | None = No
     the rest that the run itself logs (TIME_PARTS): evaluation (an eval row after its step's train row),
     the time a checkpoint held training, loading an exploit's checkpoint; with `launched` (when the run
     was started), its start-up: until its first step began."""
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(RunDir(run_dir).metrics)
     train = {r["step"]: r for r in rows if r["kind"] == "train"}
     within = [r for r in rows if after < r["step"] <= upto]
     parts = {

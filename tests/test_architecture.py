@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("trainers", "trainers._base", "raytrain_ext", "search")),
     # files, local or in a bucket, behind one interface
     ("storage", ("trainers.storage",)),
+    # the names of a run dir's files, read and written through storage
+    ("run_dir", ("trainers.run_dir",)),
     # each component's section of the run YAML, and what a section needs to validate itself (models.config
     # fills itself from an init_from folder's config.json: hf.config_json); profiling's section lives with
     # its profiler

@@ -39,7 +39,6 @@ import fnmatch
 import io
 import json
 import os
-import shutil
 import threading
 import time
 import warnings
@@ -63,7 +62,6 @@ from trainers._base import ConfigError, first_line
 from trainers.checkpoint_files import (
     COMMITTED,
     STEP_DIR,
-    _fsync_dir,
     checkpoint_step,
     delete_checkpoint,
     install_checkpoint,
@@ -72,7 +70,19 @@ from trainers.checkpoint_files import (
     read_trainer_state,
 )
 from trainers.checksums import HASH, PIECE_BYTES, check_files, digest_pieces, pieces_of
-from trainers.storage import is_remote, location, size_of, write_json_atomic, write_text_atomic
+from trainers.storage import (
+    commit_folder,
+    ensure_folder,
+    list_files,
+    list_names,
+    local_path,
+    location,
+    read_bytes,
+    size_of,
+    staging_folder,
+    start_folder,
+    write_json_atomic,
+)
 
 __all__ = [
     "link_tree",
@@ -127,24 +137,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read: missing or changed files, or none left to fall back to."""
 
 
+_LEFTOVERS = ("step_*.partial", ".install-*", ".replaced-*")  # staging and renamed-aside folders
+
+
 def _files(root: Path) -> list[str]:
     """The checkpoint's files (relative, sorted), but the marker."""
-    if is_remote(root):
-        base = root.path.rstrip("/") + "/"
-        names = (p[len(base) :] for p in root.fs.find(root.path) if p.startswith(base))
-        return sorted(n for n in names if n != COMMITTED)
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != COMMITTED)
-
-
-def _children(root: Path, pattern: str) -> list[str]:
-    """Names of the entries of the folder `root` that match `pattern` (sorted; none if it is not there)."""
-    if not is_remote(root):
-        return sorted(p.name for p in root.glob(pattern)) if root.is_dir() else []
-    try:
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in root.fs.ls(root.path, detail=False)]
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
+    return [n for n in list_files(root) if n != COMMITTED]
 
 
 class ModelOptimizerState(Stateful):
@@ -213,21 +211,23 @@ class DCPBackend:
     def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> None:
         # The plan is cached between saves of the same layout (only a delta goes to the coordinator).
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        if is_remote(path):  # each rank writes its shards straight to the store
+        local = local_path(path)
+        if local is None:  # each rank writes its shards straight to the store
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             writer = FsspecWriter(str(path), thread_count=threads, **path.storage_options)
         else:
-            writer = FileSystemWriter(str(path), thread_count=threads)
+            writer = FileSystemWriter(str(local), thread_count=threads)
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_world() == 1)
 
     def load(self, path: Path, state: dict[str, Stateful], threads: int = 1) -> None:
-        if is_remote(path):  # each rank reads the byte ranges of its shards
+        local = local_path(path)
+        if local is None:  # each rank reads the byte ranges of its shards
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             dcp.load(state, storage_reader=FsspecReader(str(path), **path.storage_options))
         else:
-            dcp.load(state, storage_reader=_ParallelReader(str(path), threads))
+            dcp.load(state, storage_reader=_ParallelReader(str(local), threads))
 
 
 @dataclass
@@ -288,7 +288,7 @@ class Checkpointer:
 
     def candidates(self) -> list[Path]:
         """Complete (committed) checkpoints, newest first: the order a restore tries them in."""
-        names = [n for n in _children(self.root, "step_*") if STEP_DIR.match(n)]
+        names = [n for n in list_names(self.root, "step_*") if STEP_DIR.match(n)]
         done = [self.root / n for n in sorted(names) if is_complete(self.root / n)]
         return done[::-1]
 
@@ -439,30 +439,21 @@ class Checkpointer:
         """Collective over `group`: write, checksum, commit, retain. Visible under its final name only once
         complete."""
         final = self.root / f"step_{step:08d}"
-        remote = is_remote(self.root)
-        # On an object store the save goes straight into the step folder: the marker written last commits it.
-        partial = final if remote else final.with_name(final.name + ".partial")
+        # `step_X.partial` renamed into place; on an object store the step folder itself, marker written last.
+        partial = staging_folder(final)
         rank = _rank()
         start = time.perf_counter()
         if rank == 0:
-            if remote:
-                delete_checkpoint(final)  # leftover of a crashed save (or this step saved before: replaced)
-            else:
-                shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed save
-                partial.mkdir(parents=True)
+            start_folder(final, COMMITTED)  # without a crashed save's leftover
         _barrier(group)
         self.backend.save(partial, state, group=group, threads=self.threads)
         if rng is not None:
             buffer = io.BytesIO()
             torch.save(rng, buffer)
-            if not remote:
-                (partial / "rng").mkdir(exist_ok=True)
+            ensure_folder(partial / "rng")
             (partial / "rng" / f"rank{rank:05d}.pt").write_bytes(buffer.getvalue())
         if rank == 0:
-            if remote:
-                write_text_atomic(partial / "trainer_state.json", json.dumps(trainer_state, indent=1))
-            else:
-                write_json_atomic(partial / "trainer_state.json", trainer_state)
+            write_json_atomic(partial / "trainer_state.json", trainer_state)
         _barrier(group)
         figures.write_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -473,15 +464,8 @@ class Checkpointer:
             if before_commit is not None:  # a test hook: simulate a crash (or a slow disk) before the commit
                 before_commit(partial)
             marker = {"step": step, "hash": HASH, "piece_bytes": PIECE_BYTES, "files": files}
-            if remote:
-                write_text_atomic(final / COMMITTED, json.dumps(marker, indent=1))
-            else:
-                write_json_atomic(partial / COMMITTED, marker)
-                _fsync_dir(partial)
-                if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-                    shutil.rmtree(final)
-                os.replace(partial, final)
-                _fsync_dir(self.root)
+            # In place of the same step saved before (e.g. the final save after a periodic one).
+            commit_folder(partial, final, COMMITTED, (json.dumps(marker, indent=1) + "\n").encode())
             self._retain()
         _barrier(group)
         return final
@@ -521,13 +505,8 @@ class Checkpointer:
         trainer_state = self.trainer_state(path)
         try:
             self.backend.load(path, state, threads=self.threads)
-            rng_file = path / "rng" / f"rank{_rank():05d}.pt"
-            rng = None
-            if is_remote(rng_file):
-                if rng_file.is_file():
-                    rng = torch.load(io.BytesIO(rng_file.read_bytes()), weights_only=True)
-            elif rng_file.is_file():
-                rng = torch.load(rng_file, weights_only=True)
+            data = read_bytes(path / "rng" / f"rank{_rank():05d}.pt")
+            rng = None if data is None else torch.load(io.BytesIO(data), weights_only=True)
         except (OSError, RuntimeError, ValueError, EOFError) as e:
             if isinstance(e, ConfigError):
                 raise  # the backend's own one-line refusal (e.g. another engine wrote it)
@@ -537,17 +516,12 @@ class Checkpointer:
     def _retain(self) -> None:
         """Keep the newest `keep` committed checkpoints. Only a save's commit calls it, and one save is in
         flight at a time, so the partial folders it removes are crashes' leftovers, never a live save."""
-        if is_remote(self.root):
-            names = [n for n in _children(self.root, "step_*") if STEP_DIR.match(n)]
-            done = [n for n in names if is_complete(self.root / n)]
-            old = done[: max(len(done) - self.keep, 0)]
-            stale = [n for n in names if n not in done and done and n < done[-1]]  # saves a crash cut short
-            for name in old + stale:
-                delete_checkpoint(self.root / name)
-            return
-        done = sorted(p for p in self.root.glob("step_*") if is_complete(p))
-        for old in done[: max(len(done) - self.keep, 0)]:
-            shutil.rmtree(old, ignore_errors=True)
-        for pattern in ("step_*.partial", ".install-*", ".replaced-*"):  # what a crash left half done
-            for stale in self.root.glob(pattern):
-                shutil.rmtree(stale, ignore_errors=True)
+        entries = list_names(self.root)
+        names = [n for n in entries if STEP_DIR.match(n)]
+        done = [n for n in names if is_complete(self.root / n)]
+        old = done[: max(len(done) - self.keep, 0)]
+        stale = [n for n in names if n not in done and done and n < done[-1]]  # saves a crash cut short
+        # What a crash left half done where folders are renamed into place (none on an object store).
+        leftovers = [n for n in entries if any(fnmatch.fnmatchcase(n, p) for p in _LEFTOVERS)]
+        for name in old + stale + leftovers:
+            delete_checkpoint(self.root / name)

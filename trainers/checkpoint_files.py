@@ -15,7 +15,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainers.storage import copy_tree, is_remote, location, remove_tree
+from trainers.storage import (
+    commit_folder,
+    copy_tree,
+    list_names,
+    local_path,
+    location,
+    read_bytes,
+    remove_tree,
+    start_folder,
+)
 
 __all__ = [
     "COMMITTED",
@@ -54,12 +63,13 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def link_tree(src: Path, dst: Path) -> None:
+def link_tree(src: Path, dst: Path, exclude: str | None = None) -> None:
     """Copy the folder `src` to `dst` as hard links (the same files, no data copied), file by file as
-    copies where the file system cannot link (another device). On an object store, which has no links:
-    copies made by the store itself (the bytes do not pass through this machine), the commit marker last."""
-    if is_remote(src) or is_remote(dst):
-        copy_tree(location(src), location(dst), last=COMMITTED)
+    copies where the file system cannot link (another device); the file `exclude` (at its top) not at all.
+    On an object store, which has no links: copies made by the store itself (the bytes do not pass through
+    this machine), the commit marker last."""
+    if local_path(src) is None or local_path(dst) is None:
+        copy_tree(location(src), location(dst), last=COMMITTED, exclude=exclude)
         return
 
     def link(s: str, d: str) -> None:
@@ -68,61 +78,30 @@ def link_tree(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copy2(s, d)
 
+    def skip(folder: str, names: list[str]) -> list[str]:
+        return [exclude] if exclude in names and Path(folder) == Path(src) else []
+
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, dst, copy_function=link)
+    shutil.copytree(src, dst, copy_function=link, ignore=skip, dirs_exist_ok=True)
 
 
 def install_checkpoint(root: Path, src: Path) -> Path:
     """Make the committed checkpoint `src` (a PBT donor's) the newest under the checkpoint root `root`, at
-    its step's name: hard links, then the root's own checkpoints at that step or later go, so that a restart
+    its step's name, in place of the root's own checkpoints at that step or later, so that a restart
     resumes from it. Not collective: one process calls it while the run's workers wait. A crash leaves the
-    old newest or the installed one, never a half-made step folder (staging is not named like one).
-
-    On an object store (no rename) as a save there is made: the checkpoints at that step or later are
-    deleted (marker first), the donor's files copied in by the store, its marker last. A crash in between
-    leaves the run's older checkpoints, never a half-made one that loads."""
+    old newest or the installed one, never a half-made step folder that loads (`storage.commit_folder`:
+    staged as hard links and renamed into place locally; on an object store copied by the store, the later
+    checkpoints deleted, the marker written last)."""
     root, src = location(root), location(src)
     step = int(read_trainer_state(src)["step"])
     final = root / f"step_{step:08d}"
-    if is_remote(root):
-        for name in sorted({p.name for p in root.glob("step_*")} if root.exists() else ()):
-            match = STEP_DIR.match(name)
-            if match and int(match.group(1)) >= step:
-                delete_checkpoint(root / name)
-        link_tree(src, final)
-        if not (final / COMMITTED).is_file():  # the donor's marker is copied last: its absence is a bug
-            raise FileNotFoundError(f"{final}: {COMMITTED} missing after the copy of {src}")
-        return final
-    tag = uuid.uuid4().hex[:8]
-    staging = root / f".install-{final.name}-{tag}"
-    root.mkdir(parents=True, exist_ok=True)
-    link_tree(src, staging)
-    _fsync_dir(staging)
-    aside = []
-    for old in sorted(root.glob("step_*")):
-        match = STEP_DIR.match(old.name)
-        if match and int(match.group(1)) >= step:
-            aside.append(old.rename(root / f".replaced-{old.name}-{tag}"))
-    os.replace(staging, final)
-    _fsync_dir(root)
-    for old in aside:
-        shutil.rmtree(old, ignore_errors=True)
+    staging = start_folder(final, COMMITTED, name=f".install-{final.name}-{uuid.uuid4().hex[:8]}")
+    link_tree(src, staging, exclude=COMMITTED)
+    later = [n for n in list_names(root, "step_*") if STEP_DIR.match(n) and int(STEP_DIR.match(n).group(1)) >= step]
+    commit_folder(staging, final, COMMITTED, read_bytes(src / COMMITTED), replaces=later)
     return final
 
 
 def delete_checkpoint(path: Any) -> None:
     """Marker first: a folder half deleted by a crash is never taken for a checkpoint."""
-    if is_remote(path):
-        try:
-            path.fs.rm_file((path / COMMITTED).path)
-        except FileNotFoundError:
-            pass
-    remove_tree(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    remove_tree(location(path), first=COMMITTED)

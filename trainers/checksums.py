@@ -10,15 +10,13 @@ Markers written before pieces existed hold one whole-file `sha256` per file; the
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 
-from trainers.storage import is_remote
+from trainers.storage import read_range
 
 __all__ = ["HASH", "PIECE_BYTES", "Piece", "check_files", "digest_pieces", "pieces_of"]
 
@@ -37,28 +35,9 @@ def pieces_of(sizes: dict[str, int], piece_bytes: int = PIECE_BYTES) -> list[Pie
     return out
 
 
-_buffers = threading.local()  # one piece-sized buffer per hashing thread, reused: no fresh pages per piece
-
-
-def _read(root: Any, name: str, offset: int, length: int) -> bytes | memoryview:
-    path = root / name
-    if is_remote(path):
-        return path.fs.cat_file(path.path, start=offset, end=offset + length) if length else b""
-    buffer = getattr(_buffers, "buffer", None)
-    if buffer is None or len(buffer) < length:
-        buffer = _buffers.buffer = bytearray(max(length, PIECE_BYTES))
-    view = memoryview(buffer)[:length]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = os.preadv(fd, [view], offset)
-    finally:
-        os.close(fd)
-    return view[:got]
-
-
 def _digest(root: Any, piece: Piece) -> str:
     name, _, offset, length = piece
-    return xxhash.xxh3_128_hexdigest(_read(root, name, offset, length))
+    return xxhash.xxh3_128_hexdigest(read_range(root / name, offset, length))
 
 
 def digest_pieces(root: Any, pieces: Iterable[Piece], threads: int) -> dict[tuple[str, int], str]:

@@ -15,10 +15,8 @@ step whose checkpoint was committed. TensorBoard's files are written there too a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
-import shutil
 import sys
 import weakref
 from collections.abc import Sequence
@@ -29,12 +27,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trainers.run_dir import RunDir
 from trainers.storage import (
-    cache_root,
-    is_remote,
     location,
+    publish,
     read_bytes,
-    write_bytes_atomic,
+    working_copy,
     write_text_atomic,
 )
 
@@ -102,13 +100,11 @@ class MetricsLog:
         self, run_dir: Path, enabled: bool = True, tensorboard: bool = True, sinks: Sequence[MetricsSink] = ()
     ):
         run_dir = location(run_dir)
-        self.path = run_dir / "metrics.jsonl"  # where readers find it
-        self.remote = is_remote(run_dir)
+        self.path = RunDir(run_dir).metrics  # where readers find it
         # Where this process appends: the file itself, or its local copy for a run dir on an object store.
-        local_dir = cache_root() / "runs" / hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
-        self.local = local_dir / "metrics.jsonl" if self.remote else self.path
-        self._tb_dir = (local_dir if self.remote else run_dir) / "tb"
-        self._remote_tb = run_dir / "tb"
+        self.local = working_copy(self.path)
+        self._remote_tb = RunDir(run_dir).tensorboard
+        self._tb_dir = None if not (enabled and tensorboard) else working_copy(self._remote_tb, fresh=True)
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
         self._file = None
@@ -119,9 +115,7 @@ class MetricsLog:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter  # heavy import; only when used
 
-                if self.remote:
-                    shutil.rmtree(self._tb_dir, ignore_errors=True)  # this attempt's events only
-                self._tb = SummaryWriter(str(self._tb_dir))
+                self._tb = SummaryWriter(str(self._tb_dir))  # a store's: this attempt's events only
 
     def resume_from(self, step: int) -> None:
         """Drop records of steps after `step` (they will be recomputed) before appending; then the sinks
@@ -132,11 +126,10 @@ class MetricsLog:
             self._file.close()
             self._file = None
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        if self.remote:  # the store's file is the truth (another machine may have written it)
-            self.local.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        # The readers' file is the truth (on a store, another machine may have written it).
+        if self.path.is_file() or self.local.is_file():
+            write_text_atomic(self.local, "".join(json.dumps(r) + "\n" for r in keep))
             self.flush()
-        elif self.path.is_file():
-            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         for sink in self.sinks:
             if self._started:
                 sink.rewind(step)
@@ -150,7 +143,7 @@ class MetricsLog:
         if self._file is None:
             self._file = open(self.local, "a", buffering=1)  # line-buffered: a crash loses no step
         self._file.write(json.dumps(record) + "\n")
-        if self.remote and record.get("kind") == "event":
+        if record.get("kind") == "event":
             self.flush()
         if self._tb is not None:
             step, kind = record.get("step", 0), record.get("kind", "train")
@@ -162,18 +155,15 @@ class MetricsLog:
 
     def flush(self) -> None:
         """A run dir on an object store: upload what was written so far (the whole file, one PUT), and
-        TensorBoard's files. Local: nothing to do (every line is written through)."""
-        if not (self.enabled and self.remote):
+        TensorBoard's files (`storage.publish`). Local: the files are the record already."""
+        if not self.enabled:
             return
         if self._file is not None:
             self._file.flush()
-        if self.local.is_file():
-            write_bytes_atomic(self.path, self.local.read_bytes())
+        publish(self.local, self.path)
         if self._tb is not None:
             self._tb.flush()
-            for event_file in self._tb_dir.glob("*"):
-                if event_file.is_file():
-                    write_bytes_atomic(self._remote_tb / event_file.name, event_file.read_bytes())
+            publish(self._tb_dir, self._remote_tb)
 
     def close(self, status: str = "FINISHED") -> None:
         """`status`: how the run ended, for the sinks (FINISHED, KILLED or FAILED)."""

@@ -21,6 +21,7 @@ import torch
 from pydantic import PositiveInt
 
 from trainers._base import StrictModel
+from trainers.run_dir import PROFILE
 
 __all__ = ["ProfileConfig", "StepProfiler", "build_profiler", "span"]
 
@@ -116,4 +117,4 @@ def build_profiler(cfg: ProfileConfig, run_dir: Path, device: torch.device) -> S
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return _TorchStepProfiler(cfg, Path(run_dir) / "profile", rank, device)
+    return _TorchStepProfiler(cfg, Path(run_dir) / PROFILE, rank, device)

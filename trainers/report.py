@@ -22,6 +22,7 @@ import yaml
 
 from trainers._base import ConfigError
 from trainers.metrics import read_metrics
+from trainers.run_dir import METRICS, RunDir
 
 __all__ = ["RunReport", "write_run_report"]
 
@@ -63,7 +64,7 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> RunReport:
 
     matplotlib.use("Agg")
     run = _read_run(Path(run_dir))
-    out = Path(out) if out is not None else Path(run_dir) / "report"
+    out = Path(out) if out is not None else Path(RunDir(run_dir).report)
     out.mkdir(parents=True, exist_ok=True)
     panels = [(name, draw) for name, draw in _PANELS if draw(None, run)]
     plots = [_save_panel(out / f"{name}.png", draw, run) for name, draw in panels]
@@ -76,9 +77,9 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> RunReport:
 def _read_run(run_dir: Path) -> _Run:
     """A run folder, or a folder of run folders taken as one run in time order (a Tune trial's Train
     runs: each continues from a checkpoint; for a step trained twice, the later record is kept)."""
-    runs = [run_dir] if (run_dir / "metrics.jsonl").is_file() else _run_folders(run_dir)
+    runs = [run_dir] if RunDir(run_dir).metrics.is_file() else _run_folders(run_dir)
     rows = sorted(
-        (r for d in runs for r in read_metrics(d / "metrics.jsonl")), key=lambda r: r.get("time", 0)
+        (r for d in runs for r in read_metrics(RunDir(d).metrics)), key=lambda r: r.get("time", 0)
     )
     latest: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:
@@ -90,7 +91,7 @@ def _read_run(run_dir: Path) -> _Run:
             f"{run_dir}: no training steps in metrics.jsonl; fix: pass a run folder that has trained "
             f"(raytrain train writes RUN_DIR/metrics.jsonl), or a folder of such run folders"
         )
-    config_file = runs[-1] / "config.yaml"
+    config_file = RunDir(runs[-1]).config
     config = (yaml.safe_load(config_file.read_text()) if config_file.is_file() else None) or {}
     evals = sorted((r for (kind, _), r in latest.items() if kind == "eval"), key=lambda r: r["step"])
     events = [r for r in rows if r.get("kind") == "event"]
@@ -100,8 +101,8 @@ def _read_run(run_dir: Path) -> _Run:
 
 def _run_folders(folder: Path) -> list[Path]:
     """Sub-folders holding a metrics.jsonl, ordered by their first record."""
-    found = [p.parent for p in folder.glob("*/metrics.jsonl")]
-    first = {d: next(iter(read_metrics(d / "metrics.jsonl")), {}).get("time", 0) for d in found}
+    found = [p.parent for p in folder.glob(f"*/{METRICS}")]
+    first = {d: next(iter(read_metrics(RunDir(d).metrics)), {}).get("time", 0) for d in found}
     return sorted(found, key=lambda d: first[d])
 
 

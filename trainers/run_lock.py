@@ -23,21 +23,20 @@ from typing import Any
 
 from trainers._base import ConfigError
 
-__all__ = ["LOCK_FILE", "RunDirLock"]
-
-LOCK_FILE = ".lock"
+__all__ = ["RunDirLock"]
 
 
 class RunDirLock:
     def __init__(self, run_dir: Path | str):
-        from trainers.storage import cache_root, is_remote, is_uri
+        from trainers.run_dir import LOCK
+        from trainers.storage import cache_root, local_path
 
-        if is_remote(run_dir) or is_uri(str(run_dir)):
-            self.run_dir = str(run_dir)
+        self.run_dir = str(run_dir)
+        local = local_path(run_dir)  # flock needs a file of this machine
+        if local is None:
             self.path = cache_root() / "locks" / f"{hashlib.sha256(self.run_dir.encode()).hexdigest()[:16]}.lock"
         else:
-            self.run_dir = str(run_dir)
-            self.path = Path(run_dir) / LOCK_FILE
+            self.path = local / LOCK
         self._fd: int | None = None
 
     def __enter__(self) -> RunDirLock:

@@ -1,27 +1,42 @@
 """Where a run's files live: a local folder, or an object store / remote file system given as an fsspec URI
 (`s3://bucket/prefix`, `gs://bucket/prefix`, any protocol fsspec knows).
 
-A location is a `pathlib.Path` for a local folder and a `upath.UPath` (universal_pathlib: pathlib's API over
-fsspec) for a URI, so `run_dir / "metrics.jsonl"`, `.is_file()`, `.read_text()`, `.glob()` read the same
-either way; what differs (no atomic rename on an object store, no fsync, no flock) is branched on
-`is_remote` where it matters: `trainers.checkpoint` (a marker written last commits a checkpoint),
-`trainers.metrics` (buffered, flushed at each checkpoint), the data reader (a local cache of verified shards).
+This module owns every difference between the two. A location is a `pathlib.Path` for a local folder and a
+`upath.UPath` (universal_pathlib: pathlib's API over fsspec) for a URI, so `run_dir / "metrics.jsonl"`,
+`.is_file()`, `.read_text()`, `.glob()` read the same either way; what differs (no atomic rename on an
+object store, no fsync, no flock, no append, no folders) is behind the operations here, so that callers
+never branch on where a location is:
+
+- read and write: `read_bytes`, `read_range`, `write_bytes_atomic`/`write_text_atomic`/`write_json_atomic`
+  (the one atomic writer), `append_bytes`, `read_appended` (a growing file, polled at `poll_interval`);
+- folders: `ensure_folder`, `list_names`, `list_files`, `list_sizes`, `occupied`, `copy_tree`,
+  `remove_tree`; a folder that appears whole: `staging_folder`, `start_folder`, `commit_folder` (a rename
+  locally, a marker written last on a store);
+- local files for libraries and tools that need them: `local_path`, `local_folder` (a download),
+  `write_folder` (written locally, uploaded), `working_copy`/`publish` (a file one process appends to),
+  `cached_copy` (a verified download shared by a machine's ranks);
+- names: `location`, `absolute`, `is_within`, `location_on` (Ray's paths), `pyarrow_fs`/`ray_storage`
+  (the same file system for Ray and pyarrow);
+- errors: `check_location`, `describe_error`, `one_line_errors` (a store's errors as one ConfigError line).
 
 Credentials, endpoints and regions come from the environment as each library reads them (for S3: the AWS
 chain, `AWS_ENDPOINT_URL` for an S3-compatible server, instance roles; for GCS: application default
 credentials), never from our files. `check_location` turns what goes wrong (no bucket, no credentials, no
 permission, a wrong region) into the usual one-line `ConfigError` before any worker starts.
 """
-
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
+import threading
 import uuid
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,21 +46,40 @@ from trainers._base import ConfigError
 
 __all__ = [
     "Location",
+    "absolute",
     "append_bytes",
+    "commit_folder",
     "copy_tree",
     "cache_root",
     "cached_copy",
     "check_location",
     "describe_error",
+    "ensure_folder",
     "is_remote",
     "is_uri",
+    "is_within",
+    "list_files",
+    "list_names",
     "list_sizes",
+    "local_folder",
+    "local_path",
     "location",
     "location_on",
+    "occupied",
+    "one_line_errors",
+    "poll_interval",
+    "publish",
     "pyarrow_fs",
+    "ray_storage",
+    "read_appended",
+    "read_range",
     "remove_tree",
     "sha256_of",
+    "staging_folder",
+    "start_folder",
+    "working_copy",
     "write_bytes_atomic",
+    "write_folder",
     "write_text_atomic",
 ]
 
@@ -150,17 +184,18 @@ def write_json_atomic(path: Any, obj: Any, indent: int | None = 1, default: Any 
     write_text_atomic(path, json.dumps(obj, indent=indent, default=default) + "\n")
 
 
-def append_bytes(path: Any, data: bytes, current: bytes | None = None) -> bytes:
-    """Append to a file that only this process writes; returns its content after. Locally an append (a
-    reader may see the last line cut, as a crash leaves it); on an object store, which has no append, the
-    object is replaced whole by one PUT (`current`: its content as this writer last left it, to spare the
-    GET), so a reader sees the file before or after the append. Meant for small logs (a trial's lineage)."""
+def append_bytes(path: Any, data: bytes, current: bytes | None = None) -> bytes | None:
+    """Append to a file that only this process writes; returns its content after on an object store (to
+    pass as `current` next time), None locally (the file is the record). Locally an append (a reader may see
+    the last line cut, as a crash leaves it); on an object store, which has no append, the object is
+    replaced whole by one PUT (`current`: its content as this writer last left it, to spare the GET), so a
+    reader sees the file before or after the append. Meant for small logs (a trial's lineage)."""
     if not is_remote(path):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("ab") as f:
             f.write(data)
-        return b""  # not kept: the file is the record
+        return None
     before = current if current is not None else (read_bytes(path) or b"")
     write_bytes_atomic(path, before + data)
     return before + data
@@ -184,15 +219,15 @@ def list_sizes(folder: Any, pattern: str = "*") -> dict[str, int]:
     return out
 
 
-def copy_tree(src: Any, dst: Any, last: str | None = None) -> None:
+def copy_tree(src: Any, dst: Any, last: str | None = None, exclude: str | None = None) -> None:
     """Copy the remote folder `src` to `dst` on the same store, object by object on the server (the bytes
-    do not pass through this machine); the file named `last` (e.g. a commit marker) after all others. A
-    local `src` is uploaded (`last` last too)."""
+    do not pass through this machine); the file named `last` (e.g. a commit marker) after all others, the
+    file named `exclude` not at all. A local `src` is uploaded (`last` last too)."""
     if not is_remote(src):
-        upload_folder(src, dst, last=last)
+        upload_folder(src, dst, last=last, exclude=exclude)
         return
     base = src.path.rstrip("/") + "/"
-    names = sorted(p[len(base) :] for p in src.fs.find(src.path) if p.startswith(base))
+    names = sorted(p[len(base) :] for p in src.fs.find(src.path) if p.startswith(base) and p[len(base) :] != exclude)
     names.sort(key=lambda n: n == last)
     first = [n for n in names if n != last]
     if first:
@@ -211,13 +246,27 @@ def location_on(filesystem: Any, path: str) -> Path | Any:
     return location(fs.unstrip_protocol(path))
 
 
-def remove_tree(path: Any) -> None:
-    """Delete a folder and everything under it; a missing one is fine."""
+def remove_tree(path: Any, first: str | None = None) -> None:
+    """Delete a folder and everything under it; a missing one is fine. `first`: a file deleted before the
+    rest (a commit marker: a folder half deleted by a crash is never taken for a whole one)."""
+    if first is not None:
+        remove_file(path / first)
     if not is_remote(path):
         shutil.rmtree(path, ignore_errors=True)
         return
     try:
         path.fs.rm(path.path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def remove_file(path: Any) -> None:
+    """Delete a file; a missing one is fine."""
+    if not is_remote(path):
+        Path(path).unlink(missing_ok=True)
+        return
+    try:
+        path.fs.rm_file(path.path)
     except FileNotFoundError:
         pass
 
@@ -357,11 +406,13 @@ def check_run_storage(cfg: Any) -> None:
         )
 
 
-def upload_folder(local: Path, dest: Any, last: str | None = "manifest.json") -> None:
+def upload_folder(
+    local: Path, dest: Any, last: str | None = "manifest.json", exclude: str | None = None
+) -> None:
     """Copy a local folder's files to a remote location, `last` after all others (a reader that finds it
-    finds the rest: the manifest of prepared data names each shard and its sha256)."""
+    finds the rest: the manifest of prepared data names each shard and its sha256), `exclude` not at all."""
     local = Path(local)
-    files = sorted(p for p in local.rglob("*") if p.is_file())
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.relative_to(local).as_posix() != exclude)
     files.sort(key=lambda p: p.relative_to(local).as_posix() == last)
     fs = dest.fs
     for path in files:
@@ -401,3 +452,262 @@ def read_bytes(path: Any) -> bytes | None:
         return path.fs.cat_file(path.path)
     except FileNotFoundError:
         return None
+
+
+_buffers = threading.local()  # read_range's buffer per thread (checksums hash pieces on a thread pool)
+
+
+def read_range(path: Any, offset: int, length: int) -> bytes | memoryview:
+    """Bytes [offset, offset + length) of a file: one ranged GET on a store; locally one `preadv` into a
+    buffer kept per thread and reused (no fresh pages per read: the view is valid until this thread's next
+    `read_range`)."""
+    if is_remote(path):
+        return path.fs.cat_file(path.path, start=offset, end=offset + length) if length else b""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None or len(buffer) < length:
+        buffer = _buffers.buffer = bytearray(length)
+    view = memoryview(buffer)[:length]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, [view], offset)
+    finally:
+        os.close(fd)
+    return view[:got]
+
+
+
+def read_appended(path: Any, offset: int, version: Any = None) -> tuple[bytes | None, int, Any]:
+    """What a file that grows (and is sometimes replaced by a shorter one: a log rewound) holds from
+    `offset` on: (bytes or None when it is not there, the offset they start at, the file's version to pass
+    next time). From 0 again when the file is shorter than `offset` or (locally) another file than the
+    `version` read before (it may have grown past the old offset already, which then fell inside a line).
+    A store's object is replaced whole at each write: one GET of all of it."""
+    if is_remote(path):
+        data = read_bytes(path)
+        if data is None:
+            return None, offset, version
+        offset = 0 if len(data) < offset else offset
+        return data[offset:], offset, version
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return None, offset, version
+    if stat.st_ino != version or stat.st_size < offset:
+        version, offset = stat.st_ino, 0
+    with Path(path).open("rb") as f:
+        f.seek(offset)
+        return f.read(), offset, version
+
+
+def poll_interval(path: Any, interval_s: float) -> float:
+    """How often to look at a file for changes: `interval_s` locally, at least 2 s on a store (a GET per
+    look; its files change at each checkpoint anyway)."""
+    return max(interval_s, 2.0) if is_remote(path) else interval_s
+
+
+def absolute(path: Any) -> Path | Any:
+    """A location that names the same place from any working directory (Ray workers and Tune trials run in
+    other folders): a local path resolved; a URI as it is."""
+    path = location(path)
+    return path if is_remote(path) else path.resolve()
+
+
+def is_within(path: Any, folder: Any) -> bool:
+    """Whether the location `path` is `folder` or under it."""
+    path, folder = absolute(path), absolute(folder)
+    if is_remote(path) or is_remote(folder):
+        if not (is_remote(path) and is_remote(folder)) or path.protocol != folder.protocol:
+            return False
+        given, ours = path.path.strip("/"), folder.path.strip("/")
+        return given == ours or given.startswith(ours + "/")
+    return path.is_relative_to(folder)
+
+
+def local_path(path: Any) -> Path | None:
+    """The location as a path of this machine's file system, for libraries that open files by name (flock,
+    safetensors' memory map, DCP's file writer); None for a location only fsspec reaches (`local_folder`
+    downloads one)."""
+    if is_remote(path) or is_uri(path):
+        return None
+    return location(path)
+
+
+def ray_storage(path: Any) -> tuple[Any, str]:
+    """(`storage_filesystem`, `storage_path`) to give Ray Train/Tune for the folder `path`: for a store the
+    same fsspec file system we write with (credentials from the environment) and the path on it; locally
+    None (Ray's own) and the path."""
+    return pyarrow_fs(path) if is_remote(path) else (None, str(path))
+
+
+def ensure_folder(path: Any) -> None:
+    """Make a folder (and its parents) where files are about to be written: an object store has no folders
+    (an object's name is its whole path), so nothing there."""
+    if not is_remote(path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def occupied(path: Any) -> bool:
+    """Whether something is at `path`: a file, or a folder with anything in it."""
+    if not is_remote(path):
+        path = Path(path)
+        return path.exists() and (not path.is_dir() or any(path.iterdir()))
+    try:
+        return bool(path.fs.ls(path.path, detail=False)) or path.fs.isfile(path.path)
+    except FileNotFoundError:
+        return False
+
+
+def list_names(folder: Any, pattern: str = "*") -> list[str]:
+    """Names of the entries (files and folders) directly in `folder` that match `pattern`, sorted; none
+    when it is not there. One listing, also on an object store."""
+    if not is_remote(folder):
+        folder = Path(folder)
+        return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in folder.fs.ls(folder.path, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
+
+
+def list_files(folder: Any) -> list[str]:
+    """Every file under `folder`, as paths relative to it ("a/b"), sorted; none when it is not there."""
+    if not is_remote(folder):
+        folder = Path(folder)
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    base = folder.path.rstrip("/") + "/"
+    try:
+        found = folder.fs.find(folder.path)
+    except FileNotFoundError:
+        return []
+    return sorted(p[len(base) :] for p in found if p.startswith(base))
+
+
+# ----------------------------------------------------------------------------- folders that appear whole
+
+
+def staging_folder(final: Any, name: str | None = None) -> Any:
+    """Where a folder that must appear whole at `final` is written (see `commit_folder`): locally a sibling
+    (`name`, default `NAME.partial`) renamed into place; on an object store, which has no rename, `final`
+    itself, whose commit marker is written last."""
+    if is_remote(final):
+        return final
+    return final.with_name(name or f"{final.name}.partial")
+
+
+def start_folder(final: Any, marker: str, name: str | None = None) -> Any:
+    """`staging_folder(final, name)`, emptied of what a crashed attempt left (its `marker` first) and made."""
+    staging = staging_folder(final, name)
+    remove_tree(staging, first=marker)
+    ensure_folder(staging)
+    return staging
+
+
+def commit_folder(staging: Any, final: Any, marker: str, content: bytes, replaces: Iterable[str] = ()) -> None:
+    """Make the folder written at `staging` (`start_folder`) visible at `final`, complete with its commit
+    `marker` file (`content`), in place of `final` and of the sibling folders named in `replaces`. A crash
+    at any point leaves the old folders or the new one, never a half-made one with a marker:
+    locally the marker is written and synced, the old folders renamed aside, `staging` renamed to `final`,
+    then the old ones deleted; on an object store (`staging` is `final`) the replaced folders are deleted
+    (marker first), then the marker is written, last."""
+    replaces = [n for n in replaces if n != final.name]
+    if is_remote(final):
+        for name in replaces:
+            remove_tree(final.parent / name, first=marker)
+        write_bytes_atomic(final / marker, content)
+        return
+    write_bytes_atomic(staging / marker, content)
+    _fsync_dir(staging)
+    tag = uuid.uuid4().hex[:8]
+    aside = []
+    for name in [final.name, *replaces]:
+        if (final.parent / name).exists():
+            aside.append((final.parent / name).rename(final.parent / f".replaced-{name}-{tag}"))
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    for old in aside:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------- local files for tools that need them
+
+
+def local_folder(path: Any, staging: Path, names: Iterable[str] | None = None) -> Path:
+    """The folder `path` as a local folder: itself, or for a store a download into `staging` (made if
+    needed) of its files, or of those of `names` that are there."""
+    local = local_path(path)
+    if local is not None:
+        return local
+    if names is None:
+        return download_folder(path, staging)
+    staging = Path(staging)
+    for name in names:
+        data = read_bytes(path / name)
+        if data is not None:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(data)
+    return staging
+
+
+@contextlib.contextmanager
+def write_folder(dest: Any, last: str | None = None) -> Iterator[Path]:
+    """A local folder to write the files of `dest` into: `dest` itself, or for a store an empty temporary
+    folder uploaded to it when the block ends without an error (`last` after all others: a reader that
+    finds it finds the rest)."""
+    local = local_path(dest)
+    if local is not None:
+        yield local
+        return
+    with tempfile.TemporaryDirectory(prefix="raytrain-upload-") as tmp:
+        yield Path(tmp)
+        upload_folder(Path(tmp), dest, last=last)
+
+
+def working_copy(path: Any, fresh: bool = False) -> Path:
+    """Where this process writes the file (or folder) `path` that it alone writes, and appends to: `path`
+    itself locally; for a store, which has no append, a copy in this machine's cache that `publish` uploads
+    whole. `fresh`: that copy starts empty (this process's files only)."""
+    local = local_path(path)
+    if local is not None:
+        return local
+    copy = cache_root() / "runs" / hashlib.sha256(str(path.parent).encode()).hexdigest()[:16] / path.name
+    if fresh:
+        shutil.rmtree(copy, ignore_errors=True)
+    return copy
+
+
+def publish(copy: Path, path: Any) -> None:
+    """Upload the `working_copy` `copy` of `path` (a file, or a folder's files) whole, one PUT each;
+    nothing to do when they are the same (a local location)."""
+    if local_path(path) is not None:
+        return
+    if copy.is_file():
+        write_bytes_atomic(path, copy.read_bytes())
+    elif copy.is_dir():
+        for file in copy.glob("*"):
+            if file.is_file():
+                write_bytes_atomic(path / file.name, file.read_bytes())
+
+
+@contextlib.contextmanager
+def one_line_errors(path: Any, where: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """A store's errors inside the block (no bucket, no credentials, no permission, a wrong region) become
+    one ConfigError line naming `where`; errors of a local `path`, those of the types `keep`, and any that
+    `describe_error` does not know are raised as they are."""
+    try:
+        yield
+    except keep:
+        raise
+    except Exception as e:  # noqa: BLE001  (a store's errors become one line; others are raised as they are)
+        line = describe_error(e, where) if is_remote(path) else None
+        if line is None:
+            raise
+        raise ConfigError(line) from None

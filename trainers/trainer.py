@@ -32,7 +32,8 @@ from trainers.parallel.engine import Engine
 from trainers.preflight import check_inputs
 from trainers.profiling import build_profiler, span
 from trainers.resume import check_compatible, compat_of
-from trainers.storage import is_remote, location
+from trainers.run_dir import RunDir
+from trainers.storage import ensure_folder, location
 from trainers.tracking import build_sinks
 
 __all__ = ["FitResult", "NonFiniteLossError", "Trainer", "TrainerCallback", "lm_loss"]
@@ -83,7 +84,7 @@ class Trainer:
         self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len, cfg.data.cache)
         self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints",
+            RunDir(self.run_dir).checkpoints,
             cfg.checkpoint.keep,
             self.engine.checkpoint_backend,
             mode=cfg.checkpoint.mode,
@@ -250,10 +251,9 @@ class Trainer:
 
     def fit(self) -> FitResult:
         cfg = self.cfg
-        if not is_remote(self.run_dir):  # an object store has no folders to make
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_folder(self.run_dir)
         if self.engine.is_main:
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            RunDir(self.run_dir).write_config(cfg.to_yaml())
         for cb in self.callbacks:
             cb.on_fit_start(self)
         bar = self._progress_bar()

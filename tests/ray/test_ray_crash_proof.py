@@ -12,9 +12,9 @@ import yaml
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, train_controllers_of_this_job
 from raytrain_ext.cli import main
-from raytrain_ext.launcher import RAY_SNAPSHOT
 from tests.conftest import tiny_raw
 from trainers.metrics import read_metrics
+from trainers.run_dir import RAY_SNAPSHOT
 
 pytestmark = pytest.mark.ray
 

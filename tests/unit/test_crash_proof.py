@@ -22,7 +22,8 @@ from trainers.checkpoint import COMMITTED, Checkpointer
 from trainers.checkpoint_files import checkpoint_step
 from trainers.config import parse_config
 from trainers.metrics import read_metrics
-from trainers.run_lock import LOCK_FILE, RunDirLock
+from trainers.run_dir import LOCK, RAY_SNAPSHOT
+from trainers.run_lock import RunDirLock
 from trainers.trainer import Trainer, TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +196,7 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(corpus
         assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
 
     # A holder killed without releasing leaves its name in the file but no flock: the next run takes over.
-    (run_dir / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 2**22 + 1, "since": 0}))
+    (run_dir / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 2**22 + 1, "since": 0}))
     out = _raytrain("train", str(run), "--no-ray", "--no-progress")
     assert out.returncode == 0, out.stderr[-2000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl", "train")] == list(range(1, 11))
@@ -252,7 +253,7 @@ def test_snapshot_entries_without_a_complete_checkpoint_go(tmp_path):
         "timed_out_validation_checkpoint_dir_names": [],
         "failed_validation_checkpoint_dir_names": [],
     }
-    path = run_dir / launcher.RAY_SNAPSHOT
+    path = run_dir / RAY_SNAPSHOT
     path.write_text(json.dumps(snapshot))
     launcher.reconcile_ray_snapshot(run_dir)
     got = json.loads(path.read_text())

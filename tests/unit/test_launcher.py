@@ -128,9 +128,10 @@ def test_a_failure_is_recorded_by_its_kind_and_raised_again_as_itself(tmp_path):
     import json
 
     from raytrain_ext.launcher import RunFailedError, _as_error, _read_failed
-    from raytrain_ext.worker import FAILED_FILE, _write_failed
+    from raytrain_ext.worker import _write_failed
     from trainers._base import NonFiniteLossError
     from trainers.checkpoint import CheckpointError
+    from trainers.run_dir import FAILED
 
     class ConfigErrorOfAPlugin(ConfigError):  # a subclass is still a config failure: no class names involved
         pass
@@ -143,7 +144,7 @@ def test_a_failure_is_recorded_by_its_kind_and_raised_again_as_itself(tmp_path):
     ]
     for error, kind, raised in cases:
         _write_failed(tmp_path, error)
-        record = json.loads((tmp_path / FAILED_FILE).read_text())
+        record = json.loads((tmp_path / FAILED).read_text())
         assert record["kind"] == kind
         again = _as_error(_read_failed(tmp_path))
         assert type(again) is raised and str(error) in str(again)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from raytrain_ext.worker_logs import LOG_FILE, WorkerLogs, lost_worker, split_tracebacks
+from raytrain_ext.worker_logs import WorkerLogs, lost_worker, split_tracebacks
+from trainers.run_dir import WORKER_LOG
 
 SURVIVOR = [
     "Error in training function:",
@@ -43,7 +44,7 @@ def test_a_dead_worker_is_one_line_naming_it_how_it_ended_and_the_restart_step()
     assert pid == "27126"
     assert line == (
         "raytrain: lost Train worker pid 27126 on 192.0.2.2 (no exit code: killed by a signal (SIGKILL, or the "
-        f"OOM killer)); the group restarts from step 5; tracebacks in {LOG_FILE}"
+        f"OOM killer)); the group restarts from step 5; tracebacks in {WORKER_LOG}"
     )
     exited = [*CONTROLLER[:-1], "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker exits with an exit code 3."]
     assert "(exit code 3)" in lost_worker(exited, None)[1] and "from its start" in lost_worker(exited, None)[1]
@@ -64,7 +65,7 @@ def test_the_printer_gets_the_rest_and_the_line_is_printed_once(tmp_path, capsys
     assert [d["lines"] for d in printed] == [["hello"], ["Traceback (most recent call last):"]]
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("raytrain: lost Train worker pid 27126")
-    log = (tmp_path / LOG_FILE).read_text()
+    log = (tmp_path / WORKER_LOG).read_text()
     assert "Connection closed by peer" in log and log.count("ActorDiedError") == 2
 
 

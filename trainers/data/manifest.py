@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers._base import ConfigError
-from trainers.storage import cached_copy, describe_error, is_remote, location, size_of
+from trainers.storage import cached_copy, local_path, location, one_line_errors, sha256_of, size_of
 
 __all__ = [
     "FORMAT",
@@ -74,15 +74,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
 
 def _is_file(path: Any, where: str) -> bool:
     """`path.is_file()`, with a store's errors (no bucket, no credentials, denied) as one line."""
-    if not is_remote(path):
+    with one_line_errors(path, where):
         return path.is_file()
-    try:
-        return path.is_file()
-    except Exception as e:  # noqa: BLE001
-        line = describe_error(e, where)
-        if line is None:
-            raise
-        raise ConfigError(line) from None
 
 
 def _parse(path: Path, where: str, fix: str) -> dict[str, Any]:
@@ -125,7 +118,7 @@ def check_shard(data_dir: str | Path, shard: dict[str, Any]) -> Path:
         raise ConfigError(f"{what} is missing; {fix}")
     if "bytes" in shard and size != shard["bytes"]:  # older manifests have no size
         raise ConfigError(f"{what} is {size} bytes, {MANIFEST_FILE} says {shard['bytes']} (truncated?); {fix}")
-    if is_remote(path):
+    if local_path(path) is None:  # hashed where it is read
         return path
     if file_sha256(path) != shard["sha256"]:
         raise ConfigError(f"{what} does not match its sha256 in {MANIFEST_FILE} (corrupted or changed); {fix}")
@@ -136,7 +129,7 @@ def fetch_shard(data_dir: str | Path, shard: dict[str, Any], cache: bool = True)
     """One shard, checked against its sha256: a local path (a local shard, or a remote one's copy in this
     machine's cache), or, for a remote shard with `cache` off, its bytes."""
     path = check_shard(data_dir, shard)
-    if not is_remote(path):
+    if local_path(path) is not None:  # checked in place
         return path
     what = f"data.path={data_dir}: shard {shard['file']}"
     bad = f"{what} does not match its sha256 in {MANIFEST_FILE} (corrupted or changed); {_fix(data_dir)}"
@@ -152,12 +145,4 @@ def fetch_shard(data_dir: str | Path, shard: dict[str, Any], cache: bool = True)
 
 
 def file_sha256(path: Path) -> str:
-    if is_remote(path):
-        from trainers.storage import sha256_of
-
-        return sha256_of(path)
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return sha256_of(path)

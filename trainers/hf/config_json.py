@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers._base import ConfigError
-from trainers.storage import check_location, describe_error, is_remote, location, read_bytes
+from trainers.storage import absolute, check_location, location, one_line_errors, read_bytes
 
 __all__ = ["CONFIG_FILE", "model_section_from_hf", "read_hf_config", "read_small", "unsupported"]
 
@@ -41,13 +41,8 @@ def read_small(folder: Any, name: str, what: str = "model.init_from") -> bytes |
     """A small file of a model folder, local or in a bucket (config.json, the index, tokenizer.json); None
     when it is not there. A store's errors (no credentials, no permission) as one line naming `what`."""
     folder = location(folder)
-    try:
+    with one_line_errors(folder, f"{what}={folder}"):
         return read_bytes(folder / name)
-    except Exception as e:  # noqa: BLE001  (a store's errors become one line; others are raised as they are)
-        line = describe_error(e, f"{what}={folder}") if is_remote(folder) else None
-        if line is None:
-            raise
-        raise ConfigError(line) from None
 
 
 def read_hf_config(hf_dir: str | Path | Any) -> dict[str, Any]:
@@ -100,9 +95,7 @@ def unsupported(config: dict[str, Any], source: str) -> list[str]:
 def model_section_from_hf(section: dict[str, Any]) -> dict[str, Any]:
     """The `model` section of a run with `init_from` set: every key that config.json fixes is filled in
     from it; a key the YAML gives must agree (one line per mismatch, naming the fix)."""
-    hf_dir = location(section["init_from"])
-    if not is_remote(hf_dir):
-        hf_dir = hf_dir.expanduser().absolute()  # workers may run in other folders
+    hf_dir = absolute(location(section["init_from"]).expanduser())  # workers may run in other folders
     source = f"model.init_from={hf_dir}"
     config = read_hf_config(hf_dir)
     problems = unsupported(config, f"{source}: {CONFIG_FILE}")

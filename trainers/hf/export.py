@@ -12,6 +12,7 @@ per parameter; stages 1-2 concatenate the partitions, i.e. one copy of the fp32 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -31,6 +32,7 @@ from trainers.checkpoint import Checkpointer, is_complete
 from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
 from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, clean_fqn
 from trainers.models.config import ModelConfig
+from trainers.run_dir import CONFIG, RunDir
 from trainers.storage import write_json_atomic
 
 __all__ = ["DTYPES", "ExportResult", "export", "parse_size", "resolve_checkpoint"]
@@ -108,7 +110,7 @@ def _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact) -> Exp
     import dataclasses
     import tempfile
 
-    from trainers.storage import check_location, download_folder, is_remote, location, upload_folder
+    from trainers.storage import check_location, local_folder, location, write_folder
 
     src, dest = location(source), location(out_dir)
     check_location(src, "RUN_DIR_OR_CHECKPOINT", write=False)
@@ -116,16 +118,12 @@ def _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact) -> Exp
     _check_out_dir(dest)
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
         checkpoint = resolve_checkpoint(src)
-        local = checkpoint
-        if is_remote(src):  # laid out as a run dir: the checkpoint beside the run's config.yaml
-            run = Path(tmp) / "run"
-            local = download_folder(checkpoint, run / "checkpoints" / checkpoint.name)
-            config = checkpoint.parent.parent / "config.yaml"
-            if config.is_file():
-                (run / "config.yaml").write_text(config.read_text())
-        result = export(local, Path(tmp) / "out" if is_remote(dest) else dest, dtype, max_shard_size, allow_inexact)
-        if is_remote(dest):
-            upload_folder(result.out_dir, dest, last=CONFIG_FILE)
+        # A bucket's is downloaded, laid out as a run dir: the checkpoint beside the run's config.yaml.
+        run = RunDir(Path(tmp) / "run")
+        local = local_folder(checkpoint, run.checkpoints / checkpoint.name)
+        local_folder(checkpoint.parent.parent, run.root, names=[CONFIG])
+        with write_folder(dest, last=CONFIG_FILE) as out:
+            result = export(local, out, dtype, max_shard_size, allow_inexact)
         return dataclasses.replace(result, out_dir=dest, checkpoint=checkpoint)
 
 
@@ -140,7 +138,7 @@ def resolve_checkpoint(source: Path) -> Path:
     """`source` if it is a complete checkpoint, else the newest complete one of run dir `source`."""
     if is_complete(source):
         return source
-    latest = Checkpointer(source / "checkpoints", keep=1).latest()
+    latest = Checkpointer(RunDir(source).checkpoints, keep=1).latest()
     if latest is None:
         raise ConfigError(
             f"{source} is neither a complete checkpoint (step_XXXXXXXX with COMMITTED) nor a run dir holding "
@@ -154,7 +152,7 @@ def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
     dir's config.yaml, checked against the shape-defining keys the checkpoint recorded), and the run's
     data path (config.yaml's, if there), where the tokenizer is."""
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    config = checkpoint.parent.parent / "config.yaml"
+    config = RunDir(checkpoint.parent.parent).config
     raw = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
     model = state.get("model") or raw.get("model")
     if model is None:
@@ -360,21 +358,14 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
     one the checkpoint was trained on. Returns (tokenizer or None, notes)."""
     from trainers.data.manifest import read_manifest
     from trainers.data.tokenizer import load_tokenizer, save_hf
-    from trainers.storage import is_remote
+    from trainers.storage import cache_root, local_folder
 
     if data_path is None or not (data_path / "manifest.json").is_file():
         return None, [f"no tokenizer written: the run's data.path={data_path} is not there to read it from"]
-    if is_remote(data_path):  # the manifest and the tokenizer's file, copied to read them as local files
-        import hashlib
-
-        from trainers.storage import cache_root
-
-        local = cache_root() / "data-meta" / hashlib.sha256(str(data_path).encode()).hexdigest()[:16]
-        local.mkdir(parents=True, exist_ok=True)
-        names = ["manifest.json", read_manifest(data_path)["tokenizer"].get("file")]
-        for name in filter(None, names):
-            (local / name).write_bytes((data_path / name).read_bytes())
-        data_path = local
+    # A bucket's manifest and tokenizer file, copied to read them as local files.
+    cache = cache_root() / "data-meta" / hashlib.sha256(str(data_path).encode()).hexdigest()[:16]
+    names = ["manifest.json", read_manifest(data_path)["tokenizer"].get("file")]
+    data_path = local_folder(data_path, cache, names=filter(None, names))
     saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("compat") or {}
     entry = read_manifest(data_path)["tokenizer"]
     for key in ("kind", "vocab_size", "eos_id"):
@@ -389,16 +380,9 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
 
 
 def _check_out_dir(out_dir: Path | Any) -> None:
-    from trainers.storage import is_remote
+    from trainers.storage import occupied
 
-    if is_remote(out_dir):
-        try:
-            taken = bool(out_dir.fs.ls(out_dir.path, detail=False)) or out_dir.fs.isfile(out_dir.path)
-        except FileNotFoundError:
-            taken = False
-    else:
-        taken = out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir()))
-    if taken:
+    if occupied(out_dir):
         raise ConfigError(f"{out_dir} exists and is not empty; fix: choose a new OUT_DIR or remove it")
 
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from trainers._base import ConfigError
 from trainers.hf.format import expert_index, hf_names, read_small
 from trainers.models.config import ModelConfig
-from trainers.storage import describe_error, fs_and_path, is_remote, location
+from trainers.storage import fs_and_path, local_path, location, one_line_errors
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -104,15 +104,8 @@ class SafetensorsFile:
     def _cat(self, start: int, end: int) -> bytes:
         """Bytes [start, end) of the file: one ranged read; a store's errors as one line (a missing file
         stays FileNotFoundError: the caller knows why it was expected)."""
-        try:
+        with one_line_errors(self.path, self.where, keep=(FileNotFoundError,)):
             data = self._fs.cat_file(self._file, start=start, end=end)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001  (a store's errors: no credentials, no permission, ...)
-            line = describe_error(e, self.where) if is_remote(self.path) else None
-            if line is None:
-                raise
-            raise ConfigError(line) from None
         if len(data) != end - start:
             self._refuse(f"{end - start} bytes expected at offset {start}, {len(data)} there (a cut file?)")
         return data
@@ -145,7 +138,8 @@ class _LocalSafetensors:
 
 
 def _safetensors(path: Any, where: str) -> SafetensorsFile | _LocalSafetensors:
-    return SafetensorsFile(path, where) if is_remote(path) else _LocalSafetensors(path)
+    local = local_path(path)  # a local file: memory-mapped by the safetensors library
+    return SafetensorsFile(path, where) if local is None else _LocalSafetensors(local)
 
 
 class PretrainedWeights:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainers._base import flat_keys
+from trainers.run_dir import RunDir
 from trainers.tracking.config import MlflowConfig, TrackingConfig, WandbConfig
 from trainers.tracking.sink import Tracker, TrackingSink
 
@@ -58,7 +59,7 @@ def build_sinks(cfg: RunConfig) -> list[TrackingSink]:
     if t.wandb is not None:
         trackers.append(WandbTracker(t.wandb, cfg.name, run_dir, config, cfg.to_yaml()))
     return [
-        TrackingSink(tr, run_dir / tr.name / "state.json", t.flush_every_s, t.close_timeout_s)
+        TrackingSink(tr, RunDir(run_dir).tracker_state(tr.name), t.flush_every_s, t.close_timeout_s)
         for tr in trackers
     ]
 
@@ -70,12 +71,13 @@ def send_unsent(run_dir: Path, timeout_s: float = 10.0) -> bool:
     from trainers.config import ConfigError, load_config
     from trainers.metrics import read_metrics
 
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    files = RunDir(run_dir)
+    rows = read_metrics(files.metrics)
     steps = [r["step"] for r in rows if r.get("kind") in ("train", "eval")]
-    if not steps or _sent_step(run_dir / "mlflow" / "state.json") >= max(steps):
+    if not steps or _sent_step(files.tracker_state("mlflow")) >= max(steps):
         return True
     try:
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_config(files.config)
     except ConfigError:
         return True  # not a run config we can read: not ours to send
     if cfg.tracking.mlflow is None:

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from trainers.run_dir import RunDir
 from trainers.tracking.config import MlflowConfig
 from trainers.tracking.sink import Tracker, metric_values
 
@@ -39,7 +40,7 @@ class MlflowTracker(Tracker):
         self.run_name = cfg.run_name or run_name
         self.local = cfg.tracking_uri is None
         self.uri, self.artifacts = (
-            local_store(self.run_dir / "mlflow") if self.local else (cfg.tracking_uri, None)
+            local_store(RunDir(self.run_dir).tracker("mlflow")) if self.local else (cfg.tracking_uri, None)
         )
         self.client: Any = None
         self.run_id: str | None = None
@@ -53,7 +54,7 @@ class MlflowTracker(Tracker):
         from mlflow import MlflowClient
 
         if self.local:
-            (self.run_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+            RunDir(self.run_dir).tracker("mlflow").mkdir(parents=True, exist_ok=True)
         client = MlflowClient(tracking_uri=self.uri)
         run_id = state.get("run_id") if state.get("tracking_uri") == self.uri else None
         if run_id is not None:
