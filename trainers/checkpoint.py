@@ -61,13 +61,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 from trainers._base import ConfigError, first_line
 from trainers.checkpoint_files import (
     COMMITTED,
+    MODEL_KEY,
+    OPTIM_KEY,
     STEP_DIR,
+    TRAINER_STATE,
     checkpoint_step,
     delete_checkpoint,
     install_checkpoint,
     is_complete,
     link_tree,
     read_trainer_state,
+    rng_file,
 )
 from trainers.checksums import HASH, PIECE_BYTES, check_files, digest_pieces, pieces_of
 from trainers.storage import (
@@ -154,14 +158,14 @@ class ModelOptimizerState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd} if self.with_optimizer else {"model": model_sd}
+        return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd} if self.with_optimizer else {MODEL_KEY: model_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "optim" not in state:
-            set_model_state_dict(self.model, state["model"])
+        if OPTIM_KEY not in state:
+            set_model_state_dict(self.model, state[MODEL_KEY])
             return
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.model, self.optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIM_KEY]
         )
 
 
@@ -450,10 +454,10 @@ class Checkpointer:
         if rng is not None:
             buffer = io.BytesIO()
             torch.save(rng, buffer)
-            ensure_folder(partial / "rng")
-            (partial / "rng" / f"rank{rank:05d}.pt").write_bytes(buffer.getvalue())
+            ensure_folder((partial / rng_file(rank)).parent)
+            (partial / rng_file(rank)).write_bytes(buffer.getvalue())
         if rank == 0:
-            write_json_atomic(partial / "trainer_state.json", trainer_state)
+            write_json_atomic(partial / TRAINER_STATE, trainer_state)
         _barrier(group)
         figures.write_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -505,7 +509,7 @@ class Checkpointer:
         trainer_state = self.trainer_state(path)
         try:
             self.backend.load(path, state, threads=self.threads)
-            data = read_bytes(path / "rng" / f"rank{_rank():05d}.pt")
+            data = read_bytes(path / rng_file(_rank()))
             rng = None if data is None else torch.load(io.BytesIO(data), weights_only=True)
         except (OSError, RuntimeError, ValueError, EOFError) as e:
             if isinstance(e, ConfigError):

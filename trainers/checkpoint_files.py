@@ -1,5 +1,6 @@
-"""The file layout of a checkpoint (see `trainers.checkpoint`), without torch: what a process that only
-moves checkpoints needs (a Tune trial's actor pins and installs them; `raytrain` reads their state).
+"""The file layout of a checkpoint (see `trainers.checkpoint`), without torch: the one place that names what
+a step folder holds (its files and the keys of its state), and what a process that only moves checkpoints
+needs (a Tune trial's actor pins and installs them; `raytrain` reads their state).
 
 A committed checkpoint is a folder `step_XXXXXXXX` holding a `COMMITTED` marker; anything else under a
 checkpoint root (`*.partial`, `.install-*`, `.replaced-*`) is never loaded and is cleaned up by retention.
@@ -28,17 +29,48 @@ from trainers.storage import (
 
 __all__ = [
     "COMMITTED",
+    "DCP_METADATA",
+    "DCP_MODEL_PREFIX",
+    "DEEPSPEED_MODEL_STATES",
+    "DEEPSPEED_PARTITION",
+    "DEEPSPEED_STAGE3_MODEL",
+    "DEEPSPEED_TAG",
+    "DEEPSPEED_UNIVERSAL_TAG",
+    "MODEL_KEY",
+    "OPTIM_KEY",
+    "STATE_KEY",
     "STEP_DIR",
+    "TRAINER_STATE",
     "checkpoint_step",
     "delete_checkpoint",
     "install_checkpoint",
     "is_complete",
     "link_tree",
     "read_trainer_state",
+    "rng_file",
 ]
 
 COMMITTED = "COMMITTED"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+# What a step folder holds besides COMMITTED. Every writer and reader of checkpoints (the checkpointer, the
+# engines' state, `raytrain export`) takes these names from here.
+TRAINER_STATE = "trainer_state.json"  # step, samples, world size, compat keys, the model section (JSON)
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index; the tensors are in *.distcp beside it
+# The DCP state: {STATE_KEY: {MODEL_KEY: model state dict, OPTIM_KEY: optimizer state dict}}.
+STATE_KEY, MODEL_KEY, OPTIM_KEY = "app", "model", "optim"
+DCP_MODEL_PREFIX = f"{STATE_KEY}.{MODEL_KEY}."  # a model tensor's key in DCP's metadata: app.model.<fqn>
+# The deepspeed engine's checkpoint: DeepSpeed's own files under the tag folder (`save_checkpoint(tag=)`).
+DEEPSPEED_TAG = "deepspeed"
+DEEPSPEED_UNIVERSAL_TAG = "universal"  # DeepSpeed's universal format of it, made on a resharding load
+DEEPSPEED_MODEL_STATES = "mp_rank_00_model_states.pt"  # the module's weights (data-parallel rank 0's)
+DEEPSPEED_PARTITION = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+DEEPSPEED_STAGE3_MODEL = "zero_pp_rank_*_model_states.pt"  # ZeRO-3: parameters partitioned too
+
+
+def rng_file(rank: int) -> str:
+    """The step folder's file of `rank`'s RNG state (tensors only; loaded with weights_only=True)."""
+    return f"rng/rank{rank:05d}.pt"
 
 
 def is_complete(path: Path) -> bool:
@@ -60,7 +92,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     path = location(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMMITTED} marker)")
-    return json.loads((path / "trainer_state.json").read_text())
+    return json.loads((path / TRAINER_STATE).read_text())
 
 
 def link_tree(src: Path, dst: Path, exclude: str | None = None) -> None:

@@ -29,6 +29,13 @@ import yaml
 
 from trainers._base import ConfigError
 from trainers.checkpoint import Checkpointer, is_complete
+from trainers.checkpoint_files import (
+    DCP_METADATA,
+    DCP_MODEL_PREFIX,
+    DEEPSPEED_MODEL_STATES,
+    DEEPSPEED_TAG,
+    TRAINER_STATE,
+)
 from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
 from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, clean_fqn
 from trainers.models.config import ModelConfig
@@ -151,7 +158,7 @@ def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
     """The model section the checkpoint was saved with (its trainer_state.json; older checkpoints: the run
     dir's config.yaml, checked against the shape-defining keys the checkpoint recorded), and the run's
     data path (config.yaml's, if there), where the tokenizer is."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state = json.loads((checkpoint / TRAINER_STATE).read_text())
     config = RunDir(checkpoint.parent.parent).config
     raw = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
     model = state.get("model") or raw.get("model")
@@ -182,7 +189,7 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
 class _DCPReader:
     """A torch.distributed.checkpoint folder: the model's tensors under `app.model.`, read one by one."""
 
-    PREFIX = "app.model."
+    PREFIX = DCP_MODEL_PREFIX
 
     def __init__(self, path: Path):
         from torch.distributed.checkpoint import FileSystemReader
@@ -212,17 +219,15 @@ class _DeepSpeedReader:
     (DeepSpeed's zero_to_fp32), or the module's own state without ZeRO (stage 0, fp32)."""
 
     def __init__(self, path: Path):
-        from trainers.parallel.deepspeed_engine import TAG
-
-        tag_dir = path / TAG
+        tag_dir = path / DEEPSPEED_TAG
         if any(tag_dir.glob("*_optim_states.pt")):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
-                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG, lazy_mode=True)
+                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG, lazy_mode=True)
         else:
             # Our own run's file (a run dir is trusted input, README: Trust); mmap: tensors read on use.
-            state = torch.load(tag_dir / "mp_rank_00_model_states.pt", mmap=True, weights_only=False)["module"]
+            state = torch.load(tag_dir / DEEPSPEED_MODEL_STATES, mmap=True, weights_only=False)["module"]
         self._state = {clean_fqn(k): v for k, v in state.items()}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -233,11 +238,9 @@ class _DeepSpeedReader:
 
 
 def open_checkpoint(path: Path) -> _DCPReader | _DeepSpeedReader:
-    if (path / ".metadata").is_file():
+    if (path / DCP_METADATA).is_file():
         return _DCPReader(path)
-    from trainers.parallel.deepspeed_engine import TAG
-
-    if (path / TAG).is_dir():
+    if (path / DEEPSPEED_TAG).is_dir():
         return _DeepSpeedReader(path)
     raise ConfigError(f"{path}: neither a DCP (.metadata) nor a deepspeed checkpoint; fix: pass a run's checkpoint")
 
@@ -366,7 +369,7 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
     cache = cache_root() / "data-meta" / hashlib.sha256(str(data_path).encode()).hexdigest()[:16]
     names = ["manifest.json", read_manifest(data_path)["tokenizer"].get("file")]
     data_path = local_folder(data_path, cache, names=filter(None, names))
-    saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("compat") or {}
+    saved = json.loads((checkpoint / TRAINER_STATE).read_text()).get("compat") or {}
     entry = read_manifest(data_path)["tokenizer"]
     for key in ("kind", "vocab_size", "eos_id"):
         if f"tokenizer.{key}" in saved and saved[f"tokenizer.{key}"] != entry.get(key):

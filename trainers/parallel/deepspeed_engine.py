@@ -17,7 +17,6 @@ import copy
 import difflib
 import math
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainers.checkpoint_files import (
+    DEEPSPEED_PARTITION,
+    DEEPSPEED_STAGE3_MODEL,
+    DEEPSPEED_TAG,
+    DEEPSPEED_UNIVERSAL_TAG,
+)
 from trainers.config import ConfigError, OptimizerConfig, RunConfig
 from trainers.layout import ParallelLayout
 from trainers.models.flops import param_count
@@ -38,8 +43,7 @@ from trainers.precision import Precision
 
 __all__ = ["DeepSpeedCheckpointBackend", "DeepSpeedEngine", "DeepSpeedState", "deepspeed_config"]
 
-TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of a step folder holding its files
-UNIVERSAL_TAG = "universal"  # the universal-format conversion of TAG, made on the first resharding load
+TAG, UNIVERSAL_TAG = DEEPSPEED_TAG, DEEPSPEED_UNIVERSAL_TAG  # the step folder's sub-folders (checkpoint_files)
 
 # Generated keys and the run-config key that sets each (named in the error when deepspeed_extra disagrees).
 _OWNER = {
@@ -429,9 +433,6 @@ class DeepSpeedState:
     with_optimizer: bool = True  # False: weights only (the run switched optimizer kind)
 
 
-_PARTITION_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
-
-
 class DeepSpeedCheckpointBackend:
     """`save_checkpoint`/`load_checkpoint` by explicit tag; a load at another data-parallel size than the
     save goes through DeepSpeed's universal checkpoint (converted on rank 0, once per checkpoint)."""
@@ -496,8 +497,8 @@ class SavedLayout:
 
     @classmethod
     def read(cls, tag_dir: Path) -> SavedLayout:
-        ranks = {int(m.group(2)) for f in tag_dir.glob("*.pt") if (m := _PARTITION_FILE.match(f.name))}
-        return cls(len(ranks), any(tag_dir.glob("zero_pp_rank_*_model_states.pt")))
+        ranks = {int(m.group(2)) for f in tag_dir.glob("*.pt") if (m := DEEPSPEED_PARTITION.match(f.name))}
+        return cls(len(ranks), any(tag_dir.glob(DEEPSPEED_STAGE3_MODEL)))
 
     @property
     def stages(self) -> str:

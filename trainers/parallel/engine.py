@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainers.checkpoint import CheckpointBackend, DCPBackend, ModelOptimizerState
+from trainers.checkpoint_files import STATE_KEY
 from trainers.config import OptimizerConfig, RunConfig
 from trainers.layout import ParallelLayout
 from trainers.models.moe import moe_stats, reset_moe_stats, set_aux_grad_scale
@@ -156,7 +157,7 @@ class Engine:
     checkpoint_backend: CheckpointBackend = DCPBackend()
 
     def checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Stateful]:
-        return {"app": ModelOptimizerState(self.model, self.optimizer, with_optimizer)}
+        return {STATE_KEY: ModelOptimizerState(self.model, self.optimizer, with_optimizer)}
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-able engine state saved next to the tensors (the fp16 loss scaler)."""

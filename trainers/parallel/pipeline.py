@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trainers._base import ConfigError
 from trainers.checkpoint import ModelOptimizerState
+from trainers.checkpoint_files import OPTIM_KEY, STATE_KEY
 from trainers.config import ModelConfig, OptimizerConfig, RunConfig
 from trainers.layout import SPLIT_BACKWARD_SCHEDULES, ParallelLayout, block_costs, split_stages
 from trainers.loss import lm_loss
@@ -253,7 +254,7 @@ class PipelineEngine(FSDPEngine):
     # ------------------------------------------------------------------------------------ checkpoint
 
     def checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
-        return {"app": PartitionedState(self.model, self.optimizer, with_optimizer, self.optimizer_cfg)}
+        return {STATE_KEY: PartitionedState(self.model, self.optimizer, with_optimizer, self.optimizer_cfg)}
 
 
 class PartitionedState(ModelOptimizerState):
@@ -272,20 +273,20 @@ class PartitionedState(ModelOptimizerState):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        if "optim" in state:
-            self.local_groups = state["optim"]["param_groups"]
+        if OPTIM_KEY in state:
+            self.local_groups = state[OPTIM_KEY]["param_groups"]
             whole = _whole_model_groups(self.model.cfg, self.cfg)
-            state["optim"]["param_groups"] = [
+            state[OPTIM_KEY]["param_groups"] = [
                 {**group, "params": whole[group["decay"]]} for group in self.local_groups
             ]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "optim" in state:
+        if OPTIM_KEY in state:
             local = {g["decay"]: g["params"] for g in self.local_groups}
-            state["optim"]["param_groups"] = [
+            state[OPTIM_KEY]["param_groups"] = [
                 {**g, "params": local[g["decay"]]}
-                for g in state["optim"]["param_groups"]
+                for g in state[OPTIM_KEY]["param_groups"]
                 if g["decay"] in local
             ]
         super().load_state_dict(state)
