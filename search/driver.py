@@ -24,7 +24,7 @@ from search.lineage import best_trial, collect
 from search.retention import ProtectedRetention
 from search.schedulers import (
     TIME_ATTR,
-    Board,
+    DecisionBoard,
     InPlace,
     SchedulerState,
     board_name,
@@ -150,7 +150,7 @@ def run_experiment(
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
     slots = max_concurrent_trials(exp, ray.cluster_resources())
     board = board_name(exp.name) if in_place(exp) else None
-    board_actor = Board.options(name=board).remote() if board else None
+    board_actor = DecisionBoard.options(name=board).remote() if board else None
     turns = slots_name(exp.name) if time_shared(exp, slots) else None
     slots_actor = start_slots(turns, slots) if turns else None
     if turns:

@@ -41,7 +41,7 @@ class WaitAtGate(LatestMetrics):
         super().__init__()
         self.gate_name, self.wait_from = gate, wait_from
         self.gate = None
-        self.branch = 0  # the gate's answers since the last exploit (search.trial.Gate)
+        self.branch = 0  # the gate's answers since the last exploit (search.trial.RunGate)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         import ray

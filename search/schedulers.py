@@ -27,7 +27,7 @@ from trainers._base import StrictModel
 from trainers.storage import location, location_on, pyarrow_fs, write_json_atomic
 
 __all__ = [
-    "Board",
+    "DecisionBoard",
     "EXPLOIT_ID",
     "InPlace",
     "board_name",
@@ -258,16 +258,17 @@ def _settle_donor_checkpoint(state: Any) -> None:
 # interval; a pause stops the trial's actor, and with it any run it hosts. Deciding the same way but
 # returning CONTINUE keeps Tune's trial actors (and their runs) alive without a second lifecycle to keep
 # in step with Tune's; the trial actor still owns its run, so Ctrl-C, --resume and failures work as
-# before. The decision reaches the trial through a `Board` actor; the trial loads the donor's checkpoint
+# before. The decision reaches the trial through a `DecisionBoard` actor; the trial loads the donor's checkpoint
 # into its live run (search/trial.py). What this relies on in Ray 2.60's PBT (its fields and helpers
 # named below, `_TrainingResult`, the checkpoint manager's `_latest_checkpoint_result`) is pinned by
 # tests/unit/test_search_schedulers.py.
 
 
 @ray.remote(num_cpus=0)
-class Board:
-    """The scheduler's decisions, per trial and report step: "go" or an exploit order. The scheduler posts
-    (no wait), the trial takes (waits)."""
+class DecisionBoard:
+    """Between the scheduler and the trials (one per experiment): the scheduler's decisions, per trial and
+    report step, "go" or an exploit order. The scheduler posts (no wait), the trial takes (waits). A trial
+    passes them on to its live run through the run's `search.trial.RunGate`."""
 
     def __init__(self) -> None:
         self.decisions: dict[tuple[str, int], Any] = {}

@@ -55,7 +55,7 @@ from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
 from trainers.storage import location, remove_tree, write_json_atomic
 
-__all__ = ["META", "PINS", "Gate", "TrialRun"]
+__all__ = ["META", "PINS", "RunGate", "TrialRun"]
 
 META = "meta.json"
 PINS = "pins"  # in the trial's folder: the step folders its Tune checkpoints point at (hard links)
@@ -377,9 +377,10 @@ class TrialRun(tune.Trainable):
 # ------------------------------------------------------------------------------------ live runs
 
 
-class Gate:
-    """Between a live Train run and its trial: rank 0 posts reports, the trial takes them and answers each
-    step ("go", "stop" or an exploit to load), every worker asks for that answer after its checkpoint.
+class RunGate:
+    """Between a trial and its live Train run (one per run; the trial hears the scheduler through the
+    experiment's `search.schedulers.DecisionBoard`): rank 0 posts reports, the trial takes them and answers
+    each step ("go", "stop" or an exploit to load), every worker asks for that answer after its checkpoint.
 
     Answers are kept per branch: an exploit starts a new one (the run goes on from the donor's step, which
     may be behind its own: a rollback), so that a rolled-back run reaching a step again waits for the
@@ -429,7 +430,7 @@ class Gate:
         return "stop" if self.stopped or self.answers.get((branch, step)) == "stop" else "go"
 
 
-_GATE = ray.remote(num_cpus=0)(Gate)  # an actor per live run (Gate stays a plain class: unit-tested alone)
+_GATE = ray.remote(num_cpus=0)(RunGate)  # an actor per live run (RunGate stays a plain class: unit-tested alone)
 
 
 class _LiveRun:

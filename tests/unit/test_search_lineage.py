@@ -191,15 +191,15 @@ def test_retention_keeps_newest_and_protected(keep, protected, deleted):
 
 
 def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
-    # a live run's gate (search.trial.Gate), as its workers and its trial call it: the trial answers step 20
+    # a live run's gate (search.trial.RunGate), as its workers and its trial call it: the trial answers step 20
     # with an exploit of a donor at step 10; the run trains 11..20 again and must wait for a new answer at 20
     # (the old one loaded the same exploit a second time, issue 29)
     import asyncio
 
-    from search.trial import Gate
+    from search.trial import RunGate
 
     async def scenario():
-        gate = Gate()
+        gate = RunGate()
         await gate.answer(10, "go")
         assert await gate.wait(10, 0) == "go"
         await gate.answer(20, {"checkpoint": "step_00000010", "values": {}, "donor": "a", "tags": {}})
