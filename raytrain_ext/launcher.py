@@ -1,18 +1,12 @@
 """`raytrain train` on Ray: a Ray Train V2 `TorchTrainer` built from the run YAML.
 
-Run directory (`run_dir`, default `runs/<name>`) = the Ray run's storage folder:
-
-    runs/<name>/
-        config.yaml               the validated run config
-        metrics.jsonl             every step, eval and event (resume, resize, checkpoint) exactly once
-        checkpoints/step_XXXXXXXX DCP checkpoints (atomic), also registered with Ray (no copy)
-        FAILED.json               only when a run ended on an error that a restart cannot fix
-        checkpoint_manager_snapshot.json, ...   Ray Train's own state (resume = run it again)
-
-Ray's `storage_path` is the parent folder and its run `name` the folder's name, so re-running the same
-command continues the run from its newest checkpoint. On a multi-node cluster `run_dir` and `data.path`
-are URIs of a bucket (`s3://...`, `gs://...`: `trainers.storage`; Ray gets the same fsspec file system as
-its `storage_filesystem`), or folders on a filesystem every node mounts at the same path (NFS, EFS).
+Run directory (`run_dir`, default `runs/<name>`; its files are named in `trainers.run_dir`) = the Ray run's
+storage folder: Ray Train keeps its own state there beside ours (`checkpoint_manager_snapshot.json`), and
+our committed checkpoints are registered with Ray where they are (no copy). Ray's `storage_path` is the
+parent folder and its run `name` the folder's name, so re-running the same command continues the run from
+its newest checkpoint. On a multi-node cluster `run_dir` and `data.path` are URIs of a bucket (`s3://...`,
+`gs://...`: `trainers.storage`; Ray gets the same fsspec file system as its `storage_filesystem`), or
+folders on a filesystem every node mounts at the same path (NFS, EFS).
 """
 
 from __future__ import annotations
@@ -253,7 +247,7 @@ def train(
             if watcher:
                 watcher.start()
             with WorkerLogs(run_dir):  # a lost worker: one line here, the tracebacks in the run's log
-                result = _fit_restarting_controller(
+                result = _run_restarting_controller(
                     lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
                 )
         except KeyboardInterrupt:
@@ -271,7 +265,7 @@ def train(
     return summarize(run_dir, checkpoint)
 
 
-def _fit_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any:
+def _run_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any:
     """Fit; when Ray Train's controller actor dies (its workers die with it), start the run again from
     its committed checkpoints, as re-running the command would (counted against scaling.max_failures)."""
     import ray
@@ -280,7 +274,7 @@ def _fit_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any
     while True:
         before = placement_groups_of_this_job()
         try:
-            return _fit(build(), run_dir, cfg)
+            return _run_ray_trainer(build(), run_dir, cfg)
         except ray.exceptions.RayActorError as e:
             limit = cfg.scaling.max_failures
             if limit != -1 and restarts >= limit:
@@ -296,7 +290,7 @@ def _fit_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any
             reconcile_ray_snapshot(run_dir)
 
 
-def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
+def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
     """`trainer.fit()` in a thread, so that this one stays free for Ctrl-C/SIGTERM (Ray's own SIGINT
     handler waits on a controller busy placing workers: it ignored Ctrl-C for minutes) and for the
     placement timeout: no worker started within `scaling.placement_timeout_s` ends the wait."""
