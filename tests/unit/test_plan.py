@@ -515,8 +515,10 @@ def tp_saved_bytes_of_all_cases() -> dict[str, dict[str, int]]:
 @pytest.fixture(scope="module")
 def tp_saved_bytes() -> dict[str, dict[str, int]]:
     """Rank 0's numbers (the larger vocabulary share), from 2 fresh gloo processes (~10 s)."""
+    # os._exit once the numbers are out, as tests/dist/harness.py: gloo's teardown at interpreter exit now and
+    # then aborts a rank ("terminate called without an active exception") after its work is done.
     code = ("import json, os; from tests.unit.test_plan import tp_saved_bytes_of_all_cases as f; r = f(); "
-            "print(json.dumps(r)) if os.environ['RANK'] == '0' else None")
+            "print(json.dumps(r), flush=True) if os.environ['RANK'] == '0' else None; os._exit(0)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
