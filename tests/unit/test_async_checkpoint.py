@@ -122,13 +122,18 @@ def test_fit_returns_with_its_last_save_committed_and_reported(tiny_config):
 
 
 class _InterruptAt(TrainerCallback):
-    def __init__(self, step: int, release: threading.Event) -> None:
-        self.step, self.release = step, release
+    """After `step`: releases a held write, then Ctrl-C (or, with `stop`, asks the trainer to stop, as a Tune
+    trial's hook does)."""
+
+    def __init__(self, step: int, release: threading.Event, stop: bool = False) -> None:
+        self.step, self.release, self.stop = step, release, stop
 
     def after_step(self, trainer: Trainer, record) -> None:
         if trainer.step == self.step:
             self.release.set()
-            raise KeyboardInterrupt
+            if not self.stop:
+                raise KeyboardInterrupt
+            trainer.request_stop(f"asked at step {self.step}")
 
 
 def test_ctrl_c_with_a_save_in_flight_waits_for_its_commit_on_one_process(tiny_config, capsys):
@@ -143,22 +148,10 @@ def test_ctrl_c_with_a_save_in_flight_waits_for_its_commit_on_one_process(tiny_c
     assert resumed.step == 4
 
 
-class _StopAt(TrainerCallback):
-    """Asks the trainer to stop after `step` (as a Tune trial's hook does), releasing a held write then."""
-
-    def __init__(self, step: int, release: threading.Event) -> None:
-        self.step, self.release = step, release
-
-    def after_step(self, trainer: Trainer, record) -> None:
-        if trainer.step == self.step:
-            self.release.set()
-            trainer.request_stop(f"asked at step {self.step}")
-
-
 def test_a_stop_request_ends_fit_after_its_step_with_the_save_in_flight_committed(tiny_config, capsys):
     cfg = tiny_config(train={"steps": 20}, checkpoint={"every": 4})
     hook = _GatedWrites(hold=4, release=10**6)  # only the stop request releases it
-    result = Trainer(cfg, callbacks=[hook, _StopAt(6, hook.gate)], progress=False).fit()
+    result = Trainer(cfg, callbacks=[hook, _InterruptAt(6, hook.gate, stop=True)], progress=False).fit()
     assert result.stopped == "asked at step 6" and result.step == 6, "returned, no exception, no step after 6"
     assert result.checkpoint is not None and result.checkpoint.name == "step_00000004"
     assert "stopping (stop requested): waited for the save of step 4, committed" in capsys.readouterr().out
