@@ -4,7 +4,8 @@ Ray forwards what its actors print to the driver's terminal (`log_to_driver`). W
 the survivors' collectives fail (gloo: "Connection closed by peer"), and Ray Train's workers, its
 controller and the raylet print tracebacks there before the run recovers from its newest checkpoint.
 `WorkerLogs` moves those blocks into the run's own log (`RUN_DIR/workers.log`) and prints one line per lost
-worker instead: which worker, how it ended, and from which step the group restarts. `quiet_logger`
+worker instead: which worker, how it ended, and from which step the group restarts. `raytrain tune` does the
+same for its trials' runs, into the experiment folder's `workers.log`. `quiet_logger`
 withholds a library logger's lines that a user cannot act on, for a block.
 """
 
@@ -32,6 +33,9 @@ _STARTS = (
     "Error in training function:",
     "Graceful shutdown of backend failed",
     "A worker died or was killed while executing a task",
+    # Python's report of an exception it cannot raise, e.g. Ray's SIGTERM handler firing in an actor that is
+    # already shutting down (a Train run's controller as the run ends)
+    "Exception ignored in:",
 )
 _PID = re.compile(r"(?:Worker PID|\bpid): (\d+)")
 _IP = re.compile(r"(?:Worker IP address|\bip): ([\w.:]+)")
@@ -52,8 +56,9 @@ def split_tracebacks(lines: list[str], open_before: bool) -> tuple[list[str], li
     return console, moved, inside
 
 
-def lost_worker(lines: list[str], restart_step: int | None) -> tuple[str, str] | None:
-    """(pid, the console line) when `lines` tell of a Train worker process that died, else None."""
+def lost_worker(lines: list[str], restart_step: int | None, experiment: bool = False) -> tuple[str, str] | None:
+    """(pid, the console line) when `lines` tell of a Train worker process that died, else None. In an
+    experiment (`raytrain tune`) the run is a trial's, which restarts from its own newest checkpoint."""
     text = "\n".join(lines)
     if "ActorDiedError" not in text and "A worker died or was killed" not in text:
         return None
@@ -69,8 +74,13 @@ def lost_worker(lines: list[str], restart_step: int | None) -> tuple[str, str] |
         if "connection error" in text or "unexpectedly" in text
         else "an unexpected error"
     )
-    restart = f"step {restart_step}" if restart_step is not None else "its start (no checkpoint yet)"
     on = f" on {where.group(1)}" if where else ""
+    if experiment:
+        return pid.group(1), (
+            f"raytrain: lost Train worker pid {pid.group(1)}{on} ({how}); its trial's run restarts from its "
+            f"newest checkpoint; tracebacks in the experiment folder's {WORKER_LOG}"
+        )
+    restart = f"step {restart_step}" if restart_step is not None else "its start (no checkpoint yet)"
     return pid.group(1), (
         f"raytrain: lost Train worker pid {pid.group(1)}{on} ({how}); the group restarts from {restart}; "
         f"tracebacks in {WORKER_LOG}"
@@ -90,10 +100,11 @@ def newest_committed_step(run_dir: Any) -> int | None:
 class WorkerLogs:
     """For the duration of a `with`: Ray's printer of actor output, with the Train run's tracebacks moved to
     `RUN_DIR/workers.log` and one line per lost worker. A process that prints no actor output (a Tune
-    trial's actor hosting a run) is left as it is."""
+    trial's actor hosting a run) is left as it is. `experiment`: `run_dir` is an experiment folder, whose
+    trials' runs these are (`raytrain tune`'s driver)."""
 
-    def __init__(self, run_dir: Path | Any, out: Any = None) -> None:
-        self.run_dir, self.out = run_dir, out
+    def __init__(self, run_dir: Path | Any, out: Any = None, experiment: bool = False) -> None:
+        self.run_dir, self.out, self.experiment = run_dir, out, experiment
         self.printer: Callable[[dict[str, Any]], None] | None = None
         self.open: dict[Any, bool] = {}
         self.told: set[str] = set()
@@ -136,7 +147,8 @@ class WorkerLogs:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             text = "".join(f"{stamp} ({source} pid={data.get('pid')}) {line}\n" for line in moved)
             append_bytes(RunDir(self.run_dir).worker_log, text.encode())
-            lost = lost_worker(moved, newest_committed_step(self.run_dir))
+            restart = None if self.experiment else newest_committed_step(self.run_dir)
+            lost = lost_worker(moved, restart, self.experiment)
             if lost is not None and lost[0] not in self.told:
                 self.told.add(lost[0])
                 self._say(lost[1])

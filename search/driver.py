@@ -18,6 +18,7 @@ import ray
 from ray import tune
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
+from raytrain_ext.worker_logs import WorkerLogs
 from search.config import ExperimentConfig
 from search.console import ExperimentReporter
 from search.lineage import best_trial, collect
@@ -210,7 +211,9 @@ def run_experiment(
         )
     before = placement_groups_of_this_job()
     try:
-        with warnings.catch_warnings():
+        # The trials' Train runs' tracebacks (a lost worker, a controller's shutdown) go to the experiment
+        # folder's workers.log, with one line per lost worker, as `raytrain train` does for its run.
+        with warnings.catch_warnings(), WorkerLogs(exp_dir, experiment=True):
             # Ray's advice for PBT (reuse actors, reset_config) is for restarting trials; ours stay live.
             warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
             tuner.fit()

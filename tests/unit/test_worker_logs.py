@@ -82,3 +82,28 @@ def test_the_raylets_worker_death_message_is_the_same_one_line(tmp_path, capsys)
     assert printed == [{"pid": "raylet", "is_err": False, "lines": ["WARNING: 8 PYTHON worker processes"]}]
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("raytrain: lost Train worker pid 1771 on 192.0.2.2 (no exit code")
+
+
+def test_a_controllers_shutdown_report_is_moved_and_a_trials_lost_worker_names_its_trials_restart(tmp_path, capsys):
+    # What `make demo` printed once as a trial's Train run ended: Ray's SIGTERM handler in the controller's
+    # interpreter shutdown, which Python reports as an exception it cannot raise.
+    shutdown = [
+        "Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/threading.py", line 1590, in _shutdown',
+        "SystemExit: 1",
+    ]
+    printed = []
+    logs = WorkerLogs(tmp_path, out=sys.stderr, experiment=True)
+    logs.printer = printed.append
+    logs.handle({"actor_name": "TrainController", "pid": 8758, "is_err": True, "lines": ["run ended", *shutdown]})
+    logs.handle({"actor_name": "TrainController", "pid": 26811, "is_err": True, "lines": CONTROLLER})
+    assert [d["lines"] for d in printed] == [["run ended"]]
+    log = (tmp_path / WORKER_LOG).read_text()
+    assert "Exception ignored in" in log and "SystemExit: 1" in log and "ActorDiedError" in log
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "raytrain: lost Train worker pid 27126 on 192.0.2.2 (no exit code: killed by a signal (SIGKILL, or the "
+        f"OOM killer)); its trial's run restarts from its newest checkpoint; tracebacks in the experiment "
+        f"folder's {WORKER_LOG}"
+    )
