@@ -46,6 +46,8 @@ class WaitAtGate(LatestMetrics):
     def on_fit_start(self, trainer: Trainer) -> None:
         import ray
 
+        if self.wait_from is not None:  # exploits may load in place: the steps after a commit may be abandoned
+            trainer.log.hold_until_committed()
         try:  # a restarted group resumed the run's newest commit: it goes on on the gate's current branch
             self.gate = ray.get_actor(self.gate_name)
             self.branch = ray.get(self.gate.current_branch.remote())

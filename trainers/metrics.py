@@ -91,6 +91,7 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
 class MetricsSink(Protocol):
     def start(self, step: int, kept: list[dict[str, Any]]) -> None: ...
     def rewind(self, step: int) -> None: ...
+    def hold_until_committed(self) -> None: ...
     def write(self, record: dict[str, Any]) -> None: ...
     def close(self, status: str) -> None: ...
 
@@ -136,6 +137,12 @@ class MetricsLog:
             else:
                 sink.start(step, keep)
         self._started = True
+
+    def hold_until_committed(self) -> None:
+        """The run may go back to its newest checkpoint with other values (a PBT exploit in place): the
+        trackers get a step's records once it is committed (`TrackingSink.hold_until_committed`)."""
+        for sink in self.sinks:
+            sink.hold_until_committed()
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
