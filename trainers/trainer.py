@@ -175,16 +175,17 @@ class Trainer:
         self.engine.apply_hparams(cfg.optimizer)
         self.lr_schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
 
-    def load_in_place(self, path: Path, values: dict[str, Any], **event: Any) -> None:
+    def load_in_place(self, path: Path, hparams: dict[str, Any], **event: Any) -> None:
         """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
-        donor's weights, optimizer state, data position, RNG and step), with the hyperparameters `values`
+        donor's weights, optimizer state, data position, RNG and step), with the hyperparameters `hparams`
         (dotted keys, `set_hparams`) applied to the restored optimizer and schedule: exactly a resume from
         `path` with those values, without a new process, model build or process group. Emits an `exploit`
-        event (with `event`'s fields), not a `resume`: the run did not start again."""
-        check_hparam_keys(values)
+        event (with `event`'s fields, e.g. the `values` and `tags` the trackers show), not a `resume`: the
+        run did not start again."""
+        check_hparam_keys(hparams)
         # The records this run made after its reported checkpoint belong to the branch the exploit abandons.
         branch = checkpoint_step(self.last_checkpoint) if self.last_checkpoint is not None else None
-        self.cfg = with_values(self.cfg, values)  # applied by the restore, over the donor's optimizer state
+        self.cfg = with_values(self.cfg, hparams)  # applied by the restore, over the donor's optimizer state
         self._restore(location(path), [], event="exploit", branch=branch, **event)
 
     def request_stop(self, reason: str) -> None:

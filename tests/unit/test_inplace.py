@@ -29,7 +29,10 @@ class _ExploitAt(TrainerCallback):
         if checkpoint_step(path) == self.step and not self.done:
             self.done = True
             installed = install_checkpoint(trainer.run_dir / "checkpoints", self.donor)
-            trainer.load_in_place(installed, {"optimizer.lr": NEW_LR}, donor="d")
+            # the event fields a PBT trial's hook adds for its trackers (search.hooks.WaitAtGate)
+            trainer.load_in_place(
+                installed, {"optimizer.lr": NEW_LR}, donor="d", values={"optimizer.lr": NEW_LR}, tags={"t": "1"}
+            )
 
 
 def _rows(run_dir, kind="train"):
@@ -61,6 +64,8 @@ def test_load_in_place_equals_a_resume_from_the_donor(tiny_config):
         assert torch.equal(p, q)
     events = [e["event"] for e in _rows(cfg.out_dir, "event") if e["event"] != "checkpoint"]
     assert events == ["start", "exploit"], "loaded in place: no new start or resume"
+    (exploit,) = [e for e in _rows(cfg.out_dir, "event") if e["event"] == "exploit"]
+    assert exploit["donor"] == "d" and exploit["values"] == {"optimizer.lr": NEW_LR} and exploit["tags"] == {"t": "1"}
     # The exploit was loaded when the step-10 save committed, a step or more later (async): the run goes on
     # from the donor's step 10 without saving, evaluating or reporting step 10 again (a second report of 10
     # would meet the gate's stored answer and apply the same exploit twice).
