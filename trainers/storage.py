@@ -227,8 +227,7 @@ def copy_tree(src: Any, dst: Any, last: str | None = None, exclude: str | None =
         upload_folder(src, dst, last=last, exclude=exclude)
         return
     base = src.path.rstrip("/") + "/"
-    names = sorted(p[len(base) :] for p in src.fs.find(src.path) if p.startswith(base) and p[len(base) :] != exclude)
-    names.sort(key=lambda n: n == last)
+    names = [n for n in list_files(src) if n != exclude]
     first = [n for n in names if n != last]
     if first:
         src.fs.copy([base + n for n in first], [f"{dst.path}/{n}" for n in first])
