@@ -143,7 +143,7 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
     next) reports each interval once; a resumed trial's next report is its last row's step + interval (no
     reported step trained twice, no progress lost); each (trial, step) has one current report. Each exploit
     once: an exploit applied before a kill stays in the lineage, and its decision is applied once."""
-    steps = 40
+    steps = 60  # two kills and a Ctrl-C each after a report: the last must come before the budget's end
     path = _experiment(
         tmp_path,
         corpus_dir,
@@ -158,7 +158,7 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
     exp_dir = load_experiment(path).exp_dir
     drivers: list[_Driver] = []
     try:
-        kills = _kill_twice_then_ctrl_c(tmp_path, path, exp_dir, drivers)
+        kills = _kill_twice_then_ctrl_c(tmp_path, path, exp_dir, drivers, steps)
     finally:  # a failed wait leaves its driver running
         for driver in drivers:
             driver.end()
@@ -201,9 +201,10 @@ def _time(row: dict) -> float:
     return row["time"]
 
 
-def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: list) -> list[dict]:
+def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: list, steps: int) -> list[dict]:
     """Returns, for each kill, when the driver's processes had all ended, each trial's last lineage row then,
-    and the exploits logged so far."""
+    and the exploits logged so far. The Ctrl-C follows a report before the budget's last step: after the last
+    one, the experiment may end (exit 0) before the signal lands."""
     kills = []
 
     def start(*args: str) -> _Driver:
@@ -219,8 +220,8 @@ def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: 
             }
         )
 
-    def reported_since(t: float) -> bool:
-        return any(r["time"] > t for r in _lines(exp_dir, "report"))
+    def reported_since(t: float, before: int = steps + 1) -> bool:
+        return any(r["time"] > t and r["step"] < before for r in _lines(exp_dir, "report"))
 
     # 1. killed once the weak trial has exploited the strong one (Tune may or may not have saved since)
     first = start()
@@ -235,7 +236,7 @@ def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: 
     # 3. resumed, Ctrl-C: one line on how to go on, exit 130, no traceback of the driver's (Ray's actors
     # may log theirs, prefixed with their name)
     third, since = start("--resume"), time.time()
-    third.wait_for(lambda: reported_since(since), "a report of the resumed run")
+    third.wait_for(lambda: reported_since(since, before=steps), "a report of the resumed run before its last step")
     assert third.kill(signal.SIGINT) == 130
     err = third.err.read_text().splitlines()
     assert not [line for line in err if line.startswith("Traceback")]
