@@ -19,8 +19,10 @@ Two modes (`checkpoint.mode`):
   `sync` does, with its own gloo process group for the collectives DCP and the commit need. `collect()`
   tells every rank at once (one small all-reduce per step while a save is in flight) that the save
   committed, so that reports name committed checkpoints only. A second save waits for the first.
-Writing and reading use DCP's threads (`checkpoint.threads`); checksums are piece-wise xxh3-128 hashed in
-parallel, spread over the ranks, so neither costs a single-threaded pass.
+Writing and reading use DCP's threads (`checkpoint.threads`); checksums are piece-wise xxh3-128: the
+tensor files are hashed as DCP writes them (no second pass over their bytes; torch's own zip CRC-32 is
+left out of them, as it would be a second checksum of the same bytes), the few other files are read back
+in parallel, spread over the ranks.
 
 A restore verifies the files against COMMITTED; `candidates` lists the complete checkpoints newest first,
 so that a caller can fall back past a corrupt one.
@@ -42,8 +44,9 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -73,7 +76,7 @@ from trainers.checkpoint_files import (
     read_trainer_state,
     rng_file,
 )
-from trainers.checksums import HASH, PIECE_BYTES, check_files, digest_pieces, pieces_of
+from trainers.checksums import HASH, PIECE_BYTES, StreamDigests, check_files, digest_pieces, pieces_of
 from trainers.storage import (
     commit_folder,
     ensure_folder,
@@ -169,11 +172,15 @@ class ModelOptimizerState(Stateful):
         )
 
 
+Streamed = dict[str, tuple[int, list[str]]]  # {file relative to the checkpoint: (size, piece digests)}
+
+
 class CheckpointBackend(Protocol):
     """Writes and reads a checkpoint's tensors. `stage` (optional) returns a host copy of `state` that `save`
-    can write while training goes on; a backend without it saves synchronously."""
+    can write while training goes on; a backend without it saves synchronously. `save` may return the
+    piece digests of the files this rank wrote, hashed as they were written; the others are read back."""
 
-    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> None: ...
+    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> Streamed | None: ...
     def load(self, path: Path, state: dict[str, Stateful], threads: int = 1) -> None: ...
 
 
@@ -197,6 +204,76 @@ class _ParallelReader(FileSystemReader):
         return fut
 
 
+class _DigestingStream:
+    """A file being written, its bytes hashed on their way (`StreamDigests`); `moved`: it was seeked or
+    truncated, so the bytes fed are not the file's and its digests are not used."""
+
+    def __init__(self, raw: Any):
+        self.raw, self.digests, self.moved = raw, StreamDigests(), False
+
+    def write(self, data: Any) -> int:
+        self.digests.update(data)
+        return self.raw.write(data)
+
+    def seek(self, *args: Any) -> int:
+        self.moved = True
+        return self.raw.seek(*args)
+
+    def truncate(self, *args: Any) -> int:
+        self.moved = True
+        return self.raw.truncate(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self.raw, name)
+
+
+class _DigestingFileSystem:
+    """DCP's file system of a writer, each file it writes hashed as it goes (DCP writes with several
+    threads, and renames its `.metadata` into place)."""
+
+    def __init__(self, fs: Any, root: Any):
+        self.fs, self.root, self.streamed, self._lock = fs, str(root).rstrip("/") + "/", {}, threading.Lock()
+
+    def _name(self, path: Any) -> str | None:
+        return str(path)[len(self.root):] if str(path).startswith(self.root) else None
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self.fs.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _DigestingStream(raw)
+            yield stream
+        name = self._name(path)
+        if name is not None and not stream.moved:
+            with self._lock:
+                self.streamed[name] = (stream.digests.size, stream.digests.digests())
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self.fs.rename(path, new_path)
+        with self._lock:
+            entry = self.streamed.pop(self._name(path) or "", None)
+            if entry is not None and self._name(new_path) is not None:
+                self.streamed[self._name(new_path)] = entry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fs, name)
+
+
+@contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """torch.save's per-record CRC-32 off while DCP writes (the files get our piece checksums instead; half
+    of the writer's CPU time on a CPU host). The setting is process-wide: a torch.save elsewhere in the
+    process meanwhile also skips it, and its file loads the same."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 class DCPBackend:
     """torch.distributed.checkpoint: every rank writes its shards (`threads` files at once); loading
     reshards. Staging copies the state into host buffers kept for the next save (pinned on CUDA)."""
@@ -212,7 +289,7 @@ class DCPBackend:
             self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         return self._stager.stage({key: value.state_dict() for key, value in state.items()})
 
-    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> None:
+    def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> Streamed:
         # The plan is cached between saves of the same layout (only a delta goes to the coordinator).
         planner = DefaultSavePlanner(enable_plan_caching=True)
         local = local_path(path)
@@ -222,7 +299,10 @@ class DCPBackend:
             writer = FsspecWriter(str(path), thread_count=threads, **path.storage_options)
         else:
             writer = FileSystemWriter(str(local), thread_count=threads)
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_world() == 1)
+        writer.fs = digesting = _DigestingFileSystem(writer.fs, writer.path)
+        with _without_zip_crc32():
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_world() == 1)
+        return digesting.streamed
 
     def load(self, path: Path, state: dict[str, Stateful], threads: int = 1) -> None:
         local = local_path(path)
@@ -450,7 +530,7 @@ class Checkpointer:
         if rank == 0:
             start_folder(final, COMMITTED)  # without a crashed save's leftover
         _barrier(group)
-        self.backend.save(partial, state, group=group, threads=self.threads)
+        streamed = self.backend.save(partial, state, group=group, threads=self.threads)
         if rng is not None:
             buffer = io.BytesIO()
             torch.save(rng, buffer)
@@ -461,7 +541,7 @@ class Checkpointer:
         _barrier(group)
         figures.write_s = time.perf_counter() - start
         start = time.perf_counter()
-        files = self._checksums(partial, group)
+        files = self._checksums(partial, group, streamed or {})
         figures.checksum_s = time.perf_counter() - start
         figures.bytes = sum(f["size"] for f in files.values())
         if rank == 0:
@@ -474,8 +554,9 @@ class Checkpointer:
         _barrier(group)
         return final
 
-    def _checksums(self, partial: Path, group: Any) -> dict[str, dict[str, Any]]:
-        """Every file's size and piece digests, the pieces spread over the ranks and their threads."""
+    def _checksums(self, partial: Path, group: Any, streamed: Streamed) -> dict[str, dict[str, Any]]:
+        """Every file's size and piece digests: those hashed as they were written (`streamed`, this rank's),
+        where their size is the file's on disk; the other files' pieces spread over the ranks and threads."""
         names = _files(partial)
         sizes: dict[str, int] = {}
         for name in names:
@@ -484,7 +565,10 @@ class Checkpointer:
                 raise CheckpointError(f"{partial / name} vanished during the save")
             sizes[name] = size
         digests: dict[tuple[str, int], str] = {}
-        for part in _gather(digest_pieces(partial, pieces_of(sizes)[_rank() :: _world()], self.threads), group):
+        for part in _gather({n: d for n, (size, d) in streamed.items() if sizes.get(n) == size}, group):
+            digests.update({(name, i): d for name, pieces in part.items() for i, d in enumerate(pieces)})
+        unread = {n: size for n, size in sizes.items() if (n, 0) not in digests}
+        for part in _gather(digest_pieces(partial, pieces_of(unread)[_rank() :: _world()], self.threads), group):
             digests.update(part)
         files = {name: {"size": size, "pieces": []} for name, size in sizes.items()}
         for name, index, _, _ in pieces_of(sizes):

@@ -1,5 +1,7 @@
 """Checksums of checkpoint files in fixed pieces, hashed in parallel: no single-threaded second pass.
 
+Files are hashed while they are written where the writer allows it (`StreamDigests`: the same digests as
+reading the file back, without reading it), else by reading them back in parallel (`digest_pieces`).
 A checkpoint's `COMMITTED` marker names its hash (`"hash": "xxh3_128"`, `"piece_bytes": 67108864`) and
 holds, per file, its size and one digest per piece. Pieces are spread over the ranks (every world-th
 piece) and, within a rank, over a thread pool: xxh3-128 hashes ~16 GB/s a core here and releases the
@@ -18,7 +20,7 @@ import xxhash
 
 from trainers.storage import read_range
 
-__all__ = ["HASH", "PIECE_BYTES", "Piece", "check_files", "digest_pieces", "pieces_of"]
+__all__ = ["HASH", "PIECE_BYTES", "Piece", "StreamDigests", "check_files", "digest_pieces", "pieces_of"]
 
 HASH = "xxh3_128"
 PIECE_BYTES = 64 << 20  # what one thread hashes at a time: large enough to stream, small enough to spread
@@ -38,6 +40,28 @@ def pieces_of(sizes: dict[str, int], piece_bytes: int = PIECE_BYTES) -> list[Pie
 def _digest(root: Any, piece: Piece) -> str:
     name, _, offset, length = piece
     return xxhash.xxh3_128_hexdigest(read_range(root / name, offset, length))
+
+
+class StreamDigests:
+    """The piece digests of a file fed to `update` in order as it is written: what `digest_pieces` finds
+    reading it back (one digest per started piece; an empty file has one, of no bytes)."""
+
+    def __init__(self, piece_bytes: int = PIECE_BYTES):
+        self.piece_bytes, self.size, self._done = piece_bytes, 0, []
+        self._piece, self._filled = xxhash.xxh3_128(), 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            if self._filled == self.piece_bytes:
+                self._done.append(self._piece.hexdigest())
+                self._piece, self._filled = xxhash.xxh3_128(), 0
+            take = min(len(view), self.piece_bytes - self._filled)
+            self._piece.update(view[:take])
+            self._filled, self.size, view = self._filled + take, self.size + take, view[take:]
+
+    def digests(self) -> list[str]:
+        return [*self._done, self._piece.hexdigest()]
 
 
 def digest_pieces(root: Any, pieces: Iterable[Piece], threads: int) -> dict[tuple[str, int], str]:
