@@ -172,7 +172,8 @@ class ModelOptimizerState(Stateful):
         )
 
 
-Streamed = dict[str, tuple[int, list[str]]]  # {file relative to the checkpoint: (size, piece digests)}
+# {file relative to the checkpoint: (size, piece digests, seconds spent hashing it)}
+Streamed = dict[str, tuple[int, list[str], float]]
 
 
 class CheckpointBackend(Protocol):
@@ -248,7 +249,7 @@ class _DigestingFileSystem:
         name = self._name(path)
         if name is not None and not stream.moved:
             with self._lock:
-                self.streamed[name] = (stream.digests.size, stream.digests.digests())
+                self.streamed[name] = (stream.digests.size, stream.digests.digests(), stream.digests.seconds)
 
     def rename(self, path: Any, new_path: Any) -> None:
         self.fs.rename(path, new_path)
@@ -322,8 +323,8 @@ class SaveFigures:
     blocking_s: float = 0.0  # what training waited for: the save before (wait_s) + staging, or the whole save
     wait_s: float = 0.0  # of that, waiting for the save in flight before this one to commit
     stage_s: float = 0.0
-    write_s: float = 0.0  # the tensors, RNG and trainer state on disk, every rank
-    checksum_s: float = 0.0
+    write_s: float = 0.0  # the tensors, RNG and trainer state on disk, every rank (hashing as written included)
+    checksum_s: float = 0.0  # the hashing during the write (this rank's, summed over threads) + the pass after
     commit_s: float = 0.0  # from the save's start to its commit
     bytes: int = 0
 
@@ -542,7 +543,8 @@ class Checkpointer:
         figures.write_s = time.perf_counter() - start
         start = time.perf_counter()
         files = self._checksums(partial, group, streamed or {})
-        figures.checksum_s = time.perf_counter() - start
+        # what checksums cost: the pass over the files not hashed as written, and the hashing during the write
+        figures.checksum_s = time.perf_counter() - start + sum(e[2] for e in (streamed or {}).values())
         figures.bytes = sum(f["size"] for f in files.values())
         if rank == 0:
             if before_commit is not None:  # a test hook: simulate a crash (or a slow disk) before the commit
@@ -565,7 +567,7 @@ class Checkpointer:
                 raise CheckpointError(f"{partial / name} vanished during the save")
             sizes[name] = size
         digests: dict[tuple[str, int], str] = {}
-        for part in _gather({n: d for n, (size, d) in streamed.items() if sizes.get(n) == size}, group):
+        for part in _gather({n: d for n, (size, d, _) in streamed.items() if sizes.get(n) == size}, group):
             digests.update({(name, i): d for name, pieces in part.items() for i, d in enumerate(pieces)})
         unread = {n: size for n, size in sizes.items() if (n, 0) not in digests}
         for part in _gather(digest_pieces(partial, pieces_of(unread)[_rank() :: _world()], self.threads), group):

@@ -12,6 +12,7 @@ Markers written before pieces existed hold one whole-file `sha256` per file; the
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,14 +45,19 @@ def _digest(root: Any, piece: Piece) -> str:
 
 class StreamDigests:
     """The piece digests of a file fed to `update` in order as it is written: what `digest_pieces` finds
-    reading it back (one digest per started piece; an empty file has one, of no bytes)."""
+    reading it back (one digest per started piece; an empty file has one, of no bytes). `seconds`: the time
+    spent hashing."""
 
     def __init__(self, piece_bytes: int = PIECE_BYTES):
-        self.piece_bytes, self.size, self._done = piece_bytes, 0, []
+        self.piece_bytes, self.size, self.seconds, self._done = piece_bytes, 0, 0.0, []
         self._piece, self._filled = xxhash.xxh3_128(), 0
 
     def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
+        start = time.perf_counter()
+        self._update(memoryview(data).cast("B"))
+        self.seconds += time.perf_counter() - start
+
+    def _update(self, view: memoryview) -> None:
         while len(view):
             if self._filled == self.piece_bytes:
                 self._done.append(self._piece.hexdigest())
