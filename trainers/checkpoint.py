@@ -41,7 +41,6 @@ import fnmatch
 import io
 import json
 import os
-import sys
 import threading
 import time
 import warnings
@@ -133,24 +132,6 @@ def _gather(value: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * _world()
     dist.all_gather_object(out, value, group=group)
     return out
-
-
-WRITER_NICE = 10  # how far below training's CPU priority a background save's threads run (Linux)
-
-
-def _yield_cpu_to_training() -> None:
-    """Lower this thread's CPU priority by WRITER_NICE, and so that of the threads it starts (DCP's writers,
-    the hashing pool): where training keeps every core busy, the save takes the moments they idle first
-    and training's threads win the rest (the save still commits; a save that is still being written when
-    the next is due makes that one wait, and the wait is recorded). Linux only: elsewhere setpriority
-    would lower the whole process."""
-    if sys.platform != "linux":
-        return
-    me = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + WRITER_NICE))
-    except OSError:  # a sandbox without the call: the save runs at training's priority
-        pass
 
 
 def default_threads() -> int:
@@ -471,7 +452,6 @@ class Checkpointer:
         group = self._writer_groups()[0]
 
         def write() -> None:
-            _yield_cpu_to_training()
             try:
                 job.path = self._write_and_commit(step, staged, trainer_state, rng, figures, group, before_commit)
                 figures.commit_s = time.perf_counter() - job.started

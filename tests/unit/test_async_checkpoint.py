@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 import threading
 
 import pytest
 import torch
-from torch import nn
 
-from trainers.checkpoint import WRITER_NICE, Checkpointer, CheckpointError, ModelOptimizerState
+from trainers.checkpoint import Checkpointer, CheckpointError
 from trainers.checkpoint_files import COMMITTED, checkpoint_step, is_complete
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback
@@ -46,7 +43,7 @@ class _GatedWrites(TrainerCallback):
             def save(self, path, state, **kwargs):
                 if path.name.startswith(f"step_{hook.hold:08d}"):
                     assert hook.gate.wait(WAIT_S), "the training thread never released the write"
-                return inner.save(path, state, **kwargs)
+                inner.save(path, state, **kwargs)
 
             def load(self, path, state, **kwargs):
                 inner.load(path, state, **kwargs)
@@ -220,21 +217,3 @@ def test_a_failed_background_write_is_one_error_naming_the_step(tiny_config):
     with pytest.raises(CheckpointError, match="the save of step 2 failed .*No space left on device"):
         Trainer(cfg, callbacks=[Broken()], progress=False).fit()
     assert not list((cfg.out_dir / "checkpoints").glob("step_????????")), "nothing half-written counts"
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread CPU priorities are Linux's")
-def test_a_background_save_runs_below_trainings_cpu_priority(tmp_path):
-    """The writer thread (and so DCP's writer threads it starts) yields the cores to training's threads."""
-    model = nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    seen: list[int] = []
-    ckpt = Checkpointer(tmp_path, keep=1, mode="async")
-    ckpt.start_save(
-        1,
-        {"app": ModelOptimizerState(model, opt)},
-        {"step": 1},
-        before_commit=lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
-    )
-    assert ckpt.collect(wait=True) is not None
-    training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen == [min(19, training + WRITER_NICE)]
