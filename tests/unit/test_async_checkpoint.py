@@ -43,7 +43,7 @@ class _GatedWrites(TrainerCallback):
             def save(self, path, state, **kwargs):
                 if path.name.startswith(f"step_{hook.hold:08d}"):
                     assert hook.gate.wait(WAIT_S), "the training thread never released the write"
-                inner.save(path, state, **kwargs)
+                return inner.save(path, state, **kwargs)
 
             def load(self, path, state, **kwargs):
                 inner.load(path, state, **kwargs)
