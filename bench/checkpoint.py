@@ -139,9 +139,14 @@ def summarize(device: str, shape_name: str, rounds: list[dict[str, dict[str, Any
     return rows
 
 
+def _heaviest(rows: list[dict[str, Any]]) -> str:
+    """The shape with the largest state."""
+    return max(rows, key=lambda r: r["state_bytes"])["shape"]
+
+
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Blocking and checksums on the largest state; the throughput on the run-like shape (the first)."""
-    heavy = max(rows, key=lambda r: r["state_bytes"])["shape"]
+    heavy = _heaviest(rows)
     sync, async_ = (next(r for r in rows if r["mode"] == m and r["shape"] == heavy) for m in ("sync", "async"))
     run_like = next(r for r in rows if r["mode"] == "async")
     blocking = async_["blocking_s"]["median"] / sync["commit_s"]
@@ -182,7 +187,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    heavy = max(result["rows"], key=lambda r: r["state_bytes"])["shape"]
+    heavy = _heaviest(result["rows"])
     rows = [r for r in result["rows"] if r["shape"] == heavy]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["mode"] for r in rows]
@@ -198,7 +203,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     gib = rows[0]["state_bytes"] / 2**30
     left.set_title(f"one save of {gib:.2f} GiB on {rows[0]['device']}")
     left.legend(fontsize=8)
-    bars = [r for r in result["rows"]]
+    bars = result["rows"]
     right.bar([f"{r['shape']}\n{r['mode']}" for r in bars], [r["throughput_ratio"] for r in bars],
               color=["tab:red" if r["mode"] == "sync" else "tab:green" for r in bars])
     right.axhline(0.95, color="k", ls="--", lw=1, label="target 0.95")

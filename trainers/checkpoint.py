@@ -253,10 +253,11 @@ class _DigestingFileSystem:
 
     def rename(self, path: Any, new_path: Any) -> None:
         self.fs.rename(path, new_path)
+        old, new = self._name(path), self._name(new_path)
         with self._lock:
-            entry = self.streamed.pop(self._name(path) or "", None)
-            if entry is not None and self._name(new_path) is not None:
-                self.streamed[self._name(new_path)] = entry
+            entry = self.streamed.pop(old, None) if old is not None else None
+            if entry is not None and new is not None:
+                self.streamed[new] = entry
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fs, name)
@@ -531,7 +532,7 @@ class Checkpointer:
         if rank == 0:
             start_folder(final, COMMITTED)  # without a crashed save's leftover
         _barrier(group)
-        streamed = self.backend.save(partial, state, group=group, threads=self.threads)
+        streamed = self.backend.save(partial, state, group=group, threads=self.threads) or {}
         if rng is not None:
             buffer = io.BytesIO()
             torch.save(rng, buffer)
@@ -542,9 +543,9 @@ class Checkpointer:
         _barrier(group)
         figures.write_s = time.perf_counter() - start
         start = time.perf_counter()
-        files = self._checksums(partial, group, streamed or {})
+        files = self._checksums(partial, group, streamed)
         # what checksums cost: the pass over the files not hashed as written, and the hashing during the write
-        figures.checksum_s = time.perf_counter() - start + sum(e[2] for e in (streamed or {}).values())
+        figures.checksum_s = time.perf_counter() - start + sum(e[2] for e in streamed.values())
         figures.bytes = sum(f["size"] for f in files.values())
         if rank == 0:
             if before_commit is not None:  # a test hook: simulate a crash (or a slow disk) before the commit
