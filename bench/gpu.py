@@ -45,6 +45,7 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]  # plain_loop; trainers without an install of this project
 
 import torch  # noqa: E402
+from corpus import prepared  # noqa: E402
 from plain_loop import train as train_plain  # noqa: E402
 
 from trainers.config import RunConfig, apply_overrides, parse_config  # noqa: E402
@@ -165,19 +166,6 @@ def row_config(row: Row, size: dict[str, Any], data: str, run_dir: Path) -> RunC
         "checkpoint": {"every": 0, "resume": "none"},
     }
     return parse_config(apply_overrides(raw, list(row.sets)))
-
-
-def corpus(path: str | None, dry_run: bool) -> str:
-    """A prepared corpus: --data, or byte tokens of this Python's standard library (prepared once)."""
-    if path:
-        return path
-    from trainers.data.prepare import default_corpus, prepare_corpus
-
-    out = WORK / ("corpus-tiny" if dry_run else "corpus")
-    if not (out / "manifest.json").exists():
-        prepare_corpus(default_corpus(), out, tokenizer="byte", max_bytes=300_000 if dry_run else 8_000_000, val_fraction=0.2,
-                       progress=False)
-    return str(out)
 
 
 # ---------------------------------------------------------------------------------------- one row
@@ -421,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--rows: unknown {', '.join(unknown)}; fix: choose of {', '.join(r.name for r in rows)}", file=sys.stderr)
         return 2
     chosen = [r for r in rows if not wanted or r.name in wanted]
-    data = corpus(args.data, args.dry_run)
+    data = str(prepared(args.data, WORK / ("corpus-tiny" if args.dry_run else "corpus"),
+                        300_000 if args.dry_run else 8_000_000, val_fraction=0.2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("gpu-dry-run.json" if args.dry_run else "gpu.json")

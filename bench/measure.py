@@ -29,10 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.utils.tensorboard  # noqa: F401  imported before the RSS baseline in both variants
-import tqdm.auto  # noqa: F401  (same reason: module imports are not training memory)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # trainers without an install (a bare GPU machine)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.utils.tensorboard  # noqa: F401, E402  imported before the RSS baseline in both variants
+import tqdm.auto  # noqa: F401, E402  (same reason: module imports are not training memory)
 from plain_loop import train as train_plain
 from torch import nn
 
