@@ -5,6 +5,8 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data/stdlib
 BPE    ?= data/stdlib-bpe
 PYTEST_ARGS ?=
+# the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 .PHONY: setup demo finetune-demo test test-slow test-gpu bench bench-gpu lint clean
 
@@ -43,8 +45,8 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-gpu:
-	# the gpu tier on one CUDA device (skipped without one); needs no Ray: $(PY) may be any Python with torch
-	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+	# the gpu tier on one CUDA device (skipped without one); needs no Ray: any Python with torch and pytest
+	$(GPU_PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
 $(BPE)/manifest.json: | $(STAMP)
 	# token ids for bench/lean.py's 50,257-token model: a BPE corpus (merges learnt here, no download)
@@ -66,8 +68,10 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/checkpoint.py --data $(DATA)
 
 bench-gpu:
-	# one GPU, unattended (~20 min on an H100; --model small for 24 GB): bench/results/gpu.{json,png}
-	$(PY) bench/gpu.py $(BENCH_ARGS)
+	# one GPU, unattended (~30 min on an H100; BENCH_ARGS=--model small for 24 GB): bench/results/gpu.{json,png},
+	# then the MoE loop vs grouped pairs on it (bench/results/moe.json's gpu rows, moe-gpu.png)
+	$(GPU_PY) bench/gpu.py $(BENCH_ARGS)
+	$(GPU_PY) bench/moe.py --device cuda
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

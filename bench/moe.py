@@ -170,7 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(BENCH / "results"), help="folder for the JSON and PNG")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: tiny-moe, wide-moe; cuda: gpu-moe")
     p.add_argument("--models", nargs="*", help="a subset of the device's models")
-    p.add_argument("--pairs", type=int, default=4, help="loop/grouped pairs per model, in lockstep")
+    p.add_argument("--pairs", type=int, default=None,
+                   help="loop/grouped pairs per model, in lockstep (default 4 on a CPU, 2 on a GPU: quiet, compiled)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     p.add_argument("--measured", type=int, default=8, help="timed steps per run")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the runs (0 = torch's default)")
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here; fix: run on a GPU machine")
     args.data = str(prepared(args.data, WORK / "corpus", 8_000_000))
+    args.pairs = args.pairs or (2 if args.device == "cuda" else 4)
     names = args.models or (["gpu-moe"] if args.device == "cuda" else ["tiny-moe", "wide-moe"])
     peak = args.peak_tflops or (989.0 if args.device == "cuda" else cpu_peak_tflops())
     env = dict(environment(args), targets=TARGETS, peak_tflops=peak,
