@@ -272,7 +272,7 @@ class Trainer:
                 done = self.step == cfg.train.steps
                 if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
                     val_loss = self.evaluate()
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (done and cfg.checkpoint.final):
                     self._start_save()
                 if done and self._collect(wait=True):  # the end of fit waits for the last save to commit
                     continue

@@ -75,3 +75,14 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_config):
     la, lb = (r["loss"] for r in _train_rows(one.run_dir)), (r["loss"] for r in _train_rows(four.run_dir))
     for x, y in zip(la, lb):
         assert x == pytest.approx(y, rel=1e-5)
+
+
+@pytest.mark.parametrize("every", [0, 4])
+def test_final_false_saves_only_every_n_steps(tiny_config, every):
+    """`checkpoint.final: false`: no save at the end (with every 0, none at all: a benchmark's run)."""
+    cfg = tiny_config("nofinal", train={"steps": 6}, checkpoint={"every": every, "final": False})
+    result = Trainer(cfg, progress=False).fit()
+    saved = [r["step"] for r in read_metrics(cfg.out_dir / "metrics.jsonl", "event")
+             if r["event"] == "checkpoint"]
+    assert saved == ([4] if every else [])
+    assert (result.checkpoint is None) == (not every)
