@@ -57,8 +57,9 @@ from trainers.plan import plan_memory  # noqa: E402
 from trainers.trainer import Trainer, TrainerCallback  # noqa: E402
 
 WORK = BENCH / "_work" / "gpu"
-# Dense bf16 tensor-core peaks (TFLOP/s), by a word of torch.cuda.get_device_name: MFU's denominator.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "A10": 125.0,
+# Dense bf16 tensor-core peaks (TFLOP/s), by the first key in torch.cuda.get_device_name: MFU's denominator
+# (the H100's variants before the SXM part's "H100").
+PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "A10": 125.0,
                "L4": 121.0, "4090": 165.0, "3090": 71.0}
 TARGETS = {"chunked_vs_whole_step_max": 1.05, "fit_vs_best_hand_mfu_min": 0.9, "plan_error_max": 0.10,
            "seed_all_memory_ratio_min": 10.0, "seed_all_speed_ratio_min": 2.0, "big_compile_mfu_min": 0.50}

@@ -152,6 +152,8 @@ class _GuardedCompile:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
+            except torch.OutOfMemoryError:  # the memory's fault, not the compiler's: eager would need more
+                raise
             except Exception as e:  # inductor/Triton missing or failing: eager is the same math
                 warnings.warn(f"the chunked loss runs eager: torch.compile failed ({type(e).__name__}: {e})",
                               stacklevel=2)

@@ -185,3 +185,17 @@ def test_a_failing_compile_falls_back_to_the_same_eager_math():
         got, grad = guarded(h, w, t, scale, True)
     want, want_grad = loss._chunk_step(h, w, t, scale, True)
     assert guarded.compiled is None and torch.equal(got, want) and torch.equal(grad, want_grad)
+
+
+def test_out_of_memory_in_the_compiled_chunk_is_raised_not_taken_for_a_compile_failure():
+    from trainers import loss
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    guarded = loss._GuardedCompile(loss._chunk_step)
+    guarded.compiled = out_of_memory
+    h, w, t = torch.randn(5, 4), torch.randn(9, 4), torch.randint(0, 9, (5,))
+    with pytest.raises(torch.OutOfMemoryError):
+        guarded(h, w, t, torch.tensor(0.2), True)
+    assert guarded.compiled is out_of_memory  # still compiled: the next chunk tries again
