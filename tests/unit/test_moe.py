@@ -149,7 +149,7 @@ def _hand_aux_total(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 def _grads(moe: MoE, x: torch.Tensor, scale: float, add_hand_aux: bool = False) -> list[torch.Tensor]:
     moe = copy.deepcopy(moe)
-    moe.aux_grad_scale = scale
+    moe.aux_grad_scale.fill_(scale)
     task_grad = torch.randn(T, DIM, generator=torch.Generator().manual_seed(7))
     loss = (moe(x) * task_grad).sum()
     if add_hand_aux:
@@ -192,5 +192,5 @@ def test_model_stats_and_set_aux_grad_scale() -> None:
     loads = [m.last_stats["tokens_per_expert"].float() for m in layers]
     assert stats["moe_load_imbalance_max"] == pytest.approx(max(float(t.max() / t.mean()) for t in loads))
     set_aux_grad_scale(model, 0.25)
-    assert [m.aux_grad_scale for m in layers] == [0.25, 0.25]
+    assert [float(m.aux_grad_scale) for m in layers] == [0.25, 0.25]
     assert moe_stats(build_model(cfg.model_copy(update={"moe": None}))) == {}

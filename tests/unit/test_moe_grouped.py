@@ -217,3 +217,41 @@ def test_impl_is_not_part_of_a_checkpoint_compatibility(tiny_config) -> None:
 
     keys = [compat_of(tiny_config(impl, model={"moe": {"impl": impl}}), {}) for impl in ("loop", "grouped")]
     assert keys[0] == keys[1] and not any("impl" in key for key in keys[0])
+
+
+def test_a_new_aux_grad_scale_is_an_input_of_the_compiled_block_not_a_recompile() -> None:
+    """The trainer sets the aux losses' gradient scale before every micro-step (1/accumulation x the loss
+    scale, which moves under fp16): a compiled block must take a new value without compiling again, and its
+    router gradient must be eager's at that value."""
+    from trainers.models.moe import reset_moe_stats, set_aux_grad_scale
+
+    cfg = ModelConfig(dim=32, n_heads=2, max_seq_len=16, moe=MoEConfig(num_experts=4, top_k=2, impl="grouped",
+                                                                      aux_loss_coef=0.5, z_loss_coef=0.1))
+    torch.manual_seed(0)
+    eager = TransformerBlock(cfg, 0)
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    block = copy.deepcopy(eager)
+    compiled = torch.compile(block, backend="aot_eager")
+    x, rope = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)), torch.randn(16, 16)
+
+    def gate_grad(module, run, scale):
+        reset_moe_stats(module)  # as the trainer's step: its start
+        set_aux_grad_scale(module, scale)
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x, rope, rope)
+        out.float().sum().backward()
+        return module.block_sparse_moe.gate.weight.grad.clone()
+
+    torch._dynamo.reset()
+    try:
+        for i, scale in enumerate((1.0, 0.0, 4.0, 0.25)):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = gate_grad(block, compiled, scale)
+            want = gate_grad(eager, eager, scale)
+            torch.testing.assert_close(got, want)
+            if scale == 4.0:
+                assert (got - gate_grad(eager, eager, 1.0)).abs().max() > 1e-3  # the scale does move it
+    finally:
+        torch._dynamo.reset()

@@ -156,19 +156,18 @@ class GroupedExperts(nn.Module):
 
 
 class _AuxLossScaler(torch.autograd.Function):
-    """Identity on `output`; in backward gives `aux_loss` the gradient `scale` (Megatron-LM's
+    """Identity on `output`; in backward gives `aux_loss` the gradient `scale` (a 0-dim tensor: Megatron-LM's
     MoEAuxLossAutoScaler), as if `scale * aux_loss` had been added to the loss."""
 
     @staticmethod
-    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(aux_loss)
-        ctx.scale = scale
+    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(aux_loss, scale)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor, None]:
-        (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+        aux_loss, scale = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
 class MoE(nn.Module):
@@ -182,8 +181,11 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(
             cfg.moe.num_experts, cfg.dim, cfg.hidden_dim, cfg.moe.impl, dropless=cfg.moe.capacity_factor is None
         )
-        # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale).
-        self.aux_grad_scale = 1.0
+        # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale,
+        # `set_aux_grad_scale`). A 0-dim tensor changed in place: a compiled block takes it as an input (a
+        # Python float would be a constant there, compiled again for each value: fp16's moving loss scale).
+        # Not a buffer: a module cast to 16 bits (DeepSpeed's) must not round it, nor fp16 overflow it.
+        self.aux_grad_scale = torch.ones((), device="cpu")
         self.last_stats: dict[str, Tensor] = {}
         # Sums over the forwards since `reset_moe_stats` (a training step): see `_record`.
         self.totals: Tensor | None = None
@@ -250,11 +252,16 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
+def set_aux_grad_scale(model: nn.Module, scale: float, device: torch.device | None = None) -> None:
     """Set the gradient the aux losses get in backward: call before each micro-step's forward with the
-    factor the task loss is multiplied by before backward (1/accumulation * loss scale)."""
+    factor the task loss is multiplied by before backward (1/accumulation * loss scale). `device`: where the
+    blocks compute (default: the router weight's; an engine that offloads parameters to the CPU passes its
+    own), so that a compiled block mixes no devices."""
     for m in moe_layers(model):
-        m.aux_grad_scale = float(scale)
+        where = device or m.gate.weight.device
+        if m.aux_grad_scale.device != where:  # moved once, then changed in place
+            m.aux_grad_scale = torch.empty((), device=where)
+        m.aux_grad_scale.fill_(float(scale))
 
 
 def reset_moe_stats(model: nn.Module) -> None:

@@ -84,7 +84,7 @@ class Engine:
         loss from the targets (`Transformer.forward(tokens, targets)`, chunked where configured); a
         pipeline engine runs its schedule here instead."""
         reset_moe_stats(self.model)
-        set_aux_grad_scale(self.model, self.loss_scale / count)
+        set_aux_grad_scale(self.model, self.loss_scale / count, self.device)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             with self.loss_context():

@@ -181,7 +181,7 @@ class PipelineEngine(FSDPEngine):
         reset_moe_stats(self.model)
         # The schedule divides every gradient by n_microbatches after the last backward: the aux losses'
         # gradient must not be divided before (each microbatch's task loss is not either).
-        set_aux_grad_scale(self.model, self.loss_scale)
+        set_aux_grad_scale(self.model, self.loss_scale, self.device)
         inputs, targets = (torch.cat(t) for t in zip(*batches))
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
