@@ -255,3 +255,24 @@ def test_a_new_aux_grad_scale_is_an_input_of_the_compiled_block_not_a_recompile(
                 assert (got - gate_grad(eager, eager, 1.0)).abs().max() > 1e-3  # the scale does move it
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dim, hidden", [(36, 48), (32, 44)])
+def test_auto_takes_the_loop_where_rows_are_not_16_byte_multiples(dim: int, hidden: int) -> None:
+    """grouped_mm's kernels need rows in multiples of 16 bytes (8 bf16 values): with a dim or an expert
+    hidden size off that, `auto` runs the loop (same math) instead of raising."""
+    def moe(impl: str) -> MoE:
+        cfg = ModelConfig(dim=dim, n_heads=2, ffn_dim=hidden, moe=MoEConfig(num_experts=E, top_k=2, impl=impl))
+        torch.manual_seed(0)
+        module = MoE(cfg)
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        return module
+
+    x = torch.randn(T, dim, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="16 bytes"), torch.autocast("cpu", dtype=torch.bfloat16):
+        moe("grouped")(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto, loop = _step(moe("auto"), x), _step(moe("loop"), x)
+    for key in loop:
+        torch.testing.assert_close(auto[key], loop[key], rtol=0, atol=0, msg=key)

@@ -99,6 +99,15 @@ def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
 
 
+def _aligned(dtype: torch.dtype, *weights: Tensor) -> bool:
+    """Whether grouped_mm's kernels (CPU's and CUDA's: 16-byte TMA loads) take these experts: rows of dim and
+    of the hidden size (per tensor-parallel rank) in multiples of 16 bytes, and, in eager, weights that start
+    on a 16-byte boundary where no cast copies them (a view into a flat buffer may not)."""
+    if any(n * dtype.itemsize % 16 for n in weights[0].shape[-2:]):
+        return False
+    return torch.compiler.is_compiling() or all(w.dtype != dtype or w.data_ptr() % 16 == 0 for w in weights)
+
+
 def _loop(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
     """One matmul per expert, on its rows of x; rows past the last expert's get zeros."""
     counts = tokens_per_expert.tolist()  # a host sync: the split sizes
@@ -135,7 +144,7 @@ def run_experts(impl: str, w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens
     `impl` as `model.moe.impl`."""
     if impl == "auto":
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
-        impl = "grouped" if grouped_mm_native(x.device, dtype) else "loop"
+        impl = "grouped" if grouped_mm_native(x.device, dtype) and _aligned(dtype, w1, w2, w3) else "loop"
     return (_grouped if impl == "grouped" else _loop)(w1, w2, w3, x, tokens_per_expert, dropless)
 
 
