@@ -32,7 +32,7 @@ def _raw(corpus, run_dir, **sections):
              **sections.pop("train", {})}
     return tiny_raw(corpus, run_dir, model={**MODEL, **sections.pop("model", {})},
                     data={"path": str(corpus), "seq_len": 512}, train=train, schedule={"name": "constant"},
-                    checkpoint={"every": 0, "resume": "none"}, **sections)
+                    checkpoint={"every": 0, "final": False, "resume": "none"}, **sections)
 
 
 def _losses(run_dir) -> list[float]:
