@@ -20,8 +20,8 @@ pytestmark = needs_cuda
 DIM, HIDDEN, E = 1024, 2752, 8
 
 
-def _moe(impl: str, capacity_factor: float | None = None, dim: int = DIM, hidden: int = HIDDEN) -> MoE:
-    cfg = ModelConfig(dim=dim, n_heads=8, ffn_dim=hidden,
+def _moe(impl: str, capacity_factor: float | None = None) -> MoE:
+    cfg = ModelConfig(dim=DIM, n_heads=8, ffn_dim=HIDDEN,
                       moe=MoEConfig(num_experts=E, top_k=2, capacity_factor=capacity_factor, impl=impl))
     torch.manual_seed(0)
     moe = MoE(cfg)
