@@ -345,6 +345,7 @@ class _InFlight:
     done: threading.Event = field(default_factory=threading.Event)
     path: Path | None = None
     error: BaseException | None = None
+    writer: threading.Thread | None = None
 
 
 class Checkpointer:
@@ -462,8 +463,9 @@ class Checkpointer:
                 job.done.set()
 
         # A daemon: a process stopping with a save in flight is not held open by it (the partial folder
-        # it leaves is never loaded, and retention removes it).
-        threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True).start()
+        # it leaves is never loaded, and retention removes it). A collected save's writer is joined.
+        job.writer = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        job.writer.start()
 
     def collect(self, wait: bool) -> Committed | None:
         """Collective while a save is in flight: the save, once it committed on every rank (all ranks get
@@ -480,6 +482,11 @@ class Checkpointer:
         if int(status[0]) > 0:
             return None
         self._in_flight = None
+        # The writer still drops its references (the staged state: tensors, whose release lets go of the GIL)
+        # after it sets `done`: wait for that. A daemon thread still doing so at interpreter exit is ended by
+        # pthread_exit from inside torch's C++ and the process aborts ("terminate called without an active
+        # exception", 1 run in ~15 of two spawned ranks).
+        job.writer.join()
         if int(status[1]) > 0:
             cause = f"{type(job.error).__name__}: {first_line(job.error)}" if job.error else "on another rank"
             raise CheckpointError(

@@ -217,3 +217,39 @@ def test_a_failed_background_write_is_one_error_naming_the_step(tiny_config):
     with pytest.raises(CheckpointError, match="the save of step 2 failed .*No space left on device"):
         Trainer(cfg, callbacks=[Broken()], progress=False).fit()
     assert not list((cfg.out_dir / "checkpoints").glob("step_????????")), "nothing half-written counts"
+
+
+def test_a_collected_save_has_its_writer_gone_with_what_it_held(tmp_path):
+    """The writer thread lets go of the staged state after it signals the commit; `collect` waits for that.
+    A daemon thread still releasing tensors (which lets go of the GIL) when the interpreter exits is ended from
+    inside torch's C++ and aborts the process ("terminate called without an active exception"). Here the staged
+    state's release is made slow: collect must return only after it."""
+    from trainers.checkpoint import DCPBackend, ModelOptimizerState
+
+    released = threading.Event()
+
+    class SlowRelease:
+        def __del__(self):
+            threading.Event().wait(0.5)  # a slow release (many tensors), in the thread that drops it
+            released.set()
+
+    inner = DCPBackend()
+
+    class Backend:
+        def stage(self, state):
+            return {**inner.stage(state), "slow": SlowRelease()}
+
+        def save(self, path, state, **kwargs):
+            return inner.save(path, {k: v for k, v in state.items() if k != "slow"}, **kwargs)
+
+        def load(self, path, state, **kwargs):
+            inner.load(path, state, **kwargs)
+
+    model = torch.nn.Linear(4, 2)
+    ckpt = Checkpointer(tmp_path, keep=2, backend=Backend(), mode="async")
+    ckpt.start_save(3, {"app": ModelOptimizerState(model, torch.optim.SGD(model.parameters(), lr=0.1))},
+                    {"step": 3})
+    committed = ckpt.collect(wait=True)
+    assert committed is not None and is_complete(committed.path)
+    assert released.is_set()
+    assert not [t for t in threading.enumerate() if t.name == "checkpoint-3"]
