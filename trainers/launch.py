@@ -7,7 +7,7 @@ import os
 from trainers.config import RunConfig
 from trainers.layout import ParallelLayout
 from trainers.parallel import build_engine
-from trainers.parallel.distributed import init_from_env
+from trainers.parallel.distributed import init_from_env, leave_groups
 from trainers.run_lock import RunDirLock
 from trainers.trainer import FitResult, Trainer, TrainerCallback
 
@@ -41,7 +41,8 @@ def run_local(
     finally:
         if engine is not None:
             engine.close()
+            engine = None  # the trainer's cycles go with it in leave_groups' collection
         if owns_group:
-            dist.destroy_process_group()
+            leave_groups()
         if lock is not None:
             lock.release()

@@ -25,8 +25,8 @@ from torch.multiprocessing import ProcessExitedException
 from bench.model_state import count, held_tensors
 from tests.conftest import tiny_raw
 from tests.dist.harness import run_ranks
-from trainers.checkpoint_files import checkpoint_step
 from trainers.checkpoint import Checkpointer, is_complete
+from trainers.checkpoint_files import checkpoint_step
 from trainers.config import parse_config
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_raw
-from tests.dist.equivalence import assert_same_grads, assert_same_run, copy_at_step, merged, rows, train, train_each
+from tests.dist.equivalence import (
+    assert_same_grads,
+    assert_same_run,
+    copy_at_step,
+    merged,
+    rows,
+    train,
+    train_each,
+)
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["device_for_rank", "group_of_one", "init_from_env", "launched"]
+__all__ = ["device_for_rank", "group_of_one", "init_from_env", "launched", "leave_groups"]
 
 
 def launched() -> bool:
@@ -39,6 +40,18 @@ def init_from_env(timeout_s: float = 600) -> bool:
     return True
 
 
+def leave_groups() -> None:
+    """Destroy every process group while the interpreter is whole. The garbage that still holds them (a
+    finished trainer's model, FSDP state and device mesh: reference cycles) is collected first, so that each
+    gloo group's C++ object goes now, joining its worker threads. Left to interpreter exit, a worker thread
+    still dropping a finished collective's tensors needs the GIL during finalization, and the process aborts
+    after its work is done ("terminate called without an active exception"; pytorch/pytorch#190489): a
+    torchrun rank that exits 134 fails the job."""
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def device_for_rank() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -62,7 +75,7 @@ def group_of_one() -> Iterator[None]:
         yield
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_groups()
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
