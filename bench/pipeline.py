@@ -214,7 +214,7 @@ def a2a_worker(spec: dict) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from trainers.parallel.distributed import init_from_env
+    from trainers.parallel.distributed import init_from_env, leave_groups
 
     torch.set_num_threads(1)
     spec = json.loads(args.spec)
@@ -224,7 +224,7 @@ def worker(args: argparse.Namespace) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     (WORK / spec["name"] / f"rank{rank}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        leave_groups()  # in a live interpreter: a gloo group left to exit can abort the rank there
 
 
 # -------------------------------------------------------------------------------------------- driver

@@ -46,7 +46,7 @@ from run import _cpu_seconds, environment  # noqa: E402
 from zero_plot import plot_zero  # noqa: E402
 
 from trainers.config import RunConfig, parse_config  # noqa: E402
-from trainers.parallel.distributed import init_from_env  # noqa: E402
+from trainers.parallel.distributed import init_from_env, leave_groups  # noqa: E402
 from trainers.trainer import Trainer, TrainerCallback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +291,6 @@ def worker(args: argparse.Namespace) -> None:
         torch_threads=torch.get_num_threads(),
     )
     Path(args.rank_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    torch.distributed.destroy_process_group()
 
 
 # -------------------------------------------------------------------------------------------- driver
@@ -412,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker(args)
+        leave_groups()  # after the worker's trainer is garbage: in a live interpreter, not at its exit
         return
     if not (Path(args.data) / "manifest.json").is_file():
         sys.exit(
