@@ -1,8 +1,17 @@
 """Run a function on N CPU processes joined in a gloo process group (PyTorch's MultiProcessTestCase
-pattern, small): each rank's return value comes back to the test, and every group is torn down."""
+pattern, small): each rank's return value comes back to the test, and every group is torn down.
+
+A rank killed by a signal before it returned (a native crash inside torch: one default-tier run in CI
+aborted a 4-rank tensor-parallel run mid-step with glibc's "malloc(): unaligned tcache chunk detected",
+not reproduced in 57 runs of the same group here) raises `RankCrashed`, and faulthandler prints every
+thread's Python stack to the test's captured stderr first. `make test` reruns a test once for that error
+alone (pytest-rerunfailures' --only-rerun), from fresh fixtures; a second crash fails it. A rank that
+aborts after its result is written (interpreter teardown, which `leave_groups` makes safe) is never rerun.
+"""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -28,6 +37,7 @@ def free_port() -> int:
 def _entry(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    faulthandler.enable(all_threads=True)  # a native crash prints where each thread was
     torch.set_num_threads(1)  # N processes share 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -41,11 +51,23 @@ def _entry(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple
     # The process then exits as any does: an abort at interpreter exit fails the test (mp.spawn raises).
 
 
+class RankCrashed(RuntimeError):
+    """A rank was killed by a signal before it wrote its result (the test's work did not finish)."""
+
+
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     """`fn(rank, world, *args)` on `world` spawned processes; returns the per-rank results in rank order.
     `fn` must be a module-level function (it is pickled into the children)."""
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
+        try:
+            mp.spawn(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None or (Path(out) / f"rank{e.error_index}.pkl").exists():
+                raise  # an exit code, or an abort after the work was done: a failure of its own
+            raise RankCrashed(
+                f"rank {e.error_index} of {world} was killed by {e.signal_name} before it returned "
+                f"(its stderr above holds each thread's stack)"
+            ) from e
         results = []
         for rank in range(world):
             status, value = pickle.loads((Path(out) / f"rank{rank}.pkl").read_bytes())
