@@ -51,8 +51,9 @@ def _entry(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple
     # The process then exits as any does: an abort at interpreter exit fails the test (mp.spawn raises).
 
 
-class RankCrashed(RuntimeError):
-    """A rank was killed by a signal before it wrote its result (the test's work did not finish)."""
+class RankCrashed(mp.ProcessExitedException):
+    """A rank was killed by a signal before it wrote its result (the test's work did not finish). Still the
+    ProcessExitedException it is: a test that kills a rank on purpose catches it, and is not rerun."""
 
 
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
@@ -64,10 +65,9 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
         except mp.ProcessExitedException as e:
             if e.signal_name is None or (Path(out) / f"rank{e.error_index}.pkl").exists():
                 raise  # an exit code, or an abort after the work was done: a failure of its own
-            raise RankCrashed(
-                f"rank {e.error_index} of {world} was killed by {e.signal_name} before it returned "
-                f"(its stderr above holds each thread's stack)"
-            ) from e
+            msg = (f"rank {e.error_index} of {world} was killed by {e.signal_name} before it returned "
+                   f"(its stderr above holds each thread's stack)")
+            raise RankCrashed(msg, e.error_index, e.error_pid, e.exit_code, e.signal_name) from e
         results = []
         for rank in range(world):
             status, value = pickle.loads((Path(out) / f"rank{rank}.pkl").read_bytes())

@@ -39,8 +39,9 @@ def _abort_at_exit_on_rank_1(rank: int, world: int) -> int:
 
 
 def test_a_rank_killed_before_it_returns_is_a_crash_with_its_threads_stacks(capfd):
-    with pytest.raises(RankCrashed, match="rank 1 of 2 was killed by SIGABRT"):
+    with pytest.raises(RankCrashed, match="rank 1 of 2 was killed by SIGABRT") as info:
         run_ranks(_abort_on_rank_1, 2)
+    assert isinstance(info.value, mp.ProcessExitedException) and info.value.signal_name == "SIGABRT"
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "_abort_on_rank_1" in err  # faulthandler's stacks
 

@@ -27,7 +27,7 @@ def group():
     runs = int(COUNT.read_text()) if COUNT.exists() else 0
     COUNT.write_text(str(runs + 1))
     if runs < {crashes}:
-        raise {error}("rank 0 of 4 was killed by SIGABRT before it returned")
+        raise {error}("rank 0 of 4 was killed by SIGABRT before it returned", 0, 4242, -6, "SIGABRT")
     return runs
 
 
