@@ -4,9 +4,10 @@ pattern, small): each rank's return value comes back to the test, and every grou
 A rank killed by a signal before it returned (a native crash inside torch: one default-tier run in CI
 aborted a 4-rank tensor-parallel run mid-step with glibc's "malloc(): unaligned tcache chunk detected",
 not reproduced in 57 runs of the same group here) raises `RankCrashed`, and faulthandler prints every
-thread's Python stack to the test's captured stderr first. `make test` reruns a test once for that error
-alone (pytest-rerunfailures' --only-rerun), from fresh fixtures; a second crash fails it. A rank that
-aborts after its result is written (interpreter teardown, which `leave_groups` makes safe) is never rerun.
+thread's Python stack to the test's captured stderr first. pytest reruns a test once for that error alone
+(pytest-rerunfailures: pyproject's `reruns`/`only_rerun`), from fresh fixtures; a test crashed twice fails.
+A rank that aborts after its result is written (interpreter teardown, which `leave_groups` makes safe) is
+never rerun.
 """
 
 from __future__ import annotations
