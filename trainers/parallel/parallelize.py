@@ -35,6 +35,7 @@ Tensor parallelism (Megatron-LM's column/row splits with sequence parallelism, t
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -58,6 +59,13 @@ from trainers.parallel.expert import apply_expert_parallel, expert_params
 
 if TYPE_CHECKING:
     from trainers.config import RunConfig
+
+# A pipeline stage under tensor parallelism returns its output as `to_local()` of a DTensor, a view, and
+# torch 2.13's FSDP2 warns of any view a wrapped module returns (an in-place op on it would skip FSDP's
+# pre-backward hook). The schedule only sends, keeps and differentiates stage outputs, never changes them in
+# place: a user could not act on the warning. (A module-level filter: the warning comes from each forward.)
+STAGE_OUTPUT_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+warnings.filterwarnings("ignore", message=STAGE_OUTPUT_VIEW_WARNING)
 
 __all__ = ["apply_fsdp", "apply_tensor_parallel", "parallelize"]
 
