@@ -10,15 +10,20 @@ cpu_adam for the offload run (30-120 s measured on a fresh cache, then kept in ~
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+import yaml
 
 from tests.conftest import tiny_raw
 from tests.dist.harness import run_ranks
-from trainers.checkpoint_files import checkpoint_step
+from trainers.checkpoint_files import checkpoint_step, is_complete
 from trainers.config import ConfigError, ParallelConfig, parse_config
 from trainers.launch import run_local
 from trainers.metrics import read_metrics
@@ -27,6 +32,8 @@ from trainers.parallel.deepspeed_engine import TAG, UNIVERSAL_TAG, deepspeed_con
 from trainers.trainer import Trainer, TrainerCallback
 
 pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FP32_RTOL = 1e-5
 # DeepSpeed's bf16 keeps bf16 weights (fp32 masters in the optimizer); the reference keeps fp32 weights
@@ -360,3 +367,30 @@ def test_checkpoint_it_cannot_load_is_refused(tiny_config, inline_deepspeed, sav
             Trainer(resumed, engine=engine, progress=False)
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------------------------------- the console
+
+
+def test_a_zero3_run_prints_no_warning_a_user_cannot_act_on(corpus_dir, tmp_path):
+    """A fresh process, as a worker is: DeepSpeed's accelerator guess ("unable to detect" a GPU on a CPU
+    machine) and torch's deprecation of the collectives DeepSpeed calls (FutureWarnings, again at each step)
+    stay off stderr; a warning of ours or any other would still show."""
+    raw = tiny_raw(
+        corpus_dir,
+        tmp_path / "run",
+        parallel={"engine": "deepspeed", "zero_stage": 3},
+        train={"steps": 4, "micro_batch_size": 2, "eval_every": 0},
+        schedule={"warmup_steps": 1},
+        checkpoint={"every": 2},
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainers", "train", str(tmp_path / "run.yaml"), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert is_complete(tmp_path / "run" / "checkpoints" / "step_00000004")  # the run did its work
+    noise = [line for line in done.stderr.splitlines() if "Warning" in line or "[WARNING]" in line]
+    assert noise == [], done.stderr

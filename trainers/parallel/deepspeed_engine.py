@@ -18,6 +18,7 @@ import difflib
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,11 @@ from trainers.parallel.engine import Engine
 from trainers.precision import Precision
 
 __all__ = ["DeepSpeedCheckpointBackend", "DeepSpeedEngine", "DeepSpeedState", "deepspeed_config"]
+
+# DeepSpeed 0.19 calls two torch.distributed functions that torch 2.13 deprecates: a ZeRO-3 run's console got
+# their FutureWarnings again at every step (two lines each, from every worker). Only DeepSpeed can act on them.
+DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATIONS, category=FutureWarning)
 
 TAG, UNIVERSAL_TAG = DEEPSPEED_TAG, DEEPSPEED_UNIVERSAL_TAG  # the step folder's sub-folders (checkpoint_files)
 
@@ -186,6 +192,7 @@ class DeepSpeedEngine(Engine):
         self.checkpoint_backend = DeepSpeedCheckpointBackend()
         self.ds: Any = None  # deepspeed.DeepSpeedEngine
         self._owns_group = False
+        self._owns_local_rank = False
 
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
         config = deepspeed_config(cfg, self.dp_size)
@@ -193,6 +200,11 @@ class DeepSpeedEngine(Engine):
 
         parallelize(model, self.layout, cfg)  # activation checkpointing only: tp, ep and pp need fsdp
         self._start_group()
+        # DeepSpeed reads LOCAL_RANK at initialize and, under ZeRO-3, at every forward: a process that no
+        # launcher started (`python -m trainers train`, a notebook) gets it for the engine's life.
+        if "LOCAL_RANK" not in os.environ:
+            os.environ["LOCAL_RANK"] = str(self.device.index or 0)
+            self._owns_local_rank = True
         try:
             self._initialize(model, cfg, config)
         except BaseException:
@@ -200,9 +212,13 @@ class DeepSpeedEngine(Engine):
             raise
 
     def _initialize(self, model: nn.Module, cfg: RunConfig, config: dict[str, Any]) -> None:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
+        # DeepSpeed picks its accelerator once, when first imported; told this engine's device, it does not
+        # warn on a CPU machine that it "was unable to detect" a GPU. A user's own DS_ACCELERATOR wins.
+        with _env_default("DS_ACCELERATOR", self.device.type):
+            import deepspeed
+            from deepspeed.accelerator import get_accelerator
 
+            get_accelerator()
         _skip_shm_comm_build()
         deepspeed.init_distributed(get_accelerator().communication_backend_name(), dist_init_required=False)
         self._check_accelerator(cfg)
@@ -211,7 +227,7 @@ class DeepSpeedEngine(Engine):
         optimizer = self._build_optimizer(model, cfg)
         self._decay = [g.get("decay", True) for g in optimizer.param_groups]
         half_without_zero = config["zero_optimization"]["stage"] == 0 and cfg.precision.dtype != "fp32"
-        with _local_rank_env(self.device), _inert_init_step(optimizer, half_without_zero):
+        with _inert_init_step(optimizer, half_without_zero):
             self.ds, _, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=config, dist_init_required=False
             )
@@ -288,6 +304,9 @@ class DeepSpeedEngine(Engine):
 
             deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached sub-groups
         self._owns_group = False
+        if self._owns_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
+            self._owns_local_rank = False
 
     # ----------------------------------------------------------------------------------------- step
 
@@ -379,6 +398,19 @@ def _grad_norm(params: Iterator[nn.Parameter]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
+@contextlib.contextmanager
+def _env_default(key: str, value: str) -> Iterator[None]:
+    """`key` set to `value` for the block where the environment has no value of its own."""
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+
+
 def _skip_shm_comm_build() -> None:
     """deepspeed.comm JIT-compiles its shared-memory all-reduce (~90 s of g++ on first use) when it wraps
     the process group; only tensor-parallel inference calls it (`inference_all_reduce`). DeepSpeed keeps
@@ -407,19 +439,6 @@ def _inert_init_step(optimizer: torch.optim.Optimizer, active: bool) -> Iterator
         for state in optimizer.state.values():
             if "step" in state:
                 state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
-
-
-@contextlib.contextmanager
-def _local_rank_env(device: torch.device) -> Iterator[None]:
-    """deepspeed.initialize asserts LOCAL_RANK is in the environment; set it only for the call."""
-    if "LOCAL_RANK" in os.environ:
-        yield
-        return
-    os.environ["LOCAL_RANK"] = str(device.index or 0)
-    try:
-        yield
-    finally:
-        os.environ.pop("LOCAL_RANK", None)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
