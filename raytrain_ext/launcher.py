@@ -33,7 +33,7 @@ from raytrain_ext.cleanup import (
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.worker import FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
-from trainers._base import ConfigError
+from trainers._base import ConfigError, env_default
 from trainers.checkpoint import is_complete
 from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
@@ -298,7 +298,7 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 
     def fit() -> None:
         try:
-            with _env_default(PREEMPTION_WATCHER, "0"):
+            with env_default(PREEMPTION_WATCHER, "0"):
                 box["result"] = trainer.fit()
         except BaseException as e:
             box["error"] = e
@@ -330,18 +330,6 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 # Ray Train's preemption watcher (an actor started with every Train run) serves spot-instance drains: off
 # unless the user sets it. The controller takes it from the environment of the process that starts it.
 PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-
-
-@contextlib.contextmanager
-def _env_default(key: str, value: str):
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
 
 
 def _started_since(run_dir: Path, since: float) -> bool:

@@ -1,11 +1,14 @@
 """What every layer shares, importing none of ours: strict pydantic models, the one-line error users see,
-dotted keys, and the byte sizes users write (`parse_bytes`, `format_bytes`: the config checks them, the
+dotted keys, an environment default for a block, and the byte sizes users write (`parse_bytes`, `format_bytes`: the config checks them, the
 planner and the CLI read them)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -40,6 +43,19 @@ def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+@contextlib.contextmanager
+def env_default(key: str, value: str) -> Iterator[None]:
+    """`key` set to `value` for the block where the environment has no value of its own (a user's wins)."""
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 # ------------------------------------------------------------------------------------------- sizes

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainers._base import env_default
 from trainers.checkpoint_files import (
     DEEPSPEED_PARTITION,
     DEEPSPEED_STAGE3_MODEL,
@@ -214,7 +215,7 @@ class DeepSpeedEngine(Engine):
     def _initialize(self, model: nn.Module, cfg: RunConfig, config: dict[str, Any]) -> None:
         # DeepSpeed picks its accelerator once, when first imported; told this engine's device, it does not
         # warn on a CPU machine that it "was unable to detect" a GPU. A user's own DS_ACCELERATOR wins.
-        with _env_default("DS_ACCELERATOR", self.device.type):
+        with env_default("DS_ACCELERATOR", self.device.type):
             import deepspeed
             from deepspeed.accelerator import get_accelerator
 
@@ -396,19 +397,6 @@ def _grad_norm(params: Iterator[nn.Parameter]) -> float:
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-
-
-@contextlib.contextmanager
-def _env_default(key: str, value: str) -> Iterator[None]:
-    """`key` set to `value` for the block where the environment has no value of its own."""
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
 
 
 def _skip_shm_comm_build() -> None:
