@@ -52,6 +52,7 @@ def data_in_bucket(s3, corpus_dir):
     return bucket, data
 
 
+@pytest.mark.slow  # ~1 min on 2 cores (the default tier keeps the bucket unit tests: storage_s3, hf_s3, cluster_storage)
 def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_bucket, tmp_path, capsys):
     bucket, data = data_in_bucket
     uri = f"s3://{bucket}/tune/pbt"
