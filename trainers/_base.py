@@ -1,6 +1,6 @@
 """What every layer shares, importing none of ours: strict pydantic models, the one-line error users see,
-dotted keys, an environment default for a block, and the byte sizes users write (`parse_bytes`, `format_bytes`: the config checks them, the
-planner and the CLI read them)."""
+dotted keys, an environment default for a block, and the byte sizes users write (`parse_bytes`,
+`format_bytes`: the config checks them, the planner and the CLI read them)."""
 
 from __future__ import annotations
 

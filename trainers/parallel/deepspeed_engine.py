@@ -193,7 +193,7 @@ class DeepSpeedEngine(Engine):
         self.checkpoint_backend = DeepSpeedCheckpointBackend()
         self.ds: Any = None  # deepspeed.DeepSpeedEngine
         self._owns_group = False
-        self._owns_local_rank = False
+        self._env = contextlib.ExitStack()  # environment defaults held for the engine's life (until close)
 
     def setup(self, model: nn.Module, cfg: RunConfig) -> None:
         config = deepspeed_config(cfg, self.dp_size)
@@ -203,9 +203,7 @@ class DeepSpeedEngine(Engine):
         self._start_group()
         # DeepSpeed reads LOCAL_RANK at initialize and, under ZeRO-3, at every forward: a process that no
         # launcher started (`python -m trainers train`, a notebook) gets it for the engine's life.
-        if "LOCAL_RANK" not in os.environ:
-            os.environ["LOCAL_RANK"] = str(self.device.index or 0)
-            self._owns_local_rank = True
+        self._env.enter_context(env_default("LOCAL_RANK", str(self.device.index or 0)))
         try:
             self._initialize(model, cfg, config)
         except BaseException:
@@ -299,15 +297,14 @@ class DeepSpeedEngine(Engine):
         self._owns_group = True
 
     def close(self) -> None:
-        """Ends the process group `setup` started (none when the launcher provided one)."""
+        """Ends the process group `setup` started (none when the launcher provided one) and undoes its
+        environment defaults."""
         if self._owns_group and dist.is_initialized():
             import deepspeed.comm
 
             deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached sub-groups
         self._owns_group = False
-        if self._owns_local_rank:
-            os.environ.pop("LOCAL_RANK", None)
-            self._owns_local_rank = False
+        self._env.close()
 
     # ----------------------------------------------------------------------------------------- step
 
