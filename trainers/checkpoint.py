@@ -284,12 +284,18 @@ class DCPBackend:
         self._stager: Any = None
 
     def stage(self, state: dict[str, Stateful]) -> dict[str, Any]:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        # DCP's own StateDictStager, held for the process, not its DefaultStager wrapper: on torch < 2.13 that
+        # closes the stager after each stage, so its next save fails (KeyError: <class 'type'>) and the
+        # pinned buffers are freed and pinned again at every save.
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
+        cuda = torch.cuda.is_available()
         if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
-        return self._stager.stage({key: value.state_dict() for key, value in state.items()})
+            self._stager = StateDictStager(pin_memory=cuda, share_memory=False)
+        staged = self._stager.stage({key: value.state_dict() for key, value in state.items()}, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        return staged
 
     def save(self, path: Path, state: dict[str, Any], group: Any = None, threads: int = 1) -> Streamed:
         # The plan is cached between saves of the same layout (only a delta goes to the coordinator).

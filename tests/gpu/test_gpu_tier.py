@@ -63,6 +63,22 @@ def test_bf16_compiled_trains_like_eager(corpus_dir, tmp_path):
     assert max(abs(a - b) / a for a, b in zip(runs[False], runs[True])) < 0.02, runs
 
 
+def test_async_saves_stage_through_pinned_buffers_and_resume_bit_for_bit(corpus_dir, tmp_path):
+    """Three async saves of one run (non-blocking copies into pinned host buffers, reused from save to save:
+    torch 2.11's DefaultStager failed the second), then a resume: the weights the run ended with, bit for bit."""
+    raw = _raw(corpus_dir, tmp_path, precision={"dtype": "bf16"}, optimizer={"fused": True})
+    raw["checkpoint"] = {"every": 2, "resume": "auto", "mode": "async"}
+    cfg = parse_config(raw)
+    trained = Trainer(cfg, progress=False)
+    trained.fit()
+    saves = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl", "event") if r["event"] == "checkpoint"]
+    assert saves == [2, 4, 6]
+    resumed = Trainer(cfg, progress=False)
+    assert resumed.step == 6
+    for p, q in zip(trained.model.parameters(), resumed.model.parameters(), strict=True):
+        assert q.device.type == "cuda" and torch.equal(p, q)
+
+
 @pytest.mark.parametrize("chunk", [1024, 4096])
 def test_chunked_loss_equals_the_whole_loss_in_bf16(chunk):
     """The 1.1B head's shape (16,384 tokens, d 2048, V 32,000) under bf16 autocast, through the compiled chunk
