@@ -166,7 +166,10 @@ def _fsdp_states(model: nn.Module) -> list[Any]:
 
 def _fsdp_params(model: nn.Module) -> Iterator[tuple[str, Any]]:
     for state in _fsdp_states(model):
-        for group in state._fsdp_param_groups:
+        # torch 2.13 keeps a list of groups per state; 2.11 and 2.12 one group or None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        groups = groups if groups is not None else [g for g in [state._fsdp_param_group] if g is not None]
+        for group in groups:
             for fp in group.fsdp_params:
                 yield f"{group._module_fqn or 'root'}.{fp._param_fqn}", fp
 
