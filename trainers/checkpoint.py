@@ -15,7 +15,7 @@ Layout under `root/`:
 Two modes (`checkpoint.mode`):
 - `sync`: the training step waits for the whole save: write, checksums, COMMITTED, rename, retention.
 - `async` (the default): the step waits only for staging, a copy of the state into host memory (buffers
-  reused between saves, pinned on CUDA: DCP's `DefaultStager`); a writer thread then does everything
+  reused between saves, pinned on CUDA: DCP's `StateDictStager`); a writer thread then does everything
   `sync` does, with its own gloo process group for the collectives DCP and the commit need. `collect()`
   tells every rank at once (one small all-reduce per step while a save is in flight) that the save
   committed, so that reports name committed checkpoints only. A second save waits for the first.
