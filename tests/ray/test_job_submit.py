@@ -66,17 +66,38 @@ def head():
 
 
 NOT_READY = "No available agent to submit job"  # the head's job agent starts after `ray start` returns
+ENDED = ("succeeded", "failed", "was stopped")  # `ray job status` on a job that ended
 
 
-def _submit(address: str, token: str, workdir: Path, *argv: str) -> subprocess.CompletedProcess:
-    """`ray job submit`, repeated while the head says its job agent is not up yet (its own advice)."""
-    cmd = [str(BIN / "ray"), "job", "submit", f"--address={address}", f"--working-dir={workdir}", "--", *argv]
+def _ray(token: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ray"), *argv], env=_env(token), capture_output=True, text=True, timeout=400)
+
+
+def _submit(address: str, token: str, workdir: Path, job_id: str, *argv: str) -> subprocess.CompletedProcess:
+    """`ray job submit --no-wait`, repeated while the head says its job agent is not up yet (its own advice).
+    Not the CLI's own log tail: a WebSocket that Ray 2.60 ends with an error whenever its connection drops
+    (close code 1006, ray-project/ray#57002), whatever the job does; the job's end is read by `_ended`."""
     deadline = time.monotonic() + 180
     while True:
-        out = subprocess.run(cmd, env=_env(token), capture_output=True, text=True, timeout=400)
+        out = _ray(token, "job", "submit", f"--address={address}", f"--working-dir={workdir}",
+                   f"--submission-id={job_id}", "--no-wait", "--", *argv)
         if NOT_READY not in out.stdout + out.stderr or time.monotonic() > deadline:
             return out
         time.sleep(1)
+
+
+def _ended(address: str, token: str, job_id: str) -> tuple[str, str]:
+    """Waits for the job to end (`ray job status`, plain HTTP); its status line and whole log (`ray job logs`)."""
+    status = ""
+
+    def ended() -> bool:
+        nonlocal status
+        done = _ray(token, "job", "status", job_id, f"--address={address}")
+        status = done.stdout + done.stderr
+        return any(f"'{job_id}' {word}" in status for word in ENDED)
+
+    wait_for(ended, 400, f"job {job_id} to end", poll_s=2.0)  # each poll is a `ray` process
+    return status, _ray(token, "job", "logs", job_id, f"--address={address}").stdout
 
 
 def test_ray_job_submit_runs_raytrain_train(head, corpus_dir, tmp_path):
@@ -88,12 +109,13 @@ def test_ray_job_submit_runs_raytrain_train(head, corpus_dir, tmp_path):
                    train={"steps": 6, "eval_every": 3}, checkpoint={"every": 3})
     (workdir / "run.yaml").write_text(yaml.safe_dump(raw))
 
-    refused = _submit(address, "not-the-token", workdir, "raytrain", "train", "run.yaml")
+    refused = _submit(address, "not-the-token", workdir, "refused", "raytrain", "train", "run.yaml")
     assert refused.returncode != 0 and "invalid authentication token" in (refused.stdout + refused.stderr).lower()
 
-    out = _submit(address, token, workdir, "raytrain", "train", "run.yaml", "--no-progress")
+    out = _submit(address, token, workdir, "train", "raytrain", "train", "run.yaml", "--no-progress")
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert "succeeded" in out.stdout and "done: step 6" in out.stdout
+    status, logs = _ended(address, token, "train")
+    assert "'train' succeeded" in status and "done: step 6" in logs, (status + logs)[-4000:]
     rows = read_metrics(run_dir / "metrics.jsonl", "train")
     assert [r["step"] for r in rows] == list(range(1, 7)) and {r["world_size"] for r in rows} == {2}
     assert (run_dir / "checkpoints" / "step_00000006" / "COMMITTED").is_file()
