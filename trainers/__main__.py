@@ -22,15 +22,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = run_local(load_config(args.config, args.overrides), progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteLossError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, NonFiniteLossError) as e:  # the same on every rank: a node's local rank 0 says it
+        _say(e, every_rank=False)
+        return 2 if isinstance(e, ConfigError) else 1
+    except CheckpointError as e:  # may be one rank's own files
+        _say(e, every_rank=True)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"results in {result.run_dir}")
     return 0
+
+
+def _say(e: BaseException, every_rank: bool) -> None:
+    """One line on stderr, in one write (torchrun's ranks share the terminal; print's two writes interleave).
+    Under torchrun a bad config fails alike on every rank, so only each node's local rank 0 says it;
+    an error that may be one rank's own is said by each rank that has it, naming its rank."""
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if every_rank:
+        where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        sys.stderr.write(f"error{where}: {e}\n")
+    elif local_rank == 0:
+        sys.stderr.write(f"error: {e}\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
