@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
+import time
 
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
@@ -35,16 +38,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _say(e: BaseException, every_rank: bool) -> None:
     """One line on stderr, in one write (torchrun's ranks share the terminal; print's two writes interleave).
-    Under torchrun a bad config fails alike on every rank, so only each node's local rank 0 says it;
-    an error that may be one rank's own is said by each rank that has it, naming its rank."""
+    Under torchrun a bad config fails alike on every rank, so only each node's local rank 0 says it; an
+    error that may be one rank's own is said by each rank that has it, naming its rank. Every rank also
+    leaves its line in torchrun's error file (TORCHELASTIC_ERROR_FILE, the file `@record` writes), so
+    torchrun's failure summary shows each rank's own line instead of "To enable traceback see: ..."."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if every_rank:
-        where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        sys.stderr.write(f"error{where}: {e}\n")
-    elif local_rank == 0:
-        sys.stderr.write(f"error: {e}\n")
-    sys.stderr.flush()
-
+    line = f"error: {e}"
+    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        line = f"error (rank {rank}): {e}"
+    if every_rank or local_rank == 0:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):  # the summary's detail: the line above is what matters
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 import trainers.launch
 from raytrain_ext import launcher  # imports Ray, which sets RAY_CLIENT_MODE: at collection, not in a test
@@ -124,12 +125,14 @@ def _free_port() -> int:
 
 def _workers(path: Path, world: int) -> list[subprocess.CompletedProcess]:
     """`python -m trainers train` as `torchrun --nproc-per-node world` starts it: each rank with RANK,
-    WORLD_SIZE, ... in its environment, joining one gloo group."""
+    WORLD_SIZE, ... in its environment, joining one gloo group, and an error file of its own
+    (TORCHELASTIC_ERROR_FILE: `path`'s folder / error-RANK.json) for torchrun's failure summary."""
     port, procs = _free_port(), []
     base = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     for rank in range(world):
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "TORCHELASTIC_ERROR_FILE": str(path.parent / f"error-{rank}.json")}
         procs.append(subprocess.Popen([sys.executable, "-m", "trainers", "train", str(path), "--no-progress"],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
@@ -157,4 +160,7 @@ def test_torchrun_workers_give_the_authoritys_line(case):
             assert _one(proc.stderr.splitlines(), "error: ") == expected, proc.stderr[-2000:]
         else:
             assert "error" not in proc.stderr, (rank, proc.stderr[-2000:])
+        # torchrun's summary of this rank (its own reader of the file) shows the line, not a pointer to docs
+        failure = ProcessFailure(rank, 0, proc.returncode, str(path.parent / f"error-{rank}.json"))
+        assert failure.message["extraInfo"]["py_callstack"] == f"error: {expected}"
         assert not list(Path(raw["run_dir"]).glob("checkpoints/*"))
