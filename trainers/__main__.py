@@ -9,12 +9,15 @@ import os
 import sys
 import time
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
 from trainers.config import load_config
 from trainers.launch import run_local
 
 
+@record  # torchrun's convention: an unexpected exception's traceback goes to its failure summary
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
