@@ -4,6 +4,8 @@
     python bench/gpu.py --model small    the large model scaled down for a GPU with 24 GB
     python bench/gpu.py --dry-run        every row on the CPU at a tiny size (CI: the script works)
     python bench/gpu.py --rows big/bf16-compile,big/compile-chunk4096      a subset (results merge by name)
+    python bench/gpu.py --targets        only the 8 rows the targets read (`checks`), most telling first: ~half
+                                         the time, for a short GPU lease (split further with --rows)
 
 Two sections. `big/`: a 1.1B Llama-form model (dim 2048, 16 blocks, 16 heads, vocabulary 32,000), sequence 2048,
 batch 8, bf16 autocast: eager, fused AdamW, `train.compile`, + selective checkpointing, + the chunked loss,
@@ -130,6 +132,11 @@ ROWS = [
     Row("seed/all-chunk4096", "trainer", (*COMPILED, "memory.loss_chunk=4096",
                                           "memory.activation_checkpointing=selective"), "as all, chunk 4096"),
 ]
+# What `checks` reads, in the order --targets runs them: the headline MFU and the chunked loss against it,
+# the peer, the fit against the hand-picked plans, then the seed's naive loop against all techniques.
+TARGET_ROWS = ("big/bf16-compile", "big/compile-chunk4096", "big/peer-hf-compile", "big/fit-auto-gb{global}",
+               "big/hand-mb{batch}-gb{global}", "big/hand-mb{double}-selective-gb{global}", "seed/naive-fp32",
+               "seed/all")
 
 
 # ------------------------------------------------------------------------------------------- configs
@@ -383,6 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("1.1b", "small"), default="1.1b", help="small: for a GPU with 24 GB")
     p.add_argument("--dry-run", action="store_true", help="every row on the CPU at a tiny size, in this process")
     p.add_argument("--rows", default="", help="comma-separated row names (default: all); results merge by name")
+    p.add_argument("--targets", action="store_true", help="only the rows the targets read, most telling first")
     p.add_argument("--data", default=None, help="a prepared corpus (default: byte tokens of the stdlib)")
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU's denominator (default: the device's)")
@@ -405,11 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/gpu.py: no CUDA device here; fix: run it on a GPU, or pass --dry-run", file=sys.stderr)
         return 2
     wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
+    if args.targets:
+        wanted += [_fill(n, size, n.split("/")[0]) for n in TARGET_ROWS]
     unknown = sorted(set(wanted) - {r.name for r in rows})
     if unknown:
         print(f"--rows: unknown {', '.join(unknown)}; fix: choose of {', '.join(r.name for r in rows)}", file=sys.stderr)
         return 2
-    chosen = [r for r in rows if not wanted or r.name in wanted]
+    by_row = {r.name: r for r in rows}
+    chosen = [by_row[n] for n in dict.fromkeys(wanted)] if wanted else rows  # in the order asked
     data = str(prepared(args.data, WORK / ("corpus-tiny" if args.dry_run else "corpus"),
                         300_000 if args.dry_run else 8_000_000, val_fraction=0.2))
     out = Path(args.out)

@@ -52,6 +52,21 @@ def test_dry_run_rows_on_cpu_write_the_contract(tmp_path):
     assert "plan_error_max" in result["checks"]
 
 
+def test_the_targets_preset_holds_every_row_the_checks_read():
+    """--targets (a short GPU lease) runs only these rows: with them alone every target is checked, and with
+    any one left out at least one target is not."""
+    for size in (gpu.SIZES["1.1b"], gpu.SIZES["small"]):
+        names = [gpu._fill(n, size, n.split("/")[0]) for n in gpu.TARGET_ROWS]
+        assert set(names) <= {r.name for r in gpu.rows_for(size)} and len(set(names)) == len(names)
+        row = {"median_step_s": 0.5, "mfu": 0.5, "peak_bytes": 2**30, "planned_bytes": 2**30}
+        every = set(gpu.checks({n: row for n in names}, size))
+        assert every == {"chunked_vs_whole_step", "fit_vs_best_hand_mfu", "plan_error_max", "seed_all_memory_ratio",
+                         "seed_all_speed_ratio", "big_compile_mfu", "big_compile_ahead_of_peer"}
+        for gone in names:
+            fewer = set(gpu.checks({n: row for n in names if n != gone}, size))
+            assert fewer < every or gone.startswith("big/hand-mb"), gone  # one hand-picked plan is enough
+
+
 def test_without_a_gpu_the_real_run_says_how_to_dry_run():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--rows", "seed/all"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
