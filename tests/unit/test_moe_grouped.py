@@ -146,6 +146,56 @@ def test_no_graph_break_when_compiled(capacity_factor: float | None) -> None:
     assert breaks["loop"] > 0
 
 
+_COMPILED_AC = """
+import torch
+from torch._dynamo.utils import counters
+from trainers.models import ModelConfig, MoEConfig, build_model
+from trainers.models.moe import moe_totals
+from trainers.parallel.ac import apply_activation_checkpointing
+from trainers.parallel.parallelize import compile_blocks
+
+cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16,
+                  moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0, impl="grouped"))
+tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+for ac in ("selective", "every"):  # selective first: torch's warning is logged once a process
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        apply_activation_checkpointing(model, 0 if ac == "selective" else 1, selective=ac == "selective")
+        if compiled:
+            compile_blocks(model, backend="aot_eager")  # AOT autograd's tracing, as inductor's; no C++ build
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens, tokens)
+        loss.backward()
+        runs.append(([p.grad for p in model.parameters()], moe_totals(model)))
+    (eager, eager_totals), (comp, comp_totals) = runs
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(comp, eager)), ac
+    assert sorted(comp_totals) == [0, 1] and all(torch.equal(comp_totals[i], eager_totals[i]) for i in (0, 1)), ac
+    assert all(t[-1] == 1 for t in comp_totals.values()), ac  # one forward counted, not its recomputation
+    assert not counters["graph_break"], (ac, dict(counters["graph_break"]))
+print("one graph per block, eager's gradients and totals")
+"""
+
+
+def test_compiled_checkpointed_moe_blocks_trace_whole_and_log_nothing_to_act_on() -> None:
+    """`train.compile` with activation checkpointing (selective, then every block) on MoE blocks
+    (`parallelize.compile_blocks`): no graph break (the router's statistics are a side effect dynamo traces
+    inside a checkpoint only when told not to replay it in backward), eager's gradients and MoE totals (one
+    forward counted, not its recomputation), and no "context_fn ... in-place ops" warning from torch (dropped
+    in `trainers.parallel.ac`). A fresh interpreter: the warning and the graph-break counters are per process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainers.parallel.ac import SAC_UNDER_COMPILE_WARNING
+
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_AC], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "one graph per block" in proc.stdout, proc.stderr[-3000:]
+    assert SAC_UNDER_COMPILE_WARNING not in proc.stderr and "in-place ops" not in proc.stderr, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def _inductor_loaded():
     """Inductor sets an environment variable for the process on its first compile: let that happen before

@@ -3,6 +3,7 @@ whole block in backward) or selective (keep what is costly to recompute, recompu
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -10,7 +11,22 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["apply_activation_checkpointing", "selective_policy"]
+__all__ = ["SAC_UNDER_COMPILE_WARNING", "apply_activation_checkpointing", "selective_policy"]
+
+# torch.compile of a selectively checkpointed block logs, once a process, a 4-line warning that the region
+# must hold no in-place op. Ours holds none on a tensor autograd sees (the MoE router's one `scatter_add_` is
+# on a fresh integer tensor of counts; compiled blocks give eager's gradients under selective AC:
+# tests/unit/test_moe_grouped.py, tests/unit/test_compile.py), so a user could not act on it: it is dropped
+# at its logger, every other message of that logger kept.
+SAC_UNDER_COMPILE_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+class _DropSacUnderCompile(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return SAC_UNDER_COMPILE_WARNING not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropSacUnderCompile())
 
 # Outputs kept by selective checkpointing: the matmuls and attention (their FLOPs are the step's FLOPs);
 # norms, SwiGLU's activation and products, RoPE, residual adds and casts are recomputed.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 STAGE_OUTPUT_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 warnings.filterwarnings("ignore", message=STAGE_OUTPUT_VIEW_WARNING)
 
-__all__ = ["apply_fsdp", "apply_tensor_parallel", "parallelize"]
+__all__ = ["apply_fsdp", "apply_tensor_parallel", "compile_blocks", "parallelize"]
 
 
 def parallelize(part: nn.Module, layout: ParallelLayout, cfg: RunConfig, fsdp: dict | None = None) -> nn.Module:
@@ -78,14 +79,27 @@ def parallelize(part: nn.Module, layout: ParallelLayout, cfg: RunConfig, fsdp: d
         apply_tensor_parallel(part, layout.tp_mesh())
     apply_activation_checkpointing(part, cfg.memory.ac_every, cfg.memory.ac_selective)
     if cfg.train.compile:
-        for block in part.layers.values():
-            block.compile()
+        compile_blocks(part)
     expert_mesh = layout.expert_mesh() if layout.ep * layout.tp > 1 else None
     if expert_mesh is not None:
         apply_expert_parallel(part, expert_mesh)
     if fsdp is not None:
         apply_fsdp(part, **fsdp)
     return part
+
+
+def compile_blocks(part: nn.Module, backend: str = "inductor") -> None:
+    """torch.compile each block in place, its activation checkpointing included. An MoE block's forward
+    records its router statistics on the module (`MoE.last_stats`, `totals`), a side effect dynamo will not
+    trace inside a checkpointed region unless told that recomputation need not replay it: without that, each
+    MoE block under AC + compile breaks its graph at the checkpoint, which then runs outside the graph. Not replaying is what
+    the statistics want (eager AC's recomputation already skips `_record`, and `last_stats` would be set to
+    the same values), so the flag is set, as torchtitan's `apply_compile` does (a process-wide dynamo
+    setting, where this torch has it; `torch._dynamo` is loaded here, as `compile` would, not on import)."""
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for block in part.layers.values():
+        block.compile(backend=backend)
 
 
 def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh) -> None:
