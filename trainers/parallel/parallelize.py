@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -88,16 +88,31 @@ def parallelize(part: nn.Module, layout: ParallelLayout, cfg: RunConfig, fsdp: d
     return part
 
 
+def _settled(module: nn.Module, args: tuple, out: DTensor) -> DTensor:
+    """The embedding's output under tensor parallelism with its reduce-scatter waited for. TP's styles
+    return it as a DTensor over an `AsyncCollectiveTensor`, so compiled block 0 got a graph of its own; under
+    torch 2.13 the no-grad graph made for it at the first evaluation then also ran block 1's plain input and
+    failed (AttributeError: 'Tensor' object has no attribute 'elem'). A copy (one B x S/tp x d activation)
+    gives every block the same kind of input: one graph for all blocks."""
+    return out.clone()
+
+
 def compile_blocks(part: nn.Module, backend: str = "inductor") -> None:
-    """torch.compile each block in place, its activation checkpointing included. An MoE block's forward
-    records its router statistics on the module (`MoE.last_stats`, `totals`), a side effect dynamo will not
-    trace inside a checkpointed region unless told that recomputation need not replay it: without that, each
-    MoE block under AC + compile breaks its graph at the checkpoint, which then runs outside the graph. Not replaying is what
-    the statistics want (eager AC's recomputation already skips `_record`, and `last_stats` would be set to
-    the same values), so the flag is set, as torchtitan's `apply_compile` does (a process-wide dynamo
-    setting, where this torch has it; `torch._dynamo` is loaded here, as `compile` would, not on import)."""
+    """torch.compile each block in place, its activation checkpointing included; after TP, the embedding's
+    output is settled first (`_settled`).
+
+    An MoE block's forward records its router statistics on the module (`MoE.last_stats`, `totals`), a side
+    effect dynamo will not trace inside a checkpointed region unless told that recomputation need not replay
+    it: without that, each MoE block under AC + compile breaks its graph at the checkpoint, which then runs
+    outside the graph. Not replaying is what the statistics want (eager AC's recomputation already skips
+    `_record`, and `last_stats` would be set to the same values), so the flag is set, as torchtitan's
+    `apply_compile` does (a process-wide dynamo setting, where this torch has it; `torch._dynamo` is loaded
+    here, as `compile` would, not on import)."""
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    embed = getattr(part, "embed_tokens", None)
+    if embed is not None and isinstance(embed.weight, DTensor):  # tensor parallel (`_settled`)
+        embed.register_forward_hook(_settled)
     for block in part.layers.values():
         block.compile(backend=backend)
 
