@@ -456,6 +456,15 @@ def check_layout(cfg: RunConfig) -> None:
             f"compute weight gradients after resharding would have freed the gathered weights; fix: set "
             f"parallel.zero_stage=2 (or leave it unset)"
         )
+    if cfg.train.compile and par.engine == "deepspeed" and par.stage == 3:
+        # Measured (2 ranks, 6 steps): ZeRO-3's torch.compiler.disable'd hooks on every submodule broke
+        # each compiled block at every Linear and norm, and its hooks hit dynamo's recompile limit (their
+        # modules' ds_id ints are guarded), with torch's warning on every rank's console.
+        raise ConfigError(
+            "train.compile=true with parallel.engine=deepspeed at zero_stage=3: ZeRO-3's parameter hooks on "
+            "every submodule break each compiled block into pieces; fix: use parallel.engine=fsdp (FSDP2 "
+            "shards as ZeRO-3 and compiles whole blocks), parallel.zero_stage=2, or train.compile=false"
+        )
     if par.ep > 1 and model.moe is None:
         raise ConfigError(f"parallel.ep={par.ep} needs an MoE model; fix: set model.moe or parallel.ep=1")
     if par.ep > 1 and model.moe.num_experts % par.ep:

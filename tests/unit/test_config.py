@@ -47,10 +47,19 @@ def test_unknown_key_without_close_match_lists_valid_keys():
         ({"data": {"path": "d", "seq_len": 512}, "model": {"max_seq_len": 256}}, "data.seq_len"),
         ({"model": {"moe": {"num_experts": 2, "top_k": 3}}}, "model.moe.top_k"),
         ({"schedule": {"warmup_steps": 100}, "train": {"steps": 50}}, "schedule.warmup_steps"),
+        ({"train": {"compile": True}, "parallel": {"engine": "deepspeed", "zero_stage": 3}}, "train.compile"),
     ],
 )
 def test_bad_values_name_the_field(raw, field):
     assert field in _err({**BASE, **raw})
+
+
+def test_compile_is_refused_only_with_zero3_hooks():
+    """ZeRO-3's per-submodule hooks shatter compiled blocks; DeepSpeed's other stages and FSDP2 compile whole."""
+    assert "parallel.engine=fsdp" in _err({**BASE, "train": {"compile": True},
+                                          "parallel": {"engine": "deepspeed", "zero_stage": 3}})
+    for parallel in ({"engine": "deepspeed"}, {"engine": "deepspeed", "zero_stage": 2}, {"engine": "fsdp"}):
+        assert parse_config({**BASE, "train": {"compile": True}, "parallel": parallel}).train.compile
 
 
 def test_missing_section():
