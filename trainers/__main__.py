@@ -59,5 +59,6 @@ def _say(e: BaseException, every_rank: bool) -> None:
                 json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
                                                                       "timestamp": str(int(time.time()))}}}, f)
 
+
 if __name__ == "__main__":
     sys.exit(main())
