@@ -1,7 +1,8 @@
 """The MoE experts on one CUDA device (`make test-gpu`): the grouped path (torch._grouped_mm, CUTLASS on
 sm90/sm100) against the per-expert loop in bf16 at the bench's width, no host sync in an MoE block's forward
 and backward (torch's own sync debug mode), and a compiled block that trains like eager and takes a new aux
-gradient scale without compiling again. Skipped without CUDA."""
+gradient scale without compiling again; a model of checkpointed MoE blocks compiled as `train.compile` does,
+with no graph break. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -108,3 +109,44 @@ def test_a_compiled_moe_block_trains_like_eager_and_compiles_once():
                 assert rel < 3e-2, (i, rel)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ac", ["selective", "every"])
+def test_checkpointed_moe_blocks_compile_to_one_graph(ac, device="cuda"):
+    """`train.compile` over activation checkpointing (`parallelize.compile_blocks`, inductor): no graph break
+    in an MoE model's blocks (the router's statistics are not replayed in backward), eager's loss within
+    bf16 rounding, finite gradients, and each forward counted once in the MoE totals. (Gradients are not
+    compared: a bf16 rounding that flips a token's top-2 moves an expert's gradient by percents.)"""
+    from torch._dynamo.utils import counters
+
+    from trainers.models import build_model
+    from trainers.models.moe import moe_totals
+    from trainers.parallel.ac import apply_activation_checkpointing
+    from trainers.parallel.parallelize import compile_blocks
+
+    if not grouped_mm_native(torch.device(device), torch.bfloat16):
+        pytest.skip("torch has no native grouped kernel for this GPU (the loop breaks the graph by design)")
+    cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, max_seq_len=256,
+                      moe=MoEConfig(num_experts=E, top_k=2, capacity_factor=1.25))
+    tokens = torch.randint(0, 1024, (4, 256), device=device, generator=torch.Generator(device).manual_seed(0))
+    runs = []
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = build_model(cfg).to(device)
+            apply_activation_checkpointing(model, 0 if ac == "selective" else 1, selective=ac == "selective")
+            if compiled:
+                compile_blocks(model)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(tokens, tokens)
+            loss.backward()
+            runs.append((float(loss.detach()), [p.grad for p in model.parameters()], moe_totals(model)))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    (eager_loss, _, eager_totals), (loss, grads, totals) = runs
+    assert loss == pytest.approx(eager_loss, rel=1e-2)
+    assert all(bool(g.isfinite().all()) for g in grads)
+    assert sorted(totals) == sorted(eager_totals) == [0, 1] and all(t[-1] == 1 for t in totals.values())
