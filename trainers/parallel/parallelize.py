@@ -106,10 +106,9 @@ def compile_blocks(part: nn.Module, backend: str = "inductor") -> None:
     it: without that, each MoE block under AC + compile breaks its graph at the checkpoint, which then runs
     outside the graph. Not replaying is what the statistics want (eager AC's recomputation already skips
     `_record`, and `last_stats` would be set to the same values), so the flag is set, as torchtitan's
-    `apply_compile` does (a process-wide dynamo setting, where this torch has it; `torch._dynamo` is loaded
-    here, as `compile` would, not on import)."""
-    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    `apply_compile` does (a process-wide dynamo setting, in torch 2.11 and 2.13 alike; `torch._dynamo` is
+    loaded here, as `compile` would, not on import)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     embed = getattr(part, "embed_tokens", None)
     if embed is not None and isinstance(embed.weight, DTensor):  # tensor parallel (`_settled`)
         embed.register_forward_hook(_settled)
