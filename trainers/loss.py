@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["CHUNK_BYTES", "chunk_tokens", "chunked_lm_loss", "compute_dtype", "lm_loss"]
+__all__ = ["CHUNK_BYTES", "chunk_tokens", "chunked_lm_loss", "compute_dtype", "lm_loss", "lm_loss_compiled"]
 
 CHUNK_BYTES = 64 * 2**20  # one chunk's fp32 logits, what `chunk_tokens` aims for
 
@@ -45,6 +45,20 @@ def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy (in fp32) of logits (B, S, V) against targets (B, S)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def lm_loss_compiled(logits: Tensor, targets: Tensor) -> Tensor:
+    """`lm_loss` compiled by inductor, as `train.compile` runs it on CUDA (torchtitan compiles its loss too):
+    the fp32 upcast, logsumexp and the target's logit fuse into one pass over the 16-bit logits, and backward
+    writes d(logits) in their dtype in one more, where eager writes the fp32 logits, their log_softmax and two
+    fp32 gradients (6 of a Mixtral-form MoE step's 65 ms on an H200). The same numerics: fp32 softmax.
+    Elsewhere (a CPU; the vocabulary-parallel DTensor logits of tensor parallelism) `lm_loss` itself; eager
+    too if compiling fails (`_GuardedCompile`)."""
+    if isinstance(logits, DTensor) or logits.device.type != "cuda":
+        return lm_loss(logits, targets)
+    if "lm_loss" not in _COMPILED:
+        _COMPILED["lm_loss"] = _GuardedCompile(lm_loss)
+    return _COMPILED["lm_loss"](logits, targets)
 
 
 def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
@@ -82,16 +96,19 @@ def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 def _chunks(
     hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype, want_h: bool, want_w: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    n = hidden.shape[0]
-    grad_h = torch.empty_like(hidden) if want_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+    n, vocab = hidden.shape[0], weight.shape[0]
     w = weight.to(dtype)  # autocast's cast of the head weight, made once
+    pad = _vocab_padding(vocab, hidden.device.type)
+    if pad:  # zero rows: every matmul's vocabulary dimension aligned (their logits are left out of the softmax)
+        w = F.pad(w, (0, 0, 0, pad))
+    grad_h = torch.empty_like(hidden) if want_h else None
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if want_w else None
     scale = torch.full((), 1.0 / n, dtype=torch.float32, device=hidden.device)  # a tensor: no recompile per n
     step = _step_for(hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, n, chunk):
         h, t = hidden[start : start + chunk].to(dtype), targets[start : start + chunk]
-        loss_sum, grad = step(h, w, t, scale, want_h or want_w)
+        loss_sum, grad = step(h, w, t, scale, want_h or want_w, vocab)
         total += loss_sum
         if grad is not None:
             if want_h:
@@ -99,7 +116,19 @@ def _chunks(
             if want_w:
                 _accumulate(grad_w, grad, h)
             del grad
-    return total / n, grad_h, grad_w
+    return total / n, grad_h, grad_w[:vocab] if grad_w is not None and pad else grad_w
+
+
+# CUDA's 16-bit matmuls take their fast (sm80/sm90) kernels only when each row is 16-byte aligned: a vocabulary
+# of 50,257 fell back to sm75 kernels, 4x the time of the chunk's three matmuls on an H200 (12.5 of 25 ms of
+# the seed shape's step). The chunked loss pads the head to a multiple of VOCAB_ALIGN rows there (nanoGPT pads
+# the model's vocabulary to 50,304 for the same reason; here the model and its checkpoints keep theirs).
+VOCAB_ALIGN = 64
+
+
+def _vocab_padding(vocab: int, device_type: str) -> int:
+    """Zero rows that bring the head's `vocab` rows to a multiple of VOCAB_ALIGN: on CUDA; 0 elsewhere."""
+    return -vocab % VOCAB_ALIGN if device_type == "cuda" else 0
 
 
 def _accumulate(grad_w: Tensor, grad: Tensor, h: Tensor) -> None:
@@ -111,11 +140,16 @@ def _accumulate(grad_w: Tensor, grad: Tensor, h: Tensor) -> None:
         grad_w.add_(grad.t() @ h)
 
 
-def _chunk_step(h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool) -> tuple[Tensor, Tensor | None]:
+def _chunk_step(
+    h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool, vocab: int | None = None
+) -> tuple[Tensor, Tensor | None]:
     """One chunk: the summed loss and d(mean loss)/d(logits) = (softmax - one-hot) * scale, in the matmul's
     dtype. The logits are made in h's dtype and upcast to fp32 for the softmax, as `lm_loss`'s `.float()`
-    does; the fp32 steps run in place, so one (c x V) fp32 tensor is alive (and its 16-bit cast at the end)."""
-    logits = (h @ w.t()).float()  # (c, V): the only vocabulary-sized tensors, one chunk at a time
+    does; the fp32 steps run in place, so one (c x V) fp32 tensor is alive (and its 16-bit cast at the end).
+    `vocab` < w's rows: w's last rows are padding (`_vocab_padding`), left out of the softmax, their
+    gradient columns zero."""
+    full = (h @ w.t()).float()  # (c, V): the only vocabulary-sized tensors, one chunk at a time
+    logits = full[:, :vocab]  # a view: the padding's columns are never read
     target_logit = logits.gather(1, t[:, None]).squeeze(1)
     mx = logits.amax(dim=-1)
     probs = logits.sub_(mx[:, None]).exp_()  # in place: logsumexp's steps without its temporaries
@@ -125,7 +159,10 @@ def _chunk_step(h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool)
         return loss_sum, None
     grad = probs.div_(sumexp[:, None])
     grad[torch.arange(len(t), device=t.device), t] -= 1.0
-    return loss_sum, grad.mul_(scale).to(h.dtype)  # fp32: the same tensor, no copy
+    grad.mul_(scale)
+    if vocab is not None and vocab < full.shape[1]:
+        full[:, vocab:] = 0.0
+    return loss_sum, full.to(h.dtype)  # fp32: the same tensor, no copy
 
 
 # On CUDA the chunk's pointwise steps are compiled (inductor fuses the upcast, max, exp, sum and the

@@ -49,6 +49,36 @@ def test_chunked_loss_and_gradients_equal_the_whole_loss(chunk):
     assert _rel(h.grad, 2 * gh) <= TOL and _rel(w.grad, 2 * gw) <= TOL
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_head_padded_to_aligned_rows_gives_the_same_loss_and_gradients(monkeypatch, autocast):
+    """On CUDA the chunked loss pads the head to a multiple of VOCAB_ALIGN rows (16-bit matmuls with odd rows
+    take slow kernels): the padding's logits stay out of the softmax and its gradient rows are dropped, so
+    the loss and both gradients are those of the unpadded head (fp32 1e-6; bf16: same roundings, 1e-3), in
+    the weight's shape. Padding is forced here on the CPU."""
+    from trainers import loss as loss_mod
+
+    torch.manual_seed(0)
+    n, d, v = 64, 24, 301
+    h0, w0, t = torch.randn(n, d), 0.2 * torch.randn(v, d), torch.randint(0, v, (n,))
+    runs = []
+    for pad in (False, True):
+        if pad:
+            monkeypatch.setattr(loss_mod, "_vocab_padding", lambda vocab, device_type: -vocab % 64)
+            assert loss_mod._vocab_padding(v, "cpu") == 19
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = chunked_lm_loss(h, w, t, 16)
+        loss.backward()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            evaluated = chunked_lm_loss(h, w, t, 16)
+        runs.append((float(loss), float(evaluated), h.grad, w.grad))
+    (loss, evaluated, gh, gw), (loss_p, evaluated_p, gh_p, gw_p) = runs
+    tol = 1e-3 if autocast else TOL
+    assert gw_p.shape == w0.shape and gh_p.shape == h0.shape
+    assert loss_p == pytest.approx(loss, rel=tol) and evaluated_p == pytest.approx(evaluated, rel=tol)
+    assert _rel(gh_p, gh) <= tol and _rel(gw_p, gw) <= tol
+
+
 def test_evaluation_needs_no_gradients():
     h, w, t = torch.randn(10, 8), torch.randn(50, 8, requires_grad=True), torch.randint(0, 50, (10,))
     with torch.no_grad():
