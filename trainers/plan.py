@@ -249,18 +249,21 @@ def compiled_block_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widt
 
 
 def _head_saved(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, seq_len: int | None = None,
-                chunk: int = 0) -> int:
+                chunk: int = 0, compiled: bool = False) -> int:
     """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: log_softmax's fp32 output (cross_entropy
     saves it; the logits themselves are freed once it is made: the model returns the loss, not them). Under tensor parallelism the norm runs on the
     sequence shard, the head's input is the all-gathered norm output, and the logits are this rank's
     vocabulary share (the loss is vocabulary-parallel). A chunked loss (`chunk` tokens at a time,
     trainers/loss.py) keeps no logits: it saves the gradients it computed in forward, d(hidden) in the
-    hidden states' dtype and d(head weight) in fp32."""
+    hidden states' dtype and d(head weight) in fp32. The loss compiled (`compiled`: `train.compile` on CUDA,
+    trainers.loss.lm_loss_compiled) saves its input, the logits in the head's dtype, and each token's
+    logsumexp, instead of the fp32 log_softmax."""
     norm = _sequence_shard(tokens, tp, seq_len) * 4 * (2 * model.dim + 1)
     if chunk:  # under tp: d(hidden) of the whole sequence, d(head weight) of this rank's rows
         return int(norm) + tokens * model.dim * w.resid + 4 * _vocab_share(model, tp) * model.dim
-    log_softmax = tokens * _vocab_share(model, tp) * 4
-    return int(norm) + tokens * model.dim * w.compute + log_softmax
+    vocab = _vocab_share(model, tp)
+    loss = tokens * (vocab * w.compute + 4) if compiled else tokens * vocab * 4
+    return int(norm) + tokens * model.dim * w.compute + loss
 
 
 def _vocab_share(model: ModelConfig, tp: int) -> int:
@@ -268,17 +271,26 @@ def _vocab_share(model: ModelConfig, tp: int) -> int:
     return math.ceil(model.vocab_size / tp)
 
 
-def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0) -> int:
+def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0,
+                        compiled: bool = False) -> int:
     """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32, next to the saved log_softmax (the
     16-bit cast of d(logits) comes after the first two are freed: measured, bf16 autocast at the seed's shape
     in bench/lean.py). Chunked:
     the larger of one chunk's fp32 logits (made into their gradient in place) with its fp32 hidden states
-    and d(hidden) in forward, and the scaled copies of the saved gradients its backward returns."""
+    and d(hidden) in forward, and the scaled copies of the saved gradients its backward returns. Compiled
+    (`_head_saved`): one fused kernel writes d(logits) in the head's dtype."""
     if chunk:
         c, rows = min(chunk, tokens), _vocab_share(model, tp)
         forward = c * rows * 4 + 2 * c * model.dim * 4
         return max(forward, tokens * model.dim * w.resid + 4 * rows * model.dim)
-    return tokens * _vocab_share(model, tp) * 8
+    return tokens * _vocab_share(model, tp) * (w.compute if compiled else 8)
+
+
+def compiled_loss(cfg: RunConfig, lay: ParallelLayout, device_type: str) -> bool:
+    """Whether the run's whole loss is compiled (trainers.loss.lm_loss_compiled): `train.compile` on CUDA,
+    the model's own loss (not a pipeline schedule's), logits not vocabulary-parallel, not chunked."""
+    return bool(cfg.train.compile and device_type == "cuda" and lay.pp == 1 and lay.tp == 1
+                and not cfg.memory.loss_chunk)
 
 
 def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1,
@@ -492,6 +504,7 @@ class _RankPlanner:
         if cfg.train.compile and device_type == "cuda":  # inductor saves less than eager (compiled_block_bytes)
             self.full = {b: min(self.full[b], compiled_block_bytes(model, b, self.tokens, self.w, seq, tp))
                          for b in rank.blocks}
+        self.compiled_loss = compiled_loss(cfg, lay, device_type)
         self.block_input = self.shard_tokens * model.dim * self.w.resid
         if cfg.memory.ac_selective:  # the block's input and the outputs of its matmuls and attention
             self.kept = {b: self.block_input + selective_saved_bytes(model, b, self.tokens, self.w, tp)
@@ -501,7 +514,7 @@ class _RankPlanner:
         self.saved = {b: self.kept[b] if b in self.checkpointed else self.full[b] for b in rank.blocks}
         # token ids and targets (int64); under tp the vocabulary-parallel embedding also keeps its masked ids
         self.edge = (self.tokens * (16 if tp == 1 else 24) if rank.embeds else 0) + (
-            _head_saved(model, self.tokens, self.w, tp, seq, self.chunk) if rank.head else 0)
+            _head_saved(model, self.tokens, self.w, tp, seq, self.chunk, self.compiled_loss) if rank.head else 0)
         # Parameters (trainers.models.flops: this rank's tp share of each tensor): `sharded` ones go
         # through the data-parallel engine; with ep > 1 the experts are kept whole on their ep rank
         # instead (1/ep of each MoE layer's experts, and 1/tp of their hidden units).
@@ -541,7 +554,7 @@ class _RankPlanner:
         model, blocks = self.cfg.model, self.rank.blocks
         acts = self.others + sum(self.saved.values()) + self.edge
         if self.rank.head:
-            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk)]
+            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk, self.compiled_loss)]
         else:
             if blocks and blocks[-1] in self.checkpointed:
                 acts += self.full[blocks[-1]] - self.kept[blocks[-1]]  # recomputed at once
@@ -672,7 +685,8 @@ class _RankPlanner:
                 "micro_batch_tokens": self.tokens,
                 "in_flight_microbatches": rank.in_flight,
                 "loss_and_head_bytes": _head_saved(self.cfg.model, self.tokens, self.w, self.lay.tp,
-                                                   self.cfg.data.seq_len, self.chunk) if rank.head else 0,
+                                                   self.cfg.data.seq_len, self.chunk,
+                                                   self.compiled_loss) if rank.head else 0,
                 "selective_kept_block_bytes": ({str(b): self.kept[b] for b in rank.blocks}
                                                if self.cfg.memory.ac_selective else None),
                 "residual_stream_tokens": self.shard_tokens,
@@ -975,7 +989,10 @@ def predicted_step_s(cfg: RunConfig, world_size: int, device_type: DeviceType = 
     if cfg.memory.ac_selective:
         moved += 2 * saved  # the pointwise ops recomputed: read and written once more
     vocab = math.ceil(model.vocab_size / lay.tp)
-    moved += 6 * tokens * vocab * 4  # the loss's passes over fp32 logits (whole or chunk by chunk)
+    if compiled_loss(cfg, lay, device_type):  # fused: the logits read in forward, read and d(logits) written
+        moved += 3 * tokens * vocab * w.compute
+    else:
+        moved += 6 * tokens * vocab * 4  # the loss's passes over fp32 logits (whole or chunk by chunk)
     launches = 3 * _OPS_PER_BLOCK * model.n_layers / max(lay.pp, 1) * (0.25 if cfg.train.compile else 1.0)
     if cfg.memory.loss_chunk:
         chunks = math.ceil(tokens / cfg.memory.loss_chunk)

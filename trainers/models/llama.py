@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainers.loss import chunked_lm_loss, lm_loss
+from trainers.loss import chunked_lm_loss, lm_loss, lm_loss_compiled
 from trainers.models.config import ModelConfig
 from trainers.models.moe import MoE
 
@@ -122,6 +122,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.loss_chunk = loss_chunk  # tokens per chunk of the output projection + loss; 0 = whole logits
+        self.compile_loss = False  # the whole loss compiled on CUDA (`lm_loss_compiled`; set with train.compile)
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -171,7 +172,7 @@ class Transformer(nn.Module):
             return self._output(h)
         if self.loss_chunk:
             return chunked_lm_loss(h, weight, targets, self.loss_chunk)
-        return lm_loss(self._output(h), targets)
+        return (lm_loss_compiled if self.compile_loss else lm_loss)(self._output(h), targets)
 
     def _head_weight(self) -> Tensor | None:
         if self.lm_head is not None:

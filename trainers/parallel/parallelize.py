@@ -114,6 +114,8 @@ def compile_blocks(part: nn.Module, backend: str = "inductor") -> None:
         embed.register_forward_hook(_settled)
     for block in part.layers.values():
         block.compile(backend=backend)
+    if isinstance(part, Transformer):  # and the loss, on CUDA (trainers.loss.lm_loss_compiled)
+        part.compile_loss = True
 
 
 def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh) -> None:
