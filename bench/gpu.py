@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in chosen:
         start = time.perf_counter()
         r = {"name": row.name, "what": row.what, "kind": row.kind, "overrides": list(row.sets),
-             "env": dict(row.env), **measure(row, args, size, data, device)}
+             "env": dict(row.env), "git_commit": result["git_commit"], "date": result["date"],  # rows merge
+             **measure(row, args, size, data, device)}
         if "median_step_s" in r:
             peak = info["peak_tflops"]
             r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12) if peak else None

@@ -103,6 +103,37 @@ def test_chunked_loss_equals_the_whole_loss_in_bf16(chunk):
     assert rel(h.grad, gh) < 2e-2 and rel(w.grad, gw) < 2e-2
 
 
+def test_compiled_whole_loss_and_padded_chunks_equal_eager_in_bf16():
+    """The seed's vocabulary (50,257 rows, not 16-byte aligned in bf16): the whole loss compiled
+    (`lm_loss_compiled`, what train.compile runs) and the chunked loss over its padded head (`_vocab_padding`)
+    give eager's loss and gradients, with no fallback to eager."""
+    from trainers import loss as loss_mod
+
+    assert loss_mod._vocab_padding(50257, "cuda") == 47
+    torch.manual_seed(0)
+    n, d, v = 4096, 256, 50257
+    h = torch.randn(n, d, device="cuda", requires_grad=True)
+    w = (0.02 * torch.randn(v, d, device="cuda")).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    runs = []
+    for fn in (lambda: lm_loss((h @ w.t())[None], t[None]),
+               lambda: loss_mod.lm_loss_compiled((h @ w.t())[None], t[None]),
+               lambda: chunked_lm_loss(h, w, t, 256)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # neither compiled path may fall back
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fn()
+            loss.backward()
+        runs.append((loss.item(), h.grad.clone(), w.grad.clone()))
+        h.grad = w.grad = None
+    assert loss_mod._COMPILED["lm_loss"].compiled is not None
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    (whole, gh, gw), *others = runs
+    for value, oh, ow in others:
+        assert value == pytest.approx(whole, rel=2e-3)
+        assert rel(oh, gh) < 2e-2 and rel(ow, gw) < 2e-2
+
+
 ROWS = {
     "eager": {"precision": {"dtype": "bf16"}},
     "compile": {"precision": {"dtype": "bf16"}, "train": {"compile": True}, "optimizer": {"fused": True}},
