@@ -57,7 +57,7 @@ def lm_loss_compiled(logits: Tensor, targets: Tensor) -> Tensor:
     if isinstance(logits, DTensor) or logits.device.type != "cuda":
         return lm_loss(logits, targets)
     if "lm_loss" not in _COMPILED:
-        _COMPILED["lm_loss"] = _GuardedCompile(lm_loss)
+        _COMPILED["lm_loss"] = _GuardedCompile(lm_loss, "the loss")
     return _COMPILED["lm_loss"](logits, targets)
 
 
@@ -174,7 +174,7 @@ def _step_for(device: torch.device) -> Callable[..., tuple[Tensor, Tensor | None
     if device.type != "cuda" or os.environ.get("RAYTRAIN_LOSS_COMPILE", "1") == "0":
         return _chunk_step
     if "step" not in _COMPILED:
-        _COMPILED["step"] = _GuardedCompile(_chunk_step)
+        _COMPILED["step"] = _GuardedCompile(_chunk_step, "the chunked loss")
     return _COMPILED["step"]
 
 
@@ -182,8 +182,8 @@ class _GuardedCompile:
     """torch.compile of `fn` that falls back to `fn` itself (once, with a warning) if compiling fails: the
     loss must not stop a run on a machine without a working Triton."""
 
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn, self.compiled = fn, torch.compile(fn, dynamic=False)
+    def __init__(self, fn: Callable[..., Any], what: str):
+        self.fn, self.compiled, self.what = fn, torch.compile(fn, dynamic=False), what
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
@@ -192,7 +192,7 @@ class _GuardedCompile:
             except torch.OutOfMemoryError:  # the memory's fault, not the compiler's: eager would need more
                 raise
             except Exception as e:  # inductor/Triton missing or failing: eager is the same math
-                warnings.warn(f"the chunked loss runs eager: torch.compile failed ({type(e).__name__}: {e})",
+                warnings.warn(f"{self.what} runs eager: torch.compile failed ({type(e).__name__}: {e})",
                               stacklevel=2)
                 self.compiled = None
         return self.fn(*args)

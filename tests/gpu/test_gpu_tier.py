@@ -106,7 +106,9 @@ def test_chunked_loss_equals_the_whole_loss_in_bf16(chunk):
 def test_compiled_whole_loss_and_padded_chunks_equal_eager_in_bf16():
     """The seed's vocabulary (50,257 rows, not 16-byte aligned in bf16): the whole loss compiled
     (`lm_loss_compiled`, what train.compile runs) and the chunked loss over its padded head (`_vocab_padding`)
-    give eager's loss and gradients, with no fallback to eager."""
+    give eager's loss and gradients, with no fallback to eager. (Only the fallback's warning is an error here:
+    dynamo reads `.grad` of the non-leaf logits while tracing, and a blanket error filter turns the UserWarning
+    that read raises, shown nowhere otherwise, into a compile failure.)"""
     from trainers import loss as loss_mod
 
     assert loss_mod._vocab_padding(50257, "cuda") == 47
@@ -120,13 +122,13 @@ def test_compiled_whole_loss_and_padded_chunks_equal_eager_in_bf16():
                lambda: loss_mod.lm_loss_compiled((h @ w.t())[None], t[None]),
                lambda: chunked_lm_loss(h, w, t, 256)):
         with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # neither compiled path may fall back
+            warnings.filterwarnings("error", message=".* runs eager: torch.compile failed")  # no fallback
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = fn()
             loss.backward()
         runs.append((loss.item(), h.grad.clone(), w.grad.clone()))
         h.grad = w.grad = None
-    assert loss_mod._COMPILED["lm_loss"].compiled is not None
+    assert loss_mod._COMPILED["lm_loss"].compiled is not None and loss_mod._COMPILED["step"].compiled is not None
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     (whole, gh, gw), *others = runs
     for value, oh, ow in others:

@@ -207,7 +207,7 @@ def test_a_failing_compile_falls_back_to_the_same_eager_math():
     def broken(*args):
         raise RuntimeError("no triton here")
 
-    guarded = loss._GuardedCompile(loss._chunk_step)
+    guarded = loss._GuardedCompile(loss._chunk_step, "the chunked loss")
     guarded.compiled = broken
     h, w, t = torch.randn(5, 4), torch.randn(9, 4), torch.randint(0, 9, (5,))
     scale = torch.tensor(0.2)
@@ -223,7 +223,7 @@ def test_out_of_memory_in_the_compiled_chunk_is_raised_not_taken_for_a_compile_f
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    guarded = loss._GuardedCompile(loss._chunk_step)
+    guarded = loss._GuardedCompile(loss._chunk_step, "the chunked loss")
     guarded.compiled = out_of_memory
     h, w, t = torch.randn(5, 4), torch.randn(9, 4), torch.randint(0, 9, (5,))
     with pytest.raises(torch.OutOfMemoryError):
