@@ -119,10 +119,11 @@ def _chunks(
     return total / n, grad_h, grad_w[:vocab] if grad_w is not None and pad else grad_w
 
 
-# CUDA's 16-bit matmuls take their fast (sm80/sm90) kernels only when each row is 16-byte aligned: a vocabulary
-# of 50,257 fell back to sm75 kernels, 4x the time of the chunk's three matmuls on an H200 (12.5 of 25 ms of
-# the seed shape's step). The chunked loss pads the head to a multiple of VOCAB_ALIGN rows there (nanoGPT pads
-# the model's vocabulary to 50,304 for the same reason; here the model and its checkpoints keep theirs).
+# cuBLAS runs 16-bit matmuls whose rows are not 16-byte aligned in older kernels: on an H200, the seed shape's
+# 50,257-row head ran its chunks' matmuls in sm75 cutlass kernels, 12.5 of the step's 25 ms of kernel time
+# (bench/results/gpu_profile.txt). The chunked loss pads the head to a multiple of VOCAB_ALIGN rows there
+# (nanoGPT pads the model's vocabulary to 50,304 for the same reason; here the model and its checkpoints keep
+# theirs). That step was host-bound, so its time did not move (37.4 ms before, 39.2 ms after, two machines).
 VOCAB_ALIGN = 64
 
 
