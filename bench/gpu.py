@@ -49,6 +49,7 @@ sys.path[:0] = [str(BENCH), str(ROOT)]  # plain_loop; trainers without an instal
 import torch  # noqa: E402
 from corpus import prepared  # noqa: E402
 from plain_loop import train as train_plain  # noqa: E402
+from provenance import git_state  # noqa: E402
 
 from trainers.config import RunConfig, apply_overrides, parse_config  # noqa: E402
 from trainers.data.dataset import GlobalSampler, TokenWindows  # noqa: E402
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     info = device_info(device, args.peak_tflops)
     result = {
         "command": shlex.join(sys.orig_argv), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
+        **git_state(),  # BENCH_GIT_COMMIT names the commit where the machine's .git is stale
         "torch_version": torch.__version__, "python": platform.python_version(), **info, "model": args.model,
         "dry_run": args.dry_run, "sizes": size, "loadavg_at_start": os.getloadavg(), "targets": TARGETS,
         "rows": [],
@@ -458,14 +459,6 @@ def main(argv: list[str] | None = None) -> int:
     for key, c in result["checks"].items():
         print(f"  {key}: {c['value']:.3f} (target {c.get('target', '-')}): {'met' if c['met'] else 'NOT met'}")
     return 0
-
-
-def _git_commit() -> str | None:
-    try:  # the GPU machine may have no git, or a copy of the tree without .git
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _earlier_rows(path: Path, info: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -19,7 +19,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from measure import (
 )
 from measure import trainer_vs_plain as measure_trainer_vs_plain
 from plot import NOISY, plot
+from provenance import git_state
 
 _cpu_seconds = machine_cpu  # the name bench/zero_memory.py imports
 
@@ -178,15 +178,11 @@ def headline(result: dict[str, Any], max_other: float) -> tuple[dict[str, Any] |
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    git = ["git", "-C", str(ROOT)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
     return {
         "command": shlex.join(sys.orig_argv),
         "cwd": os.getcwd(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "git_commit": commit,
-        "git_dirty": bool(dirty),
+        **git_state(),
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -39,10 +39,15 @@ def test_every_row_is_a_valid_run_at_every_size(tmp_path):
             assert cfg.model.dim == size[row.section]["dim"], row.name
 
 
-def test_dry_run_rows_on_cpu_write_the_contract(tmp_path):
+def test_dry_run_rows_on_cpu_write_the_contract(tmp_path, monkeypatch):
+    # a lent GPU machine's .git can be older than the tree it ran: the caller names the commit
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "0123abc")
     result = _dry_run(tmp_path, "seed/naive-fp32,seed/chunk256,big/hand-mb4-gb16")
     assert result["dry_run"] and result["device_name"] and result["torch_version"]
+    assert (result["git_commit"], result["git_commit_source"], result["git_dirty"]) == ("0123abc", "BENCH_GIT_COMMIT",
+                                                                                        None)
     rows = {r["name"]: r for r in result["rows"]}
+    assert {r["git_commit"] for r in rows.values()} == {"0123abc"}  # rows merge across runs: each names its own
     assert sorted(rows) == ["big/hand-mb4-gb16", "seed/chunk256", "seed/naive-fp32"]
     for r in rows.values():
         assert "error" not in r, r
@@ -65,6 +70,15 @@ def test_the_targets_preset_holds_every_row_the_checks_read():
         for gone in names:
             fewer = set(gpu.checks({n: row for n in names if n != gone}, size))
             assert fewer < every or gone.startswith("big/hand-mb"), gone  # one hand-picked plan is enough
+
+
+def test_without_bench_git_commit_the_checkout_names_the_commit(monkeypatch):
+    from provenance import git_state
+
+    monkeypatch.delenv("BENCH_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    state = git_state()
+    assert state["git_commit"] == head and state["git_commit_source"] == "git" and isinstance(state["git_dirty"], bool)
 
 
 def test_without_a_gpu_the_real_run_says_how_to_dry_run():
