@@ -25,7 +25,7 @@ import gpu as G  # noqa: E402
 import moe as M  # noqa: E402
 import torch  # noqa: E402
 
-from trainers.config import RunConfig, apply_overrides, parse_config  # noqa: E402
+from trainers.config import RunConfig  # noqa: E402
 from trainers.trainer import Trainer, TrainerCallback  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -84,15 +84,11 @@ def main(which: list[str]) -> None:
             run(name, G.row_config(row, size, data, G.WORK / "runs" / name), at, out)
     if "moe" in which:
         model_name = "gpu-moe" if CUDA else "tiny-moe"
-        _, batch, seq, _ = M.MODELS[model_name]
-        raw = {"name": "moe", "seed": 0, "model": {"vocab_size": 257}, "run_dir": str(G.WORK / "runs" / "moe"),
-               "data": {"path": data, "seq_len": seq}, "optimizer": {"name": "adamw", "lr": 3e-4},
-               "precision": {"dtype": "fp32"},
-               "train": {"steps": 12, "global_batch_size": batch, "micro_batch_size": batch, "eval_every": 0,
-                         "tensorboard": False},
-               "checkpoint": {"every": 0, "final": False, "resume": "none"}}
+        model, batch, seq, _ = M.MODELS[model_name]
         sets = M.overrides(model_name, "grouped", "cuda" if CUDA else "cpu", 989.0)
-        run("moe-grouped", parse_config(apply_overrides(raw, sets)), 8, out)
+        cfg = M.reference_config(data, batch, seq, 12, "off", str(G.WORK / "runs" / "moe"), False,  # as moe.py
+                                 model.get("vocab_size", 257), sets)
+        run("moe-grouped", cfg, 8, out)
 
 
 if __name__ == "__main__":
