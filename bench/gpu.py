@@ -130,6 +130,10 @@ ROWS = [
     Row("seed/micro-batch", "trainer", ("train.micro_batch_size={quarter}",), "4 micro-batches of a quarter"),
     Row("seed/all", "trainer", (*COMPILED, "memory.loss_chunk=256", "memory.activation_checkpointing=selective"),
         "all together: chunked loss 256, selective AC, compile, bf16, fused"),
+    Row("seed/all-chunk-a-call", "trainer", (*COMPILED, "memory.loss_chunk=256",
+                                             "memory.activation_checkpointing=selective"),
+        "as seed/all, one chunk a compiled call (RAYTRAIN_LOSS_CHUNKS_PER_CALL=1) instead of 8: what grouping pays",
+        (("RAYTRAIN_LOSS_CHUNKS_PER_CALL", "1"),)),
     Row("seed/all-chunk4096", "trainer", (*COMPILED, "memory.loss_chunk=4096",
                                           "memory.activation_checkpointing=selective"), "as all, chunk 4096"),
 ]

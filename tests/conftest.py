@@ -58,8 +58,9 @@ def tiny_config(corpus_dir, tmp_path):
     return make
 
 
-# Set by a library, once per process, not by a test: inductor's first CUDA compile points Triton at CUDA's ptxas.
-LIBRARY_SET_ENV = {"TRITON_PTXAS_PATH"}
+# Set by a library, once per process, not by a test: inductor's first CUDA compile points Triton at CUDA's ptxas;
+# its first compile anywhere records how to read a tensor's data pointer.
+LIBRARY_SET_ENV = {"TRITON_PTXAS_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ is the same sum as the whole loss, in another order, with the same numerics: the
 whole loss's head runs in (autocast's bf16/fp16, else the inputs'), the softmax and logsumexp in fp32, and
 the head weight's gradient summed over chunks in fp32 (as Liger's kernel and Apple's Cut Cross-Entropy:
 fp32 matmuls would leave a GPU's tensor cores idle for three vocabulary-sized matmuls per chunk). On CUDA
-each chunk's pointwise steps are compiled (`_step_for`).
+the chunks run compiled, several a call (`_runner`).
 """
 
 from __future__ import annotations
@@ -104,19 +104,58 @@ def _chunks(
     grad_h = torch.empty_like(hidden) if want_h else None
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if want_w else None
     scale = torch.full((), 1.0 / n, dtype=torch.float32, device=hidden.device)  # a tensor: no recompile per n
-    step = _step_for(hidden.device)
+    run, span = _runner(hidden.device, n, chunk, want_h or want_w)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, n, chunk):
+    for start in range(0, n, span):
+        stop = start + span
+        total += run(hidden[start:stop], w, targets[start:stop], scale, chunk, dtype, vocab,
+                     grad_h[start:stop] if want_h else None, grad_w)
+    return total / n, grad_h, grad_w[:vocab] if grad_w is not None and pad else grad_w
+
+
+def _chunk_group(
+    hidden: Tensor, w: Tensor, targets: Tensor, scale: Tensor, chunk: int, dtype: torch.dtype, vocab: int,
+    grad_h: Tensor | None, grad_w: Tensor | None
+) -> Tensor:
+    """The summed loss of `hidden`'s tokens, `chunk` at a time (`_chunk_step`, in place); d(loss)/d(hidden)
+    written into `grad_h`, d(loss)/d(w) added to `grad_w` (fp32), each where given. Eager."""
+    total = None
+    for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk].to(dtype), targets[start : start + chunk]
-        loss_sum, grad = step(h, w, t, scale, want_h or want_w, vocab)
-        total += loss_sum
+        loss_sum, grad = _chunk_step(h, w, t, scale, grad_h is not None or grad_w is not None, vocab)
+        total = loss_sum if total is None else total + loss_sum
         if grad is not None:
-            if want_h:
+            if grad_h is not None:
                 grad_h[start : start + chunk] = grad @ w
-            if want_w:
+            if grad_w is not None:
                 _accumulate(grad_w, grad, h)
             del grad
-    return total / n, grad_h, grad_w[:vocab] if grad_w is not None and pad else grad_w
+    return total
+
+
+def _chunk_group_traced(
+    hidden: Tensor, w: Tensor, targets: Tensor, scale: Tensor, chunk: int, dtype: torch.dtype, vocab: int,
+    grad_h: Tensor | None, grad_w: Tensor | None
+) -> Tensor:
+    """`_chunk_group` as torch.compile traces it: the same sums, written for inductor. Each chunk's step is
+    out of place (`_chunk_step_traced`: inductor fuses it to a reduction and one pointwise pass over the
+    16-bit logits, writing no fp32 logits). The chunk's gradient is taken back by one op that inductor runs
+    in place where it stands (`raytrain::backprop_chunk_`; traced as `grad_w.add_`, the sums became
+    out-of-place and inductor fused them into one kernel at the end, keeping every chunk's product alive),
+    and the op's zero feeds the next chunk's input, so that chunk's matmul cannot be moved before it (the
+    scheduler did move such matmuls ahead in an earlier form). One chunk's logits are alive at a time, and
+    the buffer inductor keeps for the next chunk (measured on the CPU, tests/unit/test_loss.py)."""
+    total = token = None
+    for start in range(0, hidden.shape[0], chunk):
+        h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        if token is not None:  # a 0-dim fp32 zero: h keeps its dtype; fused into the cast below where
+            h = h + token  # autocast casts fp32 hidden states
+        h = h.to(dtype)
+        loss_sum, grad = _chunk_step_traced(h, w, t, scale, grad_h is not None or grad_w is not None, vocab)
+        total = loss_sum if total is None else total + loss_sum
+        if grad is not None:
+            token = torch.ops.raytrain.backprop_chunk_(grad_h, grad_w, grad, h, w, start)
+    return total
 
 
 # cuBLAS runs 16-bit matmuls whose rows are not 16-byte aligned in older kernels: on an H200, the seed shape's
@@ -139,6 +178,36 @@ def _accumulate(grad_w: Tensor, grad: Tensor, h: Tensor) -> None:
         grad_w.addmm_(grad.t(), h)
     else:
         grad_w.add_(grad.t() @ h)
+
+
+def _backprop_chunk(
+    grad_h: Tensor | None, grad_w: Tensor | None, grad: Tensor, h: Tensor, w: Tensor, start: int
+) -> Tensor:
+    """A chunk's d(logits) taken back to the hidden states (written to its rows of `grad_h`) and to the head
+    weight (added to `grad_w`, `_accumulate`), each where given; an fp32 zero back. As the op
+    `raytrain::backprop_chunk_` in a compiled graph, inductor runs it in place, in program order, and its
+    zero is the token that orders the next chunk."""
+    if grad_h is not None:
+        rows = grad_h[start : start + grad.shape[0]]
+        if rows.dtype == grad.dtype:
+            torch.mm(grad, w, out=rows)
+        else:  # fp32 hidden states under autocast: the 16-bit product, cast as it is written
+            rows.copy_(grad @ w)
+    if grad_w is not None:
+        _accumulate(grad_w, grad, h)
+    return torch.zeros((), dtype=torch.float32, device=h.device)
+
+
+# A plain library op (torch.library.custom_op's wrapper costs ~10 us a call more, on each of 64 chunks).
+_LIB = torch.library.Library("raytrain", "FRAGMENT")
+_LIB.define("backprop_chunk_(Tensor(a!)? grad_h, Tensor(b!)? grad_w, Tensor grad, Tensor h, Tensor w, int start)"
+            " -> Tensor")
+_LIB.impl("backprop_chunk_", _backprop_chunk, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("raytrain::backprop_chunk_", lib=_LIB)
+def _(grad_h: Tensor | None, grad_w: Tensor | None, grad: Tensor, h: Tensor, w: Tensor, start: int) -> Tensor:
+    return torch.empty((), dtype=torch.float32, device=h.device)
 
 
 def _chunk_step(
@@ -166,25 +235,60 @@ def _chunk_step(
     return loss_sum, full.to(h.dtype)  # fp32: the same tensor, no copy
 
 
-# On CUDA the chunk's pointwise steps are compiled (inductor fuses the upcast, max, exp, sum and the
-# gradient into two kernels and never writes the fp32 logits); RAYTRAIN_LOSS_COMPILE=0 keeps it eager.
+def _chunk_step_traced(
+    h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool, vocab: int
+) -> tuple[Tensor, Tensor | None]:
+    """`_chunk_step` out of place, for inductor: the padding's columns masked to -inf (their softmax is 0,
+    their gradient 0), the one-hot a comparison with the column index, so the max, the sum of exponentials
+    and the target's logit fuse into one reduction over the 16-bit logits and the gradient into one pass
+    that writes it in their dtype."""
+    logits = (h @ w.t()).float()
+    col = torch.arange(w.shape[0], device=h.device)
+    if vocab < w.shape[0]:
+        logits = torch.where(col < vocab, logits, float("-inf"))
+    hit = col == t[:, None]
+    mx = logits.amax(dim=-1, keepdim=True)
+    exp = (logits - mx).exp()
+    sumexp = exp.sum(dim=-1, keepdim=True)
+    target_logit = torch.where(hit, logits, 0.0).sum(dim=-1, keepdim=True)  # in the reduction's pass
+    loss_sum = (mx + sumexp.log() - target_logit).sum()
+    if not want_grad:
+        return loss_sum, None
+    return loss_sum, ((exp / sumexp - hit.float()) * scale).to(h.dtype)
+
+
+# On CUDA the chunks run compiled, CHUNKS_PER_CALL of them a call (`_chunk_group_traced`): inductor fuses each
+# chunk's softmax and gradient into a reduction and a pointwise pass over its 16-bit logits, and one call
+# launches 8 chunks' kernels from its generated code. A call per chunk's pointwise steps, with the eager matmuls and sums around
+# it, cost the seed shape's step 25 ms of host time for its 64 chunks, against 22 ms of the chunks' kernels
+# (12.5 of those the unaligned head's slow matmuls, since padded): host-bound (an H200,
+# bench/results/gpu_profile.txt). RAYTRAIN_LOSS_COMPILE=0 keeps the chunks eager (`_chunk_group`);
+# RAYTRAIN_LOSS_CHUNKS_PER_CALL sets how many a compiled call takes (bench/gpu.py measures 1 against 8).
+CHUNKS_PER_CALL = max(int(os.environ.get("RAYTRAIN_LOSS_CHUNKS_PER_CALL", "8")), 1)
 _COMPILED: dict[str, Any] = {}
 
 
-def _step_for(device: torch.device) -> Callable[..., tuple[Tensor, Tensor | None]]:
-    if device.type != "cuda" or os.environ.get("RAYTRAIN_LOSS_COMPILE", "1") == "0":
-        return _chunk_step
-    if "step" not in _COMPILED:
-        _COMPILED["step"] = _GuardedCompile(_chunk_step, "the chunked loss")
-    return _COMPILED["step"]
+def _runner(device: torch.device, n: int, chunk: int, want_grad: bool) -> tuple[Callable[..., Tensor], int]:
+    """The chunk-group function for `device` and how many tokens each call takes: eager, all `n` in one call
+    (a CPU: a loop over the chunks), or compiled, CHUNKS_PER_CALL chunks a call (CUDA; one a call without
+    gradients, as in evaluation: taking a chunk's gradient back is what orders the chunks of a call)."""
+    if not _compiles(device):
+        return _chunk_group, max(n, 1)
+    if "chunks" not in _COMPILED:
+        _COMPILED["chunks"] = _GuardedCompile(_chunk_group_traced, "the chunked loss", eager=_chunk_group)
+    return _COMPILED["chunks"], chunk * (CHUNKS_PER_CALL if want_grad else 1)
+
+
+def _compiles(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("RAYTRAIN_LOSS_COMPILE", "1") != "0"
 
 
 class _GuardedCompile:
-    """torch.compile of `fn` that falls back to `fn` itself (once, with a warning) if compiling fails: the
-    loss must not stop a run on a machine without a working Triton."""
+    """torch.compile of `fn` that falls back to `eager` (default: `fn` itself; once, with a warning) if
+    compiling fails: the loss must not stop a run on a machine without a working Triton."""
 
-    def __init__(self, fn: Callable[..., Any], what: str):
-        self.fn, self.compiled, self.what = fn, torch.compile(fn, dynamic=False), what
+    def __init__(self, fn: Callable[..., Any], what: str, eager: Callable[..., Any] | None = None):
+        self.fn, self.compiled, self.what = eager or fn, torch.compile(fn, dynamic=False), what
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:

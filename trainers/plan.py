@@ -272,16 +272,22 @@ def _vocab_share(model: ModelConfig, tp: int) -> int:
 
 
 def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0,
-                        compiled: bool = False) -> int:
+                        compiled: bool = False, compiled_chunks: bool = False) -> int:
     """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32, next to the saved log_softmax (the
     16-bit cast of d(logits) comes after the first two are freed: measured, bf16 autocast at the seed's shape
     in bench/lean.py). Chunked:
     the larger of one chunk's fp32 logits (made into their gradient in place) with its fp32 hidden states
     and d(hidden) in forward, and the scaled copies of the saved gradients its backward returns. Compiled
-    (`_head_saved`): one fused kernel writes d(logits) in the head's dtype."""
+    (`_head_saved`): one fused kernel writes d(logits) in the head's dtype. Chunked and compiled (CUDA:
+    trainers.loss._chunk_group_traced): a chunk's logits and their gradient in the matmul's dtype (inductor
+    keeps the one buffer for the next chunk's gradient) and, in 16 bits, the head-sized product that is
+    added to the fp32 gradient."""
     if chunk:
         c, rows = min(chunk, tokens), _vocab_share(model, tp)
-        forward = c * rows * 4 + 2 * c * model.dim * 4
+        if compiled_chunks:
+            forward = 2 * c * rows * w.compute + (rows * model.dim * w.compute if w.compute < 4 else 0)
+        else:
+            forward = c * rows * 4 + 2 * c * model.dim * 4
         return max(forward, tokens * model.dim * w.resid + 4 * rows * model.dim)
     return tokens * _vocab_share(model, tp) * (w.compute if compiled else 8)
 
@@ -505,6 +511,7 @@ class _RankPlanner:
             self.full = {b: min(self.full[b], compiled_block_bytes(model, b, self.tokens, self.w, seq, tp))
                          for b in rank.blocks}
         self.compiled_loss = compiled_loss(cfg, lay, device_type)
+        self.compiled_chunks = device_type == "cuda" and tp == 1  # trainers.loss._runner (tp: eager, `_vp_chunks`)
         self.block_input = self.shard_tokens * model.dim * self.w.resid
         if cfg.memory.ac_selective:  # the block's input and the outputs of its matmuls and attention
             self.kept = {b: self.block_input + selective_saved_bytes(model, b, self.tokens, self.w, tp)
@@ -554,7 +561,8 @@ class _RankPlanner:
         model, blocks = self.cfg.model, self.rank.blocks
         acts = self.others + sum(self.saved.values()) + self.edge
         if self.rank.head:
-            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk, self.compiled_loss)]
+            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk, self.compiled_loss,
+                                         self.compiled_chunks)]
         else:
             if blocks and blocks[-1] in self.checkpointed:
                 acts += self.full[blocks[-1]] - self.kept[blocks[-1]]  # recomputed at once

@@ -94,7 +94,7 @@ def test_chunked_loss_equals_the_whole_loss_in_bf16(chunk):
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # the compiled step must not fall back
+        warnings.filterwarnings("error", message=".* runs eager: torch.compile failed")  # no fallback
         with torch.autocast("cuda", dtype=torch.bfloat16):
             chunked = chunked_lm_loss(h, w, t, chunk)
         chunked.backward()
@@ -128,13 +128,50 @@ def test_compiled_whole_loss_and_padded_chunks_equal_eager_in_bf16():
             loss.backward()
         runs.append((loss.item(), h.grad.clone(), w.grad.clone()))
         h.grad = w.grad = None
-    assert loss_mod._COMPILED["lm_loss"].compiled is not None and loss_mod._COMPILED["step"].compiled is not None
+    assert loss_mod._COMPILED["lm_loss"].compiled is not None and loss_mod._COMPILED["chunks"].compiled is not None
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     (whole, gh, gw), *others = runs
     for value, oh, ow in others:
         assert value == pytest.approx(whole, rel=2e-3)
         assert rel(oh, gh) < 2e-2 and rel(ow, gw) < 2e-2
 
+
+
+def test_eight_chunks_a_compiled_call_hold_no_more_memory_than_one():
+    """The seed's head (16,384 tokens, d 256, 50,257 rows padded to 50,304) under bf16 autocast: the chunked
+    loss compiled 8 chunks a call (`CHUNKS_PER_CALL`, the token that orders each chunk after the one before)
+    peaks within one chunk's 16-bit logits of a chunk a call, and gives the same loss and gradients."""
+    from trainers import loss as loss_mod
+
+    torch.manual_seed(0)
+    n, d, v, chunk = 16384, 256, 50257, 256
+    h = torch.randn(n, d, device="cuda", requires_grad=True)
+    w = (0.02 * torch.randn(v, d, device="cuda")).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    runs, per_call = {}, loss_mod.CHUNKS_PER_CALL
+    try:
+        for calls in (1, 8, 1, 8):  # each twice: the second run of each is measured (compiled by then)
+            loss_mod.CHUNKS_PER_CALL = calls
+            h.grad = w.grad = None
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".* runs eager: torch.compile failed")  # no fallback
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = chunked_lm_loss(h, w, t, chunk)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            loss.backward()
+            runs[calls] = (peak, loss.item(), h.grad.clone(), w.grad.clone())
+    finally:
+        loss_mod.CHUNKS_PER_CALL = per_call
+    one_chunk = chunk * (v + loss_mod._vocab_padding(v, "cuda")) * 2
+    (peak1, loss1, gh1, gw1), (peak8, loss8, gh8, gw8) = runs[1], runs[8]
+    assert peak8 <= peak1 + one_chunk, (peak1, peak8, one_chunk)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert loss8 == pytest.approx(loss1, rel=1e-4) and rel(gh8, gh1) < 1e-3 and rel(gw8, gw1) < 1e-3
 
 ROWS = {
     "eager": {"precision": {"dtype": "bf16"}},

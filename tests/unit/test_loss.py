@@ -3,6 +3,8 @@ through the model for dense and MoE, and no tensor of tokens x vocab is ever mad
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -229,3 +231,91 @@ def test_out_of_memory_in_the_compiled_chunk_is_raised_not_taken_for_a_compile_f
     with pytest.raises(torch.OutOfMemoryError):
         guarded(h, w, t, torch.tensor(0.2), True)
     assert guarded.compiled is out_of_memory  # still compiled: the next chunk tries again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_chunks_several_a_call_equal_eager_and_compile_once_per_shape(monkeypatch, autocast):
+    """The CUDA form of the chunked loss, run here by inductor on the CPU: `_chunk_group_traced` compiled, 3
+    chunks a call (`_runner`; evaluation a chunk a call), over a padded head, with a last call of fewer,
+    shorter chunks. The loss and both gradients are the eager loop's (fp32: 1e-5; bf16 autocast: 1e-3), in
+    training and evaluation; each call's d(hidden) lands in its slice; one graph serves every full call."""
+    from torch._dynamo.utils import counters
+
+    from trainers import loss as loss_mod
+
+    torch._dynamo.reset()
+    counters.clear()
+    loss_mod._COMPILED.pop("chunks", None)
+    torch.manual_seed(0)
+    n, d, v, chunk = 100, 16, 301, 8  # 4 calls of 3 chunks, then one of a chunk and a half
+    h0, w0, t = torch.randn(n, d), 0.2 * torch.randn(v, d), torch.randint(0, v, (n,))
+    monkeypatch.setattr(loss_mod, "_vocab_padding", lambda vocab, device_type: -vocab % 64)
+    monkeypatch.setattr(loss_mod, "CHUNKS_PER_CALL", 3)
+    runs = []
+    for compiled in (False, True):
+        monkeypatch.setattr(loss_mod, "_compiles", lambda device: compiled)  # noqa: B023
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".* runs eager: torch.compile failed")  # no fallback
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = chunked_lm_loss(h, w, t, chunk)
+            loss.backward()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                evaluated = chunked_lm_loss(h, w, t, chunk)
+        runs.append((loss.item(), evaluated.item(), h.grad, w.grad))
+    (loss, evaluated, gh, gw), (loss_c, evaluated_c, gh_c, gw_c) = runs
+    tol = 1e-3 if autocast else 1e-5
+    assert loss_mod._COMPILED["chunks"].compiled is not None
+    assert loss_c == pytest.approx(loss, rel=tol) and evaluated_c == pytest.approx(evaluated, rel=tol)
+    assert _rel(gh_c, gh) <= tol and _rel(gw_c, gw) <= tol
+    # training: 3 chunks a call and the last call's 1.5; evaluation: a chunk a call and the last half chunk
+    assert counters["stats"]["unique_graphs"] == 4
+
+
+def _peak_cpu_bytes(fn) -> int:
+    """The most bytes the CPU allocator held for `fn`'s tensors at once (the profiler's allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.slow
+def test_a_compiled_call_of_8_chunks_keeps_about_one_chunk_of_logits_alive(monkeypatch):
+    """Inductor (here on the CPU; the same scheduler as CUDA's) given 8 chunks in one graph would make every
+    chunk's logits first and sum the head's gradient at the end; the chunks' op and its token keep them in
+    order: 8 chunks a call peak within one chunk's 16-bit logits of a chunk a call (bf16 autocast; padded
+    head; the compile must not fall back to eager). Measured by the allocator's events, the second run of
+    each (compiled by then)."""
+    from trainers import loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "_COMPILED", {})
+    monkeypatch.setattr(loss_mod, "_compiles", lambda device: True)
+    monkeypatch.setattr(loss_mod, "_vocab_padding", lambda vocab, device_type: -vocab % 64)
+    torch.manual_seed(0)
+    n, d, v, chunk = 512, 32, 4000, 64
+    h = torch.randn(n, d, requires_grad=True)
+    w = (0.2 * torch.randn(v, d)).requires_grad_()
+    t = torch.randint(0, v, (n,))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            chunked_lm_loss(h, w, t, chunk)  # forward: the chunks' work is all here
+
+    peaks = {}
+    for calls in (1, 8):
+        monkeypatch.setattr(loss_mod, "CHUNKS_PER_CALL", calls)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".* runs eager: torch.compile failed")  # no fallback
+            step()
+            peaks[calls] = _peak_cpu_bytes(step)
+    one_chunk = chunk * 4032 * 2
+    assert peaks[8] <= peaks[1] + 1.1 * one_chunk, (peaks, one_chunk)  # (measured: + 1.002 chunks)
