@@ -55,6 +55,7 @@ $(BPE)/manifest.json: | $(STAMP)
 bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/run.py --data $(DATA)
 	$(PY) bench/lean.py --data $(BPE)
+	$(PY) bench/chunk_calls.py
 	$(PY) bench/zero_memory.py --data $(DATA)
 	$(PY) bench/ray_recovery.py --data $(DATA)
 	$(PY) bench/chaos.py --data $(DATA)
