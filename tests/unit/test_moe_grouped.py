@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  # its import sets TORCHINDUCTOR_CACHE_DIR; do it before conftest's env-leak guard
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainers._base import ConfigError
 from trainers.config import parse_config
 from trainers.models import ModelConfig, MoE, MoEConfig
 from trainers.models.llama import TransformerBlock
-from trainers.models.moe import dispatch, grouped_mm_native, run_experts
+from trainers.models.moe import combine, dispatch, grouped_mm_native, run_experts
 
 DIM, HIDDEN, E, T = 16, 24, 4, 48
 CASES = {  # name: (top_k, capacity_factor); the capacity cases drop assignments (checked below)
@@ -62,6 +63,54 @@ def test_grouped_equals_loop_in_fp32(name: str) -> None:
     assert sorted(grouped) == sorted(loop)
     for key, ref in loop.items():
         torch.testing.assert_close(grouped[key], ref, rtol=1e-5, atol=1e-6, msg=key)
+
+
+class _RowAdds(TorchDispatchMode):
+    """aten ops that add float rows into a tensor by index (atomics on CUDA, or a sort first)."""
+
+    ADDS = {torch.ops.aten.index_add.default, torch.ops.aten.index_add_.default, torch.ops.aten.scatter_add.default,
+            torch.ops.aten.scatter_add_.default, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+            torch.ops.aten._index_put_impl_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ADDS and args[0].is_floating_point():
+            self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dispatch_and_combine_sum_as_indexing_and_index_add_do_without_adding_rows_by_index(name: str) -> None:
+    """`dispatch`'s gather and `combine`'s weighted sum give what plain indexing and `index_add` give (output,
+    the input's and the router's gradients, fp32 1e-6), and neither forward nor backward adds float rows by
+    index (each is a gather both ways)."""
+    top_k, factor = CASES[name]
+    moe = _moe(top_k, factor, "loop")
+    x0 = torch.randn(T, DIM, generator=torch.Generator().manual_seed(1))
+    results = []
+    for reference in (True, False):
+        x = x0.clone().requires_grad_()
+        _, _, expert_ids, weights = moe.route(x)
+        with _RowAdds() as adds:
+            routed, routing = dispatch(x, expert_ids, weights, E, moe.capacity(T))
+            if reference:
+                routed = x[routing.token_ids]
+            expert_out = moe.experts(routed, routing.tokens_per_expert)
+            if reference:
+                weighted = expert_out * routing.weights[routing.order][:, None]
+                out = expert_out.new_zeros(T, DIM).index_add(0, routing.token_ids, weighted)
+            else:
+                out = combine(expert_out, routing, T)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), x.grad, moe.gate.weight.grad.clone(), adds.seen))
+        moe.zero_grad()
+    (out_ref, gx_ref, gg_ref, adds_ref), (out, gx, gg, adds) = results
+    assert adds_ref and not adds  # the reference does add rows by index: the check sees it
+    for got, want in ((out, out_ref), (gx, gx_ref), (gg, gg_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_dispatch_puts_dropped_assignments_last_in_priority_order() -> None:

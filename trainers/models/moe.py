@@ -42,17 +42,40 @@ _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 class Routing(NamedTuple):
-    """Where each token-assignment went, in the expert-sorted order of `dispatch`'s output: the kept ones
-    first (grouped by expert), then those over capacity (their output is zero)."""
+    """Where each token-assignment went. The rows `dispatch` returns are sorted by expert: the kept ones
+    first (grouped by expert), then those over capacity (their output is zero). Assignments are numbered
+    choice-major: assignment j*T + i is token i's j-th choice."""
 
-    token_ids: Tensor  # (T*k,) source token of each assignment
-    weights: Tensor  # (T*k,) router weight of each assignment
+    token_ids: Tensor  # (T*k,) source token of each sorted row
+    weights: Tensor  # (T*k,) router weight of each assignment, choice-major
     tokens_per_expert: Tensor  # (E,) long, kept assignments per expert
+    order: Tensor  # (T*k,) the assignment each sorted row holds
+    rows: Tensor  # (T*k,) the sorted row each assignment went to (order's inverse)
 
 
 def _count(ids: Tensor, num_experts: int) -> Tensor:
     """bincount without its host sync (CUDA's bincount reads the largest id to size its output)."""
     return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
+class _Gather(torch.autograd.Function):
+    """`x[index]` whose backward gathers too: `index` picks each of x's rows `k` times in all (the k choices
+    of each token), and `back` is the row of the output each (row, choice) went to, choice-major, so the
+    gradient is `grad[back]` summed over the k choices. Indexing's own backward adds rows with atomics (or
+    sorts them first on CUDA); in bf16 inductor leaves that add to aten's index_add, 2.3 ms of an H200
+    MoE step (bench/results/gpu_profile.txt). `k` = 1: `index` is a permutation, `back` its inverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, back: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(back)
+        ctx.k = k
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (back,) = ctx.saved_tensors
+        rows = grad[back]
+        return (rows if ctx.k == 1 else rows.view(ctx.k, -1, rows.shape[-1]).sum(0)), None, None, None
 
 
 def dispatch(
@@ -67,7 +90,6 @@ def dispatch(
     num_tokens, top_k = expert_ids.shape
     flat_experts = expert_ids.t().reshape(-1)  # choice-major
     flat_tokens = torch.arange(num_tokens, device=x.device).repeat(top_k)
-    flat_weights = weights.t().reshape(-1)
     order = torch.argsort(flat_experts, stable=True)  # stable: keeps the priority order inside each expert
     counts = _count(flat_experts, num_experts)
     if capacity is not None:
@@ -75,15 +97,18 @@ def dispatch(
         rank = torch.arange(order.numel(), device=x.device) - starts[flat_experts[order]]
         order = order[torch.argsort(rank >= capacity, stable=True)]
         counts = counts.clamp(max=capacity)
-    routing = Routing(flat_tokens[order], flat_weights[order], counts)
-    return x[routing.token_ids], routing
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    routing = Routing(flat_tokens[order], weights.t().reshape(-1), counts, order, rows)
+    return _Gather.apply(x, routing.token_ids, rows, top_k), routing
 
 
 def combine(expert_out: Tensor, routing: Routing, num_tokens: int) -> Tensor:
-    """Sum each token's kept expert outputs, weighted by the router; a fully dropped token gets zeros."""
-    weighted = expert_out * routing.weights.to(expert_out.dtype)[:, None]
-    out = expert_out.new_zeros(num_tokens, expert_out.shape[-1])
-    return out.index_add(0, routing.token_ids, weighted)
+    """Sum each token's kept expert outputs, weighted by the router; a fully dropped token gets zeros. The
+    rows go back to choice-major order by a gather (its backward one too) and each token sums its k rows:
+    no atomic adds."""
+    k = len(routing.order) // num_tokens
+    rows = _Gather.apply(expert_out, routing.rows, routing.order, 1).view(k, num_tokens, -1)
+    return (rows * routing.weights.to(expert_out.dtype).view(k, num_tokens, 1)).sum(0)
 
 
 def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
