@@ -167,7 +167,7 @@ def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widt
     mask = rows if grouped and model.moe.capacity_factor is not None else 0
     gathered = (1 if grouped or not w.autocast else 2) * rows * h * w.compute + mask
     experts = 4 * rows * f * w.compute  # SwiGLU of each expert row (this tp rank's hidden units)
-    combine = 2 * rows * h * w.compute  # expert outputs (summed over tp), and those times the router weights
+    combine = rows * h * w.compute  # expert outputs (summed over tp) back in token order: the router weights' gradient reads them
     return router + gathered + experts + combine
 
 
