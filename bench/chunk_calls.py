@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 from trainers import loss  # noqa: E402
+from trainers.metrics import allocator_peak_bytes  # noqa: E402
 
 SHAPES = {"seed": {"tokens": 16384, "dim": 256, "vocab": 50257, "chunk": 256},
           "tiny": {"tokens": 16384, "dim": 8, "vocab": 64, "chunk": 256}}
@@ -40,19 +41,6 @@ def _use(variant: str) -> None:
     compiled, per_call = VARIANTS[variant]
     loss._compiles = lambda device: compiled  # noqa: ARG005 (the variant's, whatever the device)
     loss.CHUNKS_PER_CALL = per_call
-
-
-def _peak_cpu_bytes(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    held = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        held += e.nbytes()
-        peak = max(peak, held)
-    return peak
 
 
 def main() -> int:
@@ -96,7 +84,7 @@ def main() -> int:
             torch.cuda.synchronize()
             peaks[name] = torch.cuda.max_memory_allocated() - base
         else:
-            peaks[name] = _peak_cpu_bytes(forward)
+            peaks[name] = allocator_peak_bytes(forward)
     for _ in range(args.rounds):  # lockstep: every variant in each round
         for name in VARIANTS:
             _use(name)

@@ -19,7 +19,7 @@ import json
 import resource
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ from trainers.storage import (
     write_text_atomic,
 )
 
-__all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "peak_memory_bytes", "read_metrics"]
+__all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "allocator_peak_bytes", "peak_memory_bytes", "read_metrics"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -46,6 +46,23 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def allocator_peak_bytes(fn: Callable[[], Any]) -> int:
+    """The most bytes the CPU allocator held at once for tensors made while `fn` runs, from torch.profiler's
+    allocation events: it sees the buffers of compiled code, which no dispatch mode does (slow: for tests
+    and benchmarks)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
 
 
 class LiveTensorBytes(TorchDispatchMode):

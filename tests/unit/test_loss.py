@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainers.loss import chunked_lm_loss, lm_loss
+from trainers.metrics import allocator_peak_bytes
 from trainers.models import ModelConfig, MoEConfig, build_model
 
 TOL = 1e-6
@@ -273,21 +274,6 @@ def test_compiled_chunks_several_a_call_equal_eager_and_compile_once_per_shape(m
     assert counters["stats"]["unique_graphs"] == 4
 
 
-def _peak_cpu_bytes(fn) -> int:
-    """The most bytes the CPU allocator held for `fn`'s tensors at once (the profiler's allocation events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    held = peak = 0
-    for e in events:
-        held += e.nbytes()
-        peak = max(peak, held)
-    return peak
-
-
 @pytest.mark.slow
 def test_a_compiled_call_of_8_chunks_keeps_about_one_chunk_of_logits_alive(monkeypatch):
     """Inductor (here on the CPU; the same scheduler as CUDA's) given 8 chunks in one graph would make every
@@ -316,6 +302,6 @@ def test_a_compiled_call_of_8_chunks_keeps_about_one_chunk_of_logits_alive(monke
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".* runs eager: torch.compile failed")  # no fallback
             step()
-            peaks[calls] = _peak_cpu_bytes(step)
+            peaks[calls] = allocator_peak_bytes(step)
     one_chunk = chunk * 4032 * 2
     assert peaks[8] <= peaks[1] + 1.1 * one_chunk, (peaks, one_chunk)  # (measured: + 1.002 chunks)
