@@ -97,6 +97,7 @@ class Row:
         return self.name.split("/")[0]
 
 
+SEED_ALL = (*COMPILED, "memory.loss_chunk=256", "memory.activation_checkpointing=selective")
 ROWS = [
     Row("big/bf16-eager", "trainer", ("precision.dtype=bf16",), "bf16 autocast, eager"),
     Row("big/bf16-fused", "trainer", BF16_FUSED, "+ fused AdamW"),
@@ -128,10 +129,8 @@ ROWS = [
     Row("seed/chunk256", "trainer", ("memory.loss_chunk=256",), "the chunked loss, 256 tokens a chunk"),
     Row("seed/selective", "trainer", ("memory.activation_checkpointing=selective",), "selective AC"),
     Row("seed/micro-batch", "trainer", ("train.micro_batch_size={quarter}",), "4 micro-batches of a quarter"),
-    Row("seed/all", "trainer", (*COMPILED, "memory.loss_chunk=256", "memory.activation_checkpointing=selective"),
-        "all together: chunked loss 256, selective AC, compile, bf16, fused"),
-    Row("seed/all-chunk-a-call", "trainer", (*COMPILED, "memory.loss_chunk=256",
-                                             "memory.activation_checkpointing=selective"),
+    Row("seed/all", "trainer", SEED_ALL, "all together: chunked loss 256, selective AC, compile, bf16, fused"),
+    Row("seed/all-chunk-a-call", "trainer", SEED_ALL,
         "as seed/all, one chunk a compiled call (RAYTRAIN_LOSS_CHUNKS_PER_CALL=1) instead of 8: what grouping pays",
         (("RAYTRAIN_LOSS_CHUNKS_PER_CALL", "1"),)),
     Row("seed/all-chunk4096", "trainer", (*COMPILED, "memory.loss_chunk=4096",

@@ -259,10 +259,10 @@ def _chunk_step_traced(
 
 # On CUDA the chunks run compiled, CHUNKS_PER_CALL of them a call (`_chunk_group_traced`): inductor fuses each
 # chunk's softmax and gradient into a reduction and a pointwise pass over its 16-bit logits, and one call
-# launches 8 chunks' kernels from its generated code. A call per chunk's pointwise steps, with the eager matmuls and sums around
-# it, cost the seed shape's step 25 ms of host time for its 64 chunks, against 22 ms of the chunks' kernels
-# (12.5 of those the unaligned head's slow matmuls, since padded): host-bound (an H200,
-# bench/results/gpu_profile.txt). RAYTRAIN_LOSS_COMPILE=0 keeps the chunks eager (`_chunk_group`);
+# launches 8 chunks' kernels from its generated code. A call per chunk's pointwise steps, with the eager
+# matmuls and sums around it, cost the seed shape's step 25 ms of host time for its 64 chunks, against 22 ms
+# of the chunks' kernels (12.5 of those the unaligned head's slow matmuls, since padded): host-bound (an
+# H200, bench/results/gpu_profile.txt). RAYTRAIN_LOSS_COMPILE=0 keeps the chunks eager (`_chunk_group`);
 # RAYTRAIN_LOSS_CHUNKS_PER_CALL sets how many a compiled call takes (bench/gpu.py measures 1 against 8).
 CHUNKS_PER_CALL = max(int(os.environ.get("RAYTRAIN_LOSS_CHUNKS_PER_CALL", "8")), 1)
 _COMPILED: dict[str, Any] = {}

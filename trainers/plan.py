@@ -272,7 +272,7 @@ def _vocab_share(model: ModelConfig, tp: int) -> int:
 
 
 def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0,
-                        compiled: bool = False, compiled_chunks: bool = False) -> int:
+                        compiled: bool = False) -> int:
     """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32, next to the saved log_softmax (the
     16-bit cast of d(logits) comes after the first two are freed: measured, bf16 autocast at the seed's shape
     in bench/lean.py). Chunked:
@@ -284,7 +284,7 @@ def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1,
     added to the fp32 gradient."""
     if chunk:
         c, rows = min(chunk, tokens), _vocab_share(model, tp)
-        if compiled_chunks:
+        if compiled:
             forward = 2 * c * rows * w.compute + (rows * model.dim * w.compute if w.compute < 4 else 0)
         else:
             forward = c * rows * 4 + 2 * c * model.dim * 4
@@ -510,8 +510,10 @@ class _RankPlanner:
         if cfg.train.compile and device_type == "cuda":  # inductor saves less than eager (compiled_block_bytes)
             self.full = {b: min(self.full[b], compiled_block_bytes(model, b, self.tokens, self.w, seq, tp))
                          for b in rank.blocks}
-        self.compiled_loss = compiled_loss(cfg, lay, device_type)
-        self.compiled_chunks = device_type == "cuda" and tp == 1  # trainers.loss._runner (tp: eager, `_vp_chunks`)
+        # the loss runs compiled: whole (`compiled_loss`) or chunked (CUDA: trainers.loss._runner; under tp the
+        # vocabulary-parallel chunks, `_vp_chunks`, stay eager)
+        self.compiled_loss = compiled_loss(cfg, lay, device_type) or bool(
+            self.chunk and device_type == "cuda" and tp == 1)
         self.block_input = self.shard_tokens * model.dim * self.w.resid
         if cfg.memory.ac_selective:  # the block's input and the outputs of its matmuls and attention
             self.kept = {b: self.block_input + selective_saved_bytes(model, b, self.tokens, self.w, tp)
@@ -561,8 +563,7 @@ class _RankPlanner:
         model, blocks = self.cfg.model, self.rank.blocks
         acts = self.others + sum(self.saved.values()) + self.edge
         if self.rank.head:
-            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk, self.compiled_loss,
-                                         self.compiled_chunks)]
+            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk, self.compiled_loss)]
         else:
             if blocks and blocks[-1] in self.checkpointed:
                 acts += self.full[blocks[-1]] - self.kept[blocks[-1]]  # recomputed at once
