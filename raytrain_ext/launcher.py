@@ -182,7 +182,9 @@ def build_trainer(
     built inside every worker; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
     `ray_log_level`: of Ray Train's own `ray.train` console lines (INFO: every report and checkpoint)."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_ext.network import NodeAddressTorchConfig
 
     cfg = run_config_for_workers(cfg)
     s = cfg.scaling
@@ -213,7 +215,7 @@ def build_trainer(
             "callbacks": list(callbacks),
             "ray_log_level": ray_log_level,
         },
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=NodeAddressTorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=scaling,
         run_config=run,
     )
@@ -242,10 +244,10 @@ def train(
         remove_file(RunDir(run_dir).failed)  # a new invocation: an old failure is history
         reconcile_ray_snapshot(run_dir, fresh=cfg.checkpoint.resume == "none")
         started = ensure_ray(address)
-        watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name) if progress else None
+        # the bar only with progress; the resume, resize and lost-host lines always
+        watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name, bar=progress)
         try:
-            if watcher:
-                watcher.start()
+            watcher.start()
             with WorkerLogs(run_dir):  # a lost worker: one line here, the tracebacks in the run's log
                 result = _run_restarting_controller(
                     lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
@@ -253,8 +255,7 @@ def train(
         except KeyboardInterrupt:
             raise KeyboardInterrupt(_continue_hint(run_dir)) from None
         finally:
-            if watcher:
-                watcher.stop()
+            watcher.stop()
             if started:
                 stop_ray()
     failed = _read_failed(run_dir)
@@ -298,7 +299,7 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 
     def fit() -> None:
         try:
-            with env_default(PREEMPTION_WATCHER, "0"):
+            with env_default(PREEMPTION_WATCHER, "0"), _start_timeout(cfg):
                 box["result"] = trainer.fit()
         except BaseException as e:
             box["error"] = e
@@ -330,6 +331,21 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 # Ray Train's preemption watcher (an actor started with every Train run) serves spot-instance drains: off
 # unless the user sets it. The controller takes it from the environment of the process that starts it.
 PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+# How long Ray Train's controller waits for a worker group's placement group before it decides again. An
+# elastic run's size is decided from the resources the cluster reports free, so its group places at once
+# unless that report was stale: a host just lost, still counted until the GCS declares it dead. Ray's 60 s
+# default is then a minute of nothing before the run goes on smaller; ELASTIC_START_TIMEOUT_S bounds it.
+# A fixed-size run keeps Ray's default (it may wait for an autoscaler to add nodes).
+START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+ELASTIC_START_TIMEOUT_S = 10
+
+
+def _start_timeout(cfg: RunConfig):
+    if not cfg.scaling.elastic:
+        return contextlib.nullcontext()
+    return env_default(START_TIMEOUT, str(ELASTIC_START_TIMEOUT_S))
 
 
 def _started_since(run_dir: Path, since: float) -> bool:
@@ -466,8 +482,8 @@ class _ProgressWatcher:
     """A progress bar in the driver, fed by the run's own metrics.jsonl (rank 0 of whichever attempt
     is running writes it): step, loss, tokens/s and the current world size."""
 
-    def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5):
-        self.path, self.total, self.name = path, total, name
+    def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5, bar: bool = True):
+        self.path, self.total, self.name, self.bar = path, total, name, bar
         self.interval_s = poll_interval(path, interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
@@ -489,7 +505,7 @@ class _ProgressWatcher:
     def _run(self) -> None:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self.total, desc=self.name, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=self.total, desc=self.name, unit="step", dynamic_ncols=True, disable=not self.bar)
         offset, last, val = 0, None, None
         told: set[tuple[Any, ...]] = set()  # events already written (a rewound log is read again)
         try:

@@ -20,13 +20,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from raytrain_ext.hosts import HostWatcher, LostHost
 from trainers.checkpoint_files import STEP_DIR, is_complete
 from trainers.run_dir import WORKER_LOG, RunDir
 from trainers.storage import append_bytes
 
 __all__ = ["WorkerLogs", "lost_worker", "split_tracebacks"]
 
-_SOURCES = ("RayTrainWorker", "TrainController", "PlacementGroupCleaner")  # a Train run's actors (and the raylet)
+# a Train run's actors (and the raylet, the GCS: a lost host's messages)
+_SOURCES = ("RayTrainWorker", "TrainController", "PlacementGroupCleaner", "raylet", "gcs_server")
 _STARTS = (
     "Traceback (most recent call last):",
     "Exception in thread ",
@@ -36,10 +38,29 @@ _STARTS = (
     # Python's report of an exception it cannot raise, e.g. Ray's SIGTERM handler firing in an actor that is
     # already shutting down (a Train run's controller as the run ends)
     "Exception ignored in:",
+    # a lost host, as Ray tells it: the GCS's verdict (with its list of possible reasons), a worker's raylet
+    # gone (with a state dump), the GCS failing to free a dead node's bundles
+    "has been marked dead because",
+    "Raylet is terminated",
+    "Failed to remove",
+    "GCS consider this node to be dead",  # a raylet back from a partition exits (its host's Ray restarts it)
+    "*** StackTrace Information ***",
+)
+_FRAME = re.compile(r"^(/|\[0x|\s*$)|\(\+0x[0-9a-f]+\)")  # a native stack trace's line (a raylet's)
+# One-line notices of a Train run's processes that a user can do nothing about, kept in the run's log:
+# c10d's reverse lookup of a peer's address (a cluster whose hosts' names are not in DNS), botocore saying
+# where it found a bucket's credentials and endpoint, and Ray Train's controller on a worker group that did
+# not place in time after a host was lost (HostWatcher's line says what happened).
+_QUIET = (
+    "The hostname of the client socket cannot be retrieved",
+    "Found credentials in environment variables",
+    "Found endpoint for s3 via",
+    "The worker group startup timed out after",
 )
 _PID = re.compile(r"(?:Worker PID|\bpid): (\d+)")
 _IP = re.compile(r"(?:Worker IP address|\bip): ([\w.:]+)")
 _EXIT = re.compile(r"exits with (?:an )?exit code (\d+)")
+_NODE_DIED = "node has died"  # Ray's ActorDiedError for an actor whose node was declared dead
 
 
 def split_tracebacks(lines: list[str], open_before: bool) -> tuple[list[str], list[str], bool]:
@@ -49,7 +70,8 @@ def split_tracebacks(lines: list[str], open_before: bool) -> tuple[list[str], li
     (its first line indented or blank) is moved whole."""
     console: list[str] = []
     moved: list[str] = []
-    inside = open_before and bool(lines) and (not lines[0].strip() or lines[0][:1] in (" ", "\t"))
+    inside = open_before and bool(lines) and (not lines[0].strip() or lines[0][:1] in (" ", "\t")
+                                              or bool(_FRAME.search(lines[0])))
     for line in lines:
         inside = inside or any(start in line for start in _STARTS)
         (moved if inside else console).append(line)
@@ -60,6 +82,8 @@ def lost_worker(lines: list[str], restart_step: int | None, experiment: bool = F
     """(pid, the console line) when `lines` tell of a Train worker process that died, else None. In an
     experiment (`raytrain tune`) the run is a trial's, which restarts from its own newest checkpoint."""
     text = "\n".join(lines)
+    if _NODE_DIED in text:  # the worker went with its host: HostWatcher's line tells it, with the cause
+        return None
     if "ActorDiedError" not in text and "A worker died or was killed" not in text:
         return None
     pid = _PID.search(text)
@@ -108,6 +132,7 @@ class WorkerLogs:
         self.printer: Callable[[dict[str, Any]], None] | None = None
         self.open: dict[Any, bool] = {}
         self.told: set[str] = set()
+        self.hosts: HostWatcher | None = None
 
     def __enter__(self) -> WorkerLogs:
         from ray._private import worker as ray_worker
@@ -121,12 +146,26 @@ class WorkerLogs:
             # this module function by name (the dispatcher's handler holds the original: no double print)
             self.error_printer = ray_worker.print_to_stdstream
             ray_worker.print_to_stdstream = self._handle_error
+        import ray
+
+        if ray.is_initialized():
+            back = ("its trials' runs can use it again" if self.experiment
+                    else "the run grows back at its next resize check")
+            self.hosts = HostWatcher(self._say, self._after_loss, back).start()
         return self
+
+    def _after_loss(self, host: LostHost) -> str:
+        if self.experiment:
+            return "the trials that ran there go on from their newest checkpoints"
+        step = newest_committed_step(self.run_dir)
+        return f"the run goes on without it from {f'step {step}' if step is not None else 'its start'}"
 
     def __exit__(self, *exc: Any) -> None:
         from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
+        if self.hosts is not None:
+            self.hosts.stop()
         if self.printer is not None:
             dispatcher.remove_handler("ray_print_logs")
             dispatcher.add_handler("ray_print_logs", self.printer)
@@ -138,17 +177,23 @@ class WorkerLogs:
     def handle(self, data: dict[str, Any], printer: Callable[[dict[str, Any]], None] | None = None) -> None:
         printer = printer or self.printer
         source = data.get("actor_name") or data.get("pid")
-        if source not in (*_SOURCES, "raylet") or not data.get("lines"):
+        if source not in _SOURCES or not data.get("lines"):
             printer(data)
             return
         key = (data.get("pid"), data.get("is_err"))
         console, moved, self.open[key] = split_tracebacks(list(data["lines"]), self.open.get(key, False))
+        quiet = [line for line in console if any(q in line for q in _QUIET)]
+        if quiet:
+            console = [line for line in console if line not in quiet]
+            moved = quiet + moved
         if moved:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             text = "".join(f"{stamp} ({source} pid={data.get('pid')}) {line}\n" for line in moved)
             append_bytes(RunDir(self.run_dir).worker_log, text.encode())
             restart = None if self.experiment else newest_committed_step(self.run_dir)
             lost = lost_worker(moved, restart, self.experiment)
+            if lost is not None and self.hosts is not None and self.hosts.is_lost(data.get("ip")):
+                lost = None  # its host is lost: HostWatcher's line says so, with the cause
             if lost is not None and lost[0] not in self.told:
                 self.told.add(lost[0])
                 self._say(lost[1])

@@ -480,13 +480,19 @@ def read_appended(path: Any, offset: int, version: Any = None) -> tuple[bytes | 
     `offset` on: (bytes or None when it is not there, the offset they start at, the file's version to pass
     next time). From 0 again when the file is shorter than `offset` or (locally) another file than the
     `version` read before (it may have grown past the old offset already, which then fell inside a line).
-    A store's object is replaced whole at each write: one GET of all of it."""
+    A store's object is replaced whole at each write: one GET of all of it; its version is the length and
+    digest of what was read, so a rewound object that grew past the old offset by the next look is still
+    seen as another one (its bytes up to the old length differ)."""
     if is_remote(path):
         data = read_bytes(path)
         if data is None:
             return None, offset, version
+        if version is not None:
+            size, digest = version
+            if len(data) < size or hashlib.blake2b(data[:size], digest_size=16).digest() != digest:
+                offset = 0
         offset = 0 if len(data) < offset else offset
-        return data[offset:], offset, version
+        return data[offset:], offset, (len(data), hashlib.blake2b(data, digest_size=16).digest())
     try:
         stat = Path(path).stat()
     except OSError:

@@ -1,0 +1,61 @@
+"""Which network a run's collectives use: the interface of the address Ray placed each worker at.
+
+gloo picks its interface from the host's name: a hostname that resolves to loopback (Debian's default
+`/etc/hosts` line `127.0.1.1 HOST`) or to nothing makes every rank offer a loopback address to its peers,
+and a run across machines fails after ~50 s with "Gloo connectFullMesh failed ... remote=[127.0.1.1]".
+Ray already knows the address each node is reached at (`ray start --node-ip-address`, or the one it found):
+each worker gives gloo the interface that holds that address (`GLOO_SOCKET_IFNAME`) before its process
+group is made, so a run works whatever the hosts' names resolve to. gloo also carries a GPU run's
+checkpoint collectives (DCP's "cpu:gloo" group), so it is set for NCCL runs too. A `GLOO_SOCKET_IFNAME`
+the user set on the nodes wins.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from ray.train.torch import TorchConfig
+
+from raytrain_ext import ray_compat
+
+__all__ = ["NodeAddressTorchConfig", "interface_of", "pin_gloo_interface"]
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds `address`, or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address
+               for a in addresses):
+            return name
+    return None
+
+
+def pin_gloo_interface() -> dict[str, Any]:
+    """In a Train worker, before its process group: gloo on the interface of the worker's Ray address."""
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    interface = os.environ.get(GLOO_IFNAME) or interface_of(address)
+    if interface and GLOO_IFNAME not in os.environ:
+        os.environ[GLOO_IFNAME] = interface
+    return {"host": socket.gethostname(), "address": address, "interface": interface}
+
+
+@dataclass
+class NodeAddressTorchConfig(TorchConfig):
+    """Ray Train's TorchConfig whose backend first pins gloo to each worker's Ray address."""
+
+    @property
+    def backend_cls(self):
+        return ray_compat.torch_backend_with(_pin_every_worker)
+
+
+def _pin_every_worker(worker_group: Any) -> None:
+    worker_group.execute(pin_gloo_interface)

@@ -1,0 +1,33 @@
+"""Small probes run inside a test host (`python -c "from tests.cluster.probe import ..."`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def wait_tcp(host: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def wait_nodes(address: str, count: int, timeout: float) -> None:
+    """Until `count` Ray nodes are alive."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        deadline = time.monotonic() + timeout
+        while sum(n["Alive"] for n in ray.nodes()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sum(n['Alive'] for n in ray.nodes())} of {count} Ray nodes alive")
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
