@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: setup demo finetune-demo test test-slow test-gpu bench bench-gpu lint clean
+.PHONY: setup demo finetune-demo test test-slow test-cluster test-gpu bench bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -38,11 +38,15 @@ finetune-demo: $(STAMP)
 
 # pytest's exit 5 ("no tests collected", e.g. a -k that selects none) is not a failure
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "not slow and not cluster" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-slow: $(STAMP)
 	# the slow tier: larger Ray, PBT and multi-process cases (README: test tiers)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "slow and not cluster" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-cluster: $(STAMP)
+	# the cluster tier: test hosts from network namespaces on this machine (root; skipped with one line elsewhere)
+	$(PY) -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-gpu:
 	# the gpu tier on one CUDA device (skipped without one); needs no Ray: any Python with torch and pytest

@@ -31,3 +31,18 @@ def wait_nodes(address: str, count: int, timeout: float) -> None:
             time.sleep(0.5)
     finally:
         ray.shutdown()
+
+
+def wait_key(uri: str, timeout: float) -> None:
+    """Until the object (or folder) `uri` exists."""
+    from trainers.storage import location
+
+    path = location(uri)
+    deadline = time.monotonic() + timeout
+    while True:
+        path.fs.invalidate_cache()  # s3fs caches listings: ask the store each time
+        if path.exists():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{uri} did not appear within {timeout:.0f}s")
+        time.sleep(0.3)

@@ -1,0 +1,120 @@
+"""Every multi-node promise, proved across test hosts (tests/cluster/conftest.py): training with workers on two
+hosts (ddp, fsdp, a pipeline whose stages sit on different hosts) against the same run on one host; a
+host killed and a host cut off mid-run (one true line each, the run goes on smaller from the newest
+checkpoint in the bucket, and grows back when the host returns, with no hand); `ray job submit` from
+another host with the token, a wrong token refused. h2's name resolves to loopback and h3's to nothing
+(scenarios.OWN_NAME): every run here also proves that gloo is given the Ray address's interface."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.cluster.scenarios import (
+    EVERY,
+    STEPS,
+    console_lines,
+    events,
+    fault_run,
+    losses,
+    reference_losses,
+    run_raw,
+    start_train,
+    write_yaml,
+)
+
+pytestmark = pytest.mark.cluster
+
+# Two ranks on two hosts and on one host do the same arithmetic (gloo's two-rank sums are order-free); a
+# resized run differs in float summation order only (tests/ray/test_elastic.py: 1.2e-7 measured).
+LOSS_RTOL = 1e-5
+
+
+def test_hosts_are_machines(tier):
+    """The fixture's premise: own hostnames (h2's resolving to loopback, h3's to nothing), own /tmp."""
+    h1, h2, h3 = (tier.hosts[n] for n in ("h1", "h2", "h3"))
+    assert h1.run(["hostname"]).stdout.strip() == "h1"
+    assert h2.run(["getent", "hosts", "h2"]).stdout.split()[0] == "127.0.1.1"
+    assert h3.run(["getent", "hosts", "h3"], check=False).returncode != 0
+    gcs_log = ["test", "-e", "/tmp/ray/session_latest/logs/gcs_server.out"]
+    assert h1.run(gcs_log, check=False).returncode == 0, "the head's Ray session is in its own /tmp"
+    assert h2.run(gcs_log, check=False).returncode != 0, "h2 sees h1's /tmp"
+    assert h2.run(["test", "-e", "/tmp/ray/session_latest"], check=False).returncode == 0
+
+
+def _ranks_on_hosts(tier) -> set[str]:
+    """The addresses of the hosts that ran Train workers (Ray's state API, asked on the head)."""
+    out = tier.python(
+        "import ray; from ray.util.state import list_actors; ray.init(address='auto', log_to_driver=False); "
+        "nodes = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}; "
+        "print(sorted({nodes[a.node_id] for a in list_actors(filters=[('class_name', '=', 'RayTrainWorker')], "
+        "limit=1000)}))", host="h1")
+    return set(eval(out.strip().splitlines()[-1]))  # noqa: S307 - our own print of a list of strings
+
+
+@pytest.mark.parametrize("parallel", [{"engine": "ddp"}, {"engine": "fsdp"}, {"engine": "fsdp", "pp": 2}],
+                         ids=["ddp", "fsdp", "pp2"])
+def test_train_across_hosts_matches_one_host(tier, parallel):
+    name = "-".join(f"{k}{v}" for k, v in parallel.items())
+    run_dir = tier.new_run_dir(name)
+    raw = run_raw(run_dir, parallel=parallel, scaling={"num_workers": 2})
+    driver = start_train(tier, write_yaml(tier.workdir(), name, raw))
+    assert driver.wait() == 0, driver.text()[-4000:]
+    rows = tier.metrics(run_dir)
+    got = losses(rows)
+    assert list(got) == list(range(1, STEPS + 1))
+    assert got == pytest.approx(reference_losses(tier, raw), rel=LOSS_RTOL)
+    assert {r["world_size"] for r in rows if r.get("kind") == "train"} == {2}
+    assert {tier.hosts["h2"].address, tier.hosts["h3"].address} <= _ranks_on_hosts(tier)
+    assert "Traceback" not in driver.text() and "Gloo connectFullMesh failed" not in driver.text()
+
+
+def _check_fault(tier, result: dict, cause: str) -> None:
+    text = result["console"]
+    assert result["code"] == 0, text[-4000:]
+    lost = [line for line in console_lines(text) if line.startswith("raytrain: lost host h3")]
+    assert len(lost) == 1, text[-4000:]
+    assert f"({tier.hosts['h3'].address}): {cause}" in lost[0], lost[0]
+    assert f"from step {EVERY}" in lost[0], lost[0]
+    assert len([line for line in console_lines(text) if "is back in the cluster" in line]) == 1, text[-4000:]
+    for noise in ("Traceback", "killed by a signal", "marked dead because", "StackTrace", "Raylet is terminated"):
+        assert noise not in text, f"{noise!r} on the console:\n{text[-4000:]}"
+    assert re.search(rf"resumed from step {EVERY} on 1 workers", text), text[-4000:]
+    assert re.search(rf"resumed from step {2 * EVERY} on 2 workers", text), text[-4000:]
+
+    rows = result["rows"]
+    got = losses(rows)
+    assert list(got) == list(range(1, STEPS + 1)), "each step once in metrics.jsonl"
+    assert [(e["step"], e["world_size"]) for e in events(rows, "resume")] == [(EVERY, 1), (2 * EVERY, 2)]
+    assert got == pytest.approx(reference_losses(tier, result["raw"]), rel=LOSS_RTOL)
+
+
+def test_killed_host_shrinks_then_grows_back(tier):
+    result = fault_run(tier, "kill")
+    _check_fault(tier, result, "its Ray processes are gone")
+
+
+def test_cut_off_host_is_unreachable_then_rejoins_by_itself(tier):
+    result = fault_run(tier, "cut")
+    _check_fault(tier, result, "unreachable")
+
+
+def test_job_submit_from_the_client_host(tier):
+    """`ray job submit` from a host outside the Ray cluster, the run YAML uploaded as its working dir."""
+    run_dir = tier.new_run_dir("job")
+    raw = run_raw(run_dir, parallel={"engine": "ddp"}, scaling={"num_workers": 2})
+    job_dir = tier.workdir() / "job"
+    job_dir.mkdir()
+    write_yaml(job_dir, "run", raw)
+    dashboard = f"http://{tier.hosts['h1'].address}:8265"
+    submit = ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
+              "raytrain", "train", "run.yaml", "--no-progress"]
+    out = tier.hosts["client"].run(submit, env=tier.ray.env(), timeout=400, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "succeeded" in out.stdout + out.stderr
+    assert list(losses(tier.metrics(run_dir))) == list(range(1, STEPS + 1))
+
+    wrong = tier.hosts["client"].run(submit, env=tier.ray.env(RAY_AUTH_TOKEN="0" * 32), timeout=120, check=False)
+    assert wrong.returncode != 0
+    assert re.search(r"(?i)unauthori[sz]ed|token|authentication", wrong.stdout + wrong.stderr)
