@@ -238,6 +238,13 @@ def _raycluster_fields(path: Path, raw: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------- policy
 
 
+# The GCS's health checks of every node, set on the head (its GCS reads them from the environment): a host
+# whose raylet refuses connections is declared dead after threshold x period (~10 s), one that does not
+# answer (cut off, powered off) after threshold x (timeout + period) (~25 s); Ray's defaults (3 s, 10 s, 5)
+# take ~15 s and ~65 s. Lower would risk declaring a busy node dead (a raylet starved for 10 s).
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "3000",
+                 "RAY_health_check_failure_threshold": "5"}
+
 _SECRET_PATTERNS = [
     (re.compile(r"AKIA[0-9A-Z]{16}"), "an AWS access key id"),
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
@@ -259,6 +266,10 @@ def policy_findings(path: str | Path) -> list[str]:
     if not all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c):
         found.append(f"{path}: a `ray start` without RAY_AUTH_MODE=token")
     head = " ".join(raw.get("head_start_ray_commands", []))
+    missing = [k for k in HEALTH_CHECKS if f"{k}={HEALTH_CHECKS[k]}" not in head]
+    if missing:
+        found.append(f"{path}: the head's start command does not export {', '.join(missing)} (a lost host is "
+                     f"declared dead in ~10-25 s with them, 15-65 s without)")
     if not re.search(r"--dashboard-host[= ](127\.0\.0\.1|localhost)\b", head):
         found.append(f"{path}: the head's dashboard is not bound to 127.0.0.1")
     setup = " ".join(raw.get("setup_commands", []))
@@ -290,6 +301,10 @@ def _storage_policy(path: Path, raw: dict[str, Any]) -> list[str]:
 
 def _kuberay_policy(path: Path, raw: dict[str, Any]) -> list[str]:
     spec, found = raw["spec"], []
+    head_env = {e.get("name"): str(e.get("value")) for c in spec["headGroupSpec"]["template"]["spec"]["containers"]
+                for e in c.get("env") or []}
+    if any(head_env.get(k) != v for k, v in HEALTH_CHECKS.items()):
+        found.append(f"{path}: the head container's env does not set {', '.join(HEALTH_CHECKS)}")
     if spec.get("rayVersion") != "2.60.0":
         found.append(f"{path}: spec.rayVersion is not 2.60.0")
     if (spec.get("authOptions") or {}).get("mode", "token" if "authOptions" in spec else None) != "token":

@@ -1,5 +1,6 @@
 """Test hosts on one Linux machine: each a network namespace with its own address, plus its own hostname,
-`/etc/hosts`, `/tmp`, `/dev/shm` and PID namespace, so that Ray and torch see separate machines.
+`/etc/hosts`, `/tmp`, `/dev/shm`, home folder (`/root`) and PID namespace, so that Ray, torch and ssh see
+separate machines.
 
 Layout (`TestHosts.up()`): a "switch" namespace holds a bridge; every host's `eth0` is one end of a veth pair
 whose other end is a port of that bridge. No namespace has a default route, and the root namespace has no
@@ -67,6 +68,7 @@ class Host:
     port: str  # its veth end on the bridge, in the switch namespace
     hosts_file: Path
     switch: str
+    home: Path  # bound over /root inside the host
     init: subprocess.Popen | None = None
     pid1: int | None = None  # the host's pid 1, as the root PID namespace numbers it
 
@@ -76,7 +78,7 @@ class Host:
         assert self.pid1 is None, f"{self.name} is running"
         self.init = subprocess.Popen(
             ["ip", "netns", "exec", self.ns, "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
-             "--propagation", "private", sys.executable, str(INIT), self.name, str(self.hosts_file)],
+             "--propagation", "private", sys.executable, str(INIT), self.name, str(self.hosts_file), str(self.home)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         line = self.init.stdout.readline()  # the init says "ready" once its mounts are made
@@ -134,6 +136,8 @@ class Host:
 class TestHosts:
     """The switch and the hosts; `names` in order get addresses .11, .12, ... of SUBNET."""
 
+    __test__ = False  # not a pytest test class
+
     names: Sequence[str]
     # what each host's /etc/hosts says of its own name: "address" (a correct file), "loopback" (Debian's
     # default: 127.0.1.1) or "none" (the name resolves to nothing)
@@ -187,7 +191,9 @@ class TestHosts:
         _ip("-n", ns, "link", "set", "lo", "up")
         hosts_file = self.workdir / f"{name}.hosts"
         hosts_file.write_text(self.hosts_text(name))
-        return Host(name, ns, address, port, hosts_file, self.switch)
+        home = self.workdir / f"{name}-home"
+        home.mkdir(mode=0o700)
+        return Host(name, ns, address, port, hosts_file, self.switch, home)
 
     def hosts_text(self, name: str) -> str:
         lines = ["127.0.0.1 localhost"]

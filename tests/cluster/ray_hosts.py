@@ -10,7 +10,6 @@ read from that file), so the tier measures what the cluster files give.
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import shlex
@@ -59,6 +58,9 @@ class RayHosts:
     @property
     def s3_endpoint(self) -> str:
         return f"http://{self.hosts['s3'].address}:{S3_PORT}"
+
+    def env_health(self) -> dict[str, str]:
+        return health_checks()
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment every process on a host gets (a node's service environment)."""
@@ -132,10 +134,3 @@ class RayHosts:
         return self.hosts[host].popen([str(VENV_BIN / "raytrain"), *argv], env=self.env(**env), cwd=str(ROOT),
                                       log=log)
 
-
-def ray_hosts_up(hosts: TestHosts) -> RayHosts:
-    return RayHosts(hosts).up()
-
-
-def environment_for_tests() -> dict[str, str]:
-    return dict(os.environ)

@@ -152,24 +152,29 @@ def losses(rows: list[dict[str, Any]]) -> dict[int, float]:
 
 
 HOLD = "tests.ray.hooks:HoldAtCheckpoint"
+HOLD_STEP = "tests.ray.hooks:HoldAtStep"
 
 
-def fault_run(cluster: TierCluster, fault: str, engine: str = "ddp") -> dict[str, Any]:
+def fault_run(cluster: TierCluster, fault: str, engine: str = "ddp", hold_step: int | None = None,
+              steps: int = STEPS) -> dict[str, Any]:
     """An elastic run (1..2 workers, one on h2 and one on h3) held after step EVERY's checkpoint at 2
     workers; then h3 is killed (`fault="kill"`) or cut off (`"cut"`); the run goes on at 1 worker and is
     held after step 2*EVERY; then h3 comes back (booted again and its Ray started, or its link restored:
-    its Ray restarts itself) and the run grows back to 2 workers and finishes. Returns what happened, with
-    wall-clock times of each stage (the bench reads them)."""
+    its Ray restarts itself) and the run grows back to 2 workers and finishes. `hold_step`: hold after that
+    step instead (between checkpoints: the steps since step EVERY are recomputed). Returns what happened,
+    with wall-clock times of each stage (the bench reads them)."""
     name = f"{fault}-{engine}"
     run_dir = cluster.new_run_dir(name)
     raw = run_raw(run_dir, parallel={"engine": engine},
                   scaling={"min_workers": 1, "max_workers": 2, "resize_check_s": 2, "max_failures": 5})
+    raw["train"]["steps"] = steps
     run_yaml = write_yaml(cluster.workdir(), name, raw)
-    driver = start_train(cluster, run_yaml, "--callback", f"{HOLD}(step={EVERY}, world=2)",
-                         "--callback", f"{HOLD}(step={2 * EVERY}, world=1)")
+    first = f"{HOLD}(step={EVERY}, world=2)" if hold_step is None else f"{HOLD_STEP}(step={hold_step}, world=2)"
+    held = EVERY if hold_step is None else hold_step
+    driver = start_train(cluster, run_yaml, "--callback", first, "--callback", f"{HOLD}(step={2 * EVERY}, world=1)")
     h3 = cluster.hosts["h3"]
-    cluster.wait_key(f"{run_dir}/held/step{EVERY}_world2_rank0")
-    cluster.wait_key(f"{run_dir}/held/step{EVERY}_world2_rank1")
+    cluster.wait_key(f"{run_dir}/held/step{held}_world2_rank0")
+    cluster.wait_key(f"{run_dir}/held/step{held}_world2_rank1")
     t_fault = time.time()
     if fault == "kill":
         h3.kill()
@@ -187,7 +192,8 @@ def fault_run(cluster: TierCluster, fault: str, engine: str = "ddp") -> dict[str
     code = driver.wait()
     rows = cluster.metrics(run_dir)
     return {"run_dir": run_dir, "code": code, "console": driver.text(), "rows": rows, "t_fault": t_fault,
-            "t_told": t_told, "t_back": t_back, "t_rejoined": t_rejoined, "raw": raw}
+            "t_told": t_told, "t_back": t_back, "t_rejoined": t_rejoined, "raw": raw, "held_step": held,
+            "t_started": driver.started}
 
 
 def reference_losses(cluster: TierCluster, raw: dict[str, Any], nproc: int = 2) -> dict[int, float]:

@@ -7,6 +7,7 @@ another host with the token, a wrong token refused. h2's name resolves to loopba
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from tests.cluster.scenarios import (
     EVERY,
     STEPS,
+    Driver,
     console_lines,
     events,
     fault_run,
@@ -118,3 +120,56 @@ def test_job_submit_from_the_client_host(tier):
     wrong = tier.hosts["client"].run(submit, env=tier.ray.env(RAY_AUTH_TOKEN="0" * 32), timeout=120, check=False)
     assert wrong.returncode != 0
     assert re.search(r"(?i)unauthori[sz]ed|token|authentication", wrong.stdout + wrong.stderr)
+
+
+def test_pbt_over_hosts_survives_a_lost_host(tier):
+    """`raytrain tune` on the head: two trials of one worker each, so one trains on h2 and one on h3 (1 CPU
+    each) and the first exploit copies a donor's checkpoint on one host into a run on the other, through
+    the bucket. After that exploit h3 is killed, then booted again: every trial reaches its budget, each
+    report once, and the lineage holds the exploit as it happened."""
+    steps, interval = 40, 10
+    name = f"pbt-{tier.runs}"
+    tier.runs += 1
+    base = run_raw("s3://tier/unused", parallel={"engine": "none"},
+                   optimizer={"name": "adamw", "lr": 1e-3}, train={"steps": steps, "eval_every": interval})
+    write_yaml(tier.workdir(), f"{name}-base", base)
+    exp = {
+        "name": name, "base": f"{name}-base.yaml", "storage": "s3://tier/tune",
+        "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        "initial": [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
+        "scheduler": {"name": "pbt", "interval": interval, "quantile_fraction": 0.5, "synch": True,
+                      "resample_probability": 0.0},
+        "population": 2, "budget": {"steps": steps}, "resources": {"workers": 1, "cpus_per_worker": 1},
+    }
+    path = write_yaml(tier.workdir(), name, exp)
+    log = path.with_suffix(".console")
+    driver = Driver(tier.ray.raytrain(["tune", str(path), "--address", tier.ray.address, "--quiet"], log=log), log)
+    driver.wait_line("exploit: ", timeout=300)
+    tier.hosts["h3"].kill()
+    driver.wait_line("raytrain: lost host h3")
+    tier.hosts["h3"].start()
+    tier.ray.start_worker("h3")
+    code = driver.wait(600)
+    text = driver.text()
+    assert code == 0, text[-5000:]
+    assert len([line for line in console_lines(text) if line.startswith("raytrain: lost host h3")]) == 1
+    assert "Traceback" not in text, text[-5000:]
+
+    exp_dir = f"s3://tier/tune/{name}"
+    out = tier.python(
+        "import json; from search.lineage import read_reports, read_events; "
+        f"r = read_reports({exp_dir!r}); e = read_events({exp_dir!r}); "
+        "print(json.dumps({'reports': [(x['trial'], x['step'], x['hparams']['optimizer.lr'], bool(x.get('abandoned'))) "
+        "for x in r], 'events': [(x['trial'], x['donor'], x['step']) for x in e]}))")
+    found = json.loads(out.strip().splitlines()[-1])
+    reports = [tuple(r) for r in found["reports"] if not r[3]]
+    trials = sorted({r[0] for r in reports})
+    assert len(trials) == 2
+    for trial in trials:
+        assert sorted(r[1] for r in reports if r[0] == trial) == list(range(interval, steps + 1, interval)), \
+            f"{trial}: each report once, to the budget"
+    strong = next(r[0] for r in reports if r[2] == 1e-2 and r[1] == interval)
+    weak = next(t for t in trials if t != strong)
+    first = found["events"][0]
+    assert (first[0], first[1], first[2]) == (weak, strong, interval), found["events"]
+    assert len({tier.hosts["h2"].address, tier.hosts["h3"].address} & _ranks_on_hosts(tier)) == 2

@@ -79,6 +79,19 @@ class HoldAtCheckpoint(TrainerCallback):
             _hold(f"held at step {self.step} on {self.world} workers")
 
 
+class HoldAtStep(TrainerCallback):
+    """After `step` on `world` workers (between checkpoints): mark it and wait to be stopped. A fault made
+    then costs the steps since the newest committed checkpoint."""
+
+    def __init__(self, step: int, world: int) -> None:
+        self.step, self.world = step, world
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if trainer.step == self.step and trainer.engine.world_size == self.world:
+            _write_atomic(trainer.run_dir / "held" / f"step{self.step}_world{self.world}_rank{_rank()}", "")
+            _hold(f"held at step {self.step} on {self.world} workers")
+
+
 class KillMeAtStep(TrainerCallback):
     """On `rank`, the first time `step` is reached: write this process's pid to pids/rank<R>, then wait to
     be killed. A restarted attempt finds the file and runs on. With `after_commit`: at the first step from

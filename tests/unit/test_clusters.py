@@ -96,6 +96,16 @@ def test_a_literal_token_is_a_finding(tmp_path):
     assert "a literal Ray token" in findings and "not bound to 127.0.0.1" in findings
 
 
+@pytest.mark.parametrize("name", ["local.yaml", "aws-gpu.yaml", "kuberay.yaml"])
+def test_a_head_without_the_health_checks_is_a_finding(tmp_path, name):
+    """A lost host is declared dead in ~10-25 s only with the health checks the cluster tier measured."""
+    text = (CLUSTERS / name).read_text()
+    assert "RAY_health_check_timeout_ms" in text
+    bad = tmp_path / name
+    bad.write_text(text.replace("RAY_health_check_timeout_ms", "RAY_unrelated_setting"))
+    assert any("RAY_health_check_timeout_ms" in f for f in policy_findings(bad)), policy_findings(bad)
+
+
 # ----------------------------------------------------------------------------------- cluster check
 
 
