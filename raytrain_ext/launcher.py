@@ -143,7 +143,16 @@ def ensure_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
-        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
+        target = address or os.environ["RAY_ADDRESS"]
+        try:
+            ray.init(address=target, log_to_driver=True)
+        except ConnectionError as e:
+            if isinstance(e.__cause__, ray.exceptions.AuthenticationError):
+                raise ConfigError(
+                    f"--address {target}: the cluster refused this process's token; fix: use the cluster's "
+                    f"token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token; RAY_AUTH_MODE=token)"
+                ) from None
+            raise
         return True
     with quiet_logger(_TOKEN_SETUP):  # the local Ray's token is made and used here: nothing for the user to do
         ray.init(

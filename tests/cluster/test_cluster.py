@@ -121,6 +121,13 @@ def test_job_submit_from_the_client_host(tier):
     assert wrong.returncode != 0
     assert re.search(r"(?i)unauthori[sz]ed|token|authentication", wrong.stdout + wrong.stderr)
 
+    # A driver with a wrong token joining the cluster directly: one line, exit 2, no traceback.
+    train = tier.hosts["client"].run(["raytrain", "train", str(job_dir / "run.yaml"), "--address", tier.ray.address,
+                                      "--no-progress"], env=tier.ray.env(RAY_AUTH_TOKEN="0" * 32), timeout=180,
+                                     check=False)
+    assert train.returncode == 2, train.stdout[-2000:] + train.stderr[-3000:]
+    assert "the cluster refused this process's token" in train.stderr and "Traceback" not in train.stderr
+
 
 def test_pbt_over_hosts_survives_a_lost_host(tier):
     """`raytrain tune` on the head: two trials of one worker each, so one trains on h2 and one on h3 (1 CPU

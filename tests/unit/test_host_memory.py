@@ -19,10 +19,11 @@ from trainers.host_memory import hold_freed_heap
 how = hold_freed_heap() if sys.argv[1] == "hold" else "glibc's defaults"
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-faults = []
+faults, blocks = [], [0] * 1024  # the list first: grown among the blocks, it would pin the heap below it
 for _ in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    blocks = [libc.malloc(2**16) for _ in range(1024)]
+    for i in range(1024):
+        blocks[i] = libc.malloc(2**16)
     for b in blocks:
         ctypes.memset(b, 1, 2**16)
     for b in reversed(blocks):
