@@ -147,7 +147,7 @@ def ensure_ray(address: str | None) -> bool:
         try:
             ray.init(address=target, log_to_driver=True)
         except ConnectionError as e:
-            if isinstance(e.__cause__, ray.exceptions.AuthenticationError):
+            if _refused_token(e):
                 raise ConfigError(
                     f"--address {target}: the cluster refused this process's token; fix: use the cluster's "
                     f"token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token; RAY_AUTH_MODE=token)"
@@ -167,6 +167,17 @@ def ensure_ray(address: str | None) -> bool:
         )
     _REAPERS.append(Reaper.start(Reaper.local_ray_roots()))
     return True
+
+
+def _refused_token(error: BaseException) -> bool:
+    """Whether Ray could not connect because the GCS refused the token (Ray 2.60 keeps that cause only as the
+    text of the last attempt's traceback, inside the RuntimeError behind its ConnectionError)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if "InvalidAuthToken" in str(seen) or type(seen).__name__ == "AuthenticationError":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 _TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"

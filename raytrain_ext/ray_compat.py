@@ -11,7 +11,11 @@ from typing import Any
 
 RAY_VERSION = "2.60.0"
 
-__all__ = ["RAY_VERSION", "refresh_autoscaling_view", "torch_backend_with"]
+__all__ = ["HEAD_NODE_RESOURCE", "RAY_VERSION", "refresh_autoscaling_view", "torch_backend_with"]
+
+# ray/_common/constants.py HEAD_NODE_RESOURCE_NAME: a resource of 1 that Ray gives the head node only (a
+# request for a share of it places an actor there).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 @cache

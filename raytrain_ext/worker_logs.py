@@ -56,6 +56,7 @@ _QUIET = (
     "Found credentials in environment variables",
     "Found endpoint for s3 via",
     "The worker group startup timed out after",
+    "PYTHON worker processes have been started on node",  # the raylet's count on a node of few CPUs
 )
 _PID = re.compile(r"(?:Worker PID|\bpid): (\d+)")
 _IP = re.compile(r"(?:Worker IP address|\bip): ([\w.:]+)")
@@ -148,7 +149,7 @@ class WorkerLogs:
             ray_worker.print_to_stdstream = self._handle_error
         import ray
 
-        if ray.is_initialized():
+        if ray.is_initialized() and self.printer is not None:  # the process whose console the user watches
             back = ("its trials' runs can use it again" if self.experiment
                     else "the run grows back at its next resize check")
             self.hosts = HostWatcher(self._say, self._after_loss, back).start()

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import tune
 
+from raytrain_ext import ray_compat
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
 from raytrain_ext.worker_logs import WorkerLogs
 from search.config import ExperimentConfig
@@ -114,10 +115,16 @@ class LineageState(tune.Callback):
         pass
 
 
+HEAD_SHARE = 0.001  # of it per trial: up to 1,000 trial actors on the head
+
+
 def _tuner_parts(exp: ExperimentConfig, board: str | None, slots: str | None) -> tuple[Any, dict[str, Any]]:
     # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
-    # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node.
-    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board, slots=slots), {"memory": 1})
+    # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node. It
+    # lives on the head node, beside the driver (Ray gives the head ray_compat.HEAD_NODE_RESOURCE = 1): a worker host lost
+    # takes Train workers with it, which the trial's run restarts, never the trial itself.
+    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board, slots=slots),
+                                    {"memory": 1, ray_compat.HEAD_NODE_RESOURCE: HEAD_SHARE})
     return trainable, population_space(exp.members())
 
 

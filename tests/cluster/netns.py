@@ -104,13 +104,15 @@ class Host:
         _ip("-n", self.switch, "link", "set", self.port, "up")
 
     # ------------------------------------------------------------------------------------------ commands
-    def _enter(self, argv: Sequence[str]) -> list[str]:
+    def _enter(self, argv: Sequence[str], cwd: str | None = None) -> list[str]:
+        """nsenter into the host; in its mount namespace the working directory is `cwd` (nsenter would
+        otherwise take its pid 1's, /)."""
         assert self.pid1 is not None, f"{self.name} is down"
-        return ["nsenter", "-t", str(self.pid1), "-m", "-u", "-n", "-p", "--", *argv]
+        return ["nsenter", "-t", str(self.pid1), "-m", "-u", "-n", "-p", f"--wd={cwd or '/'}", "--", *argv]
 
     def run(self, argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 300,
             check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess:
-        out = subprocess.run(self._enter(argv), env=env, cwd=cwd, capture_output=True, text=True,
+        out = subprocess.run(self._enter(argv, cwd), env=env, capture_output=True, text=True,
                              timeout=timeout)
         if check and out.returncode != 0:
             raise RuntimeError(f"{self.name}: {' '.join(argv)} -> {out.returncode}\n{out.stdout[-3000:]}\n"
@@ -121,7 +123,7 @@ class Host:
               log: Path | None = None) -> subprocess.Popen:
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
         try:
-            return subprocess.Popen(self._enter(argv), env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(self._enter(argv, cwd), env=env, stdout=out, stderr=subprocess.STDOUT)
         finally:
             if log:
                 out.close()

@@ -150,7 +150,7 @@ def test_pbt_over_hosts_survives_a_lost_host(tier):
     }
     path = write_yaml(tier.workdir(), name, exp)
     log = path.with_suffix(".console")
-    driver = Driver(tier.ray.raytrain(["tune", str(path), "--address", tier.ray.address, "--quiet"], log=log), log)
+    driver = Driver(tier.ray.raytrain(["tune", str(path), "--address", tier.ray.address], log=log), log)
     driver.wait_line("exploit: ", timeout=300)
     tier.hosts["h3"].kill()
     driver.wait_line("raytrain: lost host h3")
