@@ -310,3 +310,22 @@ def test_a_uri_run_dir_and_data_path_survive_the_config_round_trip(s3_corpus, tm
     assert str(again.out_dir) == "s3://bucket/runs/x" and yaml.safe_load(cfg.to_yaml())["run_dir"] == "s3://bucket/runs/x"
     local = parse_config(tiny_raw(s3_corpus, tmp_path / "r"))
     assert local.out_dir == tmp_path / "r" and isinstance(local.out_dir, os.PathLike)
+
+
+def test_a_rewound_log_in_a_bucket_is_read_again_even_when_it_grew_past_the_old_offset(s3):
+    """A restart rewinds metrics.jsonl to its checkpoint and appends again; a store has no inode, and by the
+    next look the new object may be longer than what was read: its first bytes differ, so it is read from 0."""
+    from trainers.storage import read_appended, write_text_atomic
+
+    path = location(f"s3://{s3.make_bucket('log')}/run/metrics.jsonl")
+    write_text_atomic(path, "step 1\nstep 2\nstep 3\n")
+    data, offset, version = read_appended(path, 0)
+    assert (data, offset) == (b"step 1\nstep 2\nstep 3\n", 0)
+    offset = len(data)
+    write_text_atomic(path, "step 1\nresume 1\nstep 2 again\nstep 3 again\n")  # rewound to step 1, then more
+    data, offset, version = read_appended(path, offset, version)
+    assert offset == 0 and data.startswith(b"step 1\nresume 1\n")
+    offset = len(data)
+    write_text_atomic(path, "step 1\nresume 1\nstep 2 again\nstep 3 again\nstep 4\n")  # appended only
+    data, offset, _ = read_appended(path, offset, version)
+    assert (data, offset) == (b"step 4\n", len(b"step 1\nresume 1\nstep 2 again\nstep 3 again\n"))
