@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: setup demo finetune-demo test test-slow test-cluster test-gpu bench bench-gpu lint clean
+.PHONY: setup demo finetune-demo test test-slow test-cluster test-gpu bench bench-cluster bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,10 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/pbt_overhead.py --data $(DATA)
 	$(PY) bench/storage.py
 	$(PY) bench/checkpoint.py --data $(DATA)
+
+bench-cluster: $(STAMP)
+	# root: test hosts from network namespaces; bring-up, first step and recovery from a lost host
+	$(PY) bench/cluster.py
 
 bench-gpu:
 	# one GPU, unattended (~30 min on an H100; BENCH_ARGS=--model small for 24 GB): bench/results/gpu.{json,png},
