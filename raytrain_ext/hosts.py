@@ -16,7 +16,6 @@ to look again at once instead of at its next 20 s tick: the run shrinks or grows
 
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 import time
@@ -43,20 +42,14 @@ class LostHost:
     cause: str
     since: float = field(default_factory=time.time)
 
-    @property
-    def unreachable(self) -> bool:
-        return self.cause == UNREACHABLE
-
 
 def probe_cause(address: str, port: int, timeout_s: float = 3.0) -> str:
     """Why the raylet at address:port is gone, from one TCP connect (see the module's docstring)."""
     try:
         socket.create_connection((address, port), timeout=timeout_s).close()
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
         return RAY_GONE
-    except OSError as e:  # a timeout, EHOSTUNREACH, ENETUNREACH: nothing answered
-        if e.errno in (errno.ECONNRESET,):
-            return RAY_GONE
+    except OSError:  # a timeout, EHOSTUNREACH, ENETUNREACH: nothing answered
         return UNREACHABLE
     return "its raylet answers again but the GCS declared it dead (a raylet that stalled past its health checks)"
 

@@ -37,15 +37,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def pin_gloo_interface() -> dict[str, Any]:
+def pin_gloo_interface() -> None:
     """In a Train worker, before its process group: gloo on the interface of the worker's Ray address."""
     import ray
 
-    address = ray.util.get_node_ip_address()
-    interface = os.environ.get(GLOO_IFNAME) or interface_of(address)
-    if interface and GLOO_IFNAME not in os.environ:
+    if GLOO_IFNAME in os.environ:
+        return
+    interface = interface_of(ray.util.get_node_ip_address())
+    if interface:
         os.environ[GLOO_IFNAME] = interface
-    return {"host": socket.gethostname(), "address": address, "interface": interface}
 
 
 @dataclass

@@ -19,7 +19,8 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 @cache
-def _backend_class(before_start: Callable[[Any], None]) -> type:
+def torch_backend_with(before_start: Callable[[Any], None]) -> type:
+    """Ray Train's torch backend class, running `before_start(worker_group)` before its process group."""
     # ray/train/torch/config.py: `_TorchBackend.on_start(worker_group, backend_config)` makes the process
     # group (MASTER_ADDR from rank 0's node address, then `init_process_group` in every worker). A subclass
     # runs `before_start(worker_group)` first; TorchConfig.backend_cls is the public hook that names it.
@@ -31,11 +32,6 @@ def _backend_class(before_start: Callable[[Any], None]) -> type:
             super().on_start(worker_group, backend_config)
 
     return Backend
-
-
-def torch_backend_with(before_start: Callable[[Any], None]) -> type:
-    """Ray Train's torch backend class, running `before_start(worker_group)` before its process group."""
-    return _backend_class(before_start)
 
 
 # ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py: Ray Train's elastic scaling policy

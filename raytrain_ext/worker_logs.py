@@ -183,10 +183,9 @@ class WorkerLogs:
             return
         key = (data.get("pid"), data.get("is_err"))
         console, moved, self.open[key] = split_tracebacks(list(data["lines"]), self.open.get(key, False))
-        quiet = [line for line in console if any(q in line for q in _QUIET)]
-        if quiet:
-            console = [line for line in console if line not in quiet]
-            moved = quiet + moved
+        quiet = [any(q in line for q in _QUIET) for line in console]
+        moved = [line for line, q in zip(console, quiet) if q] + moved
+        console = [line for line, q in zip(console, quiet) if not q]
         if moved:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             text = "".join(f"{stamp} ({source} pid={data.get('pid')}) {line}\n" for line in moved)

@@ -121,8 +121,8 @@ HEAD_SHARE = 0.001  # of it per trial: up to 1,000 trial actors on the head
 def _tuner_parts(exp: ExperimentConfig, board: str | None, slots: str | None) -> tuple[Any, dict[str, Any]]:
     # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
     # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node. It
-    # lives on the head node, beside the driver (Ray gives the head ray_compat.HEAD_NODE_RESOURCE = 1): a worker host lost
-    # takes Train workers with it, which the trial's run restarts, never the trial itself.
+    # lives on the head node, beside the driver (Ray gives the head ray_compat.HEAD_NODE_RESOURCE = 1): a
+    # worker host lost takes Train workers with it, which the trial's run restarts, never the trial itself.
     trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board, slots=slots),
                                     {"memory": 1, ray_compat.HEAD_NODE_RESOURCE: HEAD_SHARE})
     return trainable, population_space(exp.members())

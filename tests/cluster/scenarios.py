@@ -200,7 +200,6 @@ def reference_losses(cluster: TierCluster, raw: dict[str, Any], nproc: int = 2) 
     """The same run on one host: torchrun with `nproc` processes on this machine, the corpus on its disk."""
     from tests.dist.harness import free_port
 
-    local = dict(raw)
     folder = cluster.workdir() / f"reference-{cluster.runs}-{nproc}"
     local = {**raw, "run_dir": str(folder), "data": {**raw["data"], "path": str(cluster.corpus)}, "scaling": {}}
     run_yaml = write_yaml(cluster.workdir(), folder.name, local)
