@@ -84,12 +84,14 @@ class BudgetConfig(StrictModel):
 
 class ResourcesConfig(StrictModel):
     workers: PositiveInt = 1  # Ray Train workers per trial (the run's scaling.num_workers)
-    cpus_per_worker: PositiveFloat = 1.0
+    cpus_per_worker: PositiveFloat = Field(
+        1.0, description="CPUs Ray reserves for each worker (fractions share a core)"
+    )
     use_gpu: bool = False  # one GPU per worker
 
 
 class ExperimentConfig(StrictModel):
-    name: str = "experiment"
+    name: str = Field("experiment", description="the experiment folder is storage/name")
     base: Path  # the run YAML every trial starts from (relative to the experiment file)
     overrides: dict[str, Any] = {}  # dotted run-config keys set on the base for every trial
     space: dict[str, Any]  # dotted run-config key -> range, list of choices, or fixed value
@@ -97,8 +99,10 @@ class ExperimentConfig(StrictModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     population: PositiveInt = 4  # trials (pbt/pb2: the population; asha/random: the samples)
     budget: BudgetConfig = BudgetConfig()
-    metric: Literal["val_loss", "train_loss"] = "val_loss"
-    mode: Literal["min", "max"] = "min"
+    metric: Literal["val_loss", "train_loss"] = Field(
+        "val_loss", description="what the scheduler ranks trials by"
+    )
+    mode: Literal["min", "max"] = Field("min", description="whether a lower or a higher metric is better")
     resources: ResourcesConfig = ResourcesConfig()
     # how a trial trains between reports: a bounded Train run per interval, or one run kept alive
     trial_runs: Literal["segments", "live"] = "live"

@@ -68,11 +68,11 @@ __all__ = [
 
 
 class OptimizerConfig(StrictModel):
-    name: Literal["sgd", "adagrad", "rmsprop", "adam", "adamw"] = "adamw"
-    lr: PositiveFloat = 3e-4
+    name: Literal["sgd", "adagrad", "rmsprop", "adam", "adamw"] = Field("adamw", description="optimizer kind")
+    lr: PositiveFloat = Field(3e-4, description="peak learning rate (the schedule scales it)")
     weight_decay: float = Field(0.0, ge=0)  # never applied to norms, biases or embeddings
     betas: tuple[float, float] = (0.9, 0.95)  # adam, adamw
-    eps: PositiveFloat = 1e-8
+    eps: PositiveFloat = Field(1e-8, description="adam, adamw, rmsprop, adagrad: added to the denominator")
     momentum: float = Field(0.0, ge=0)  # sgd, rmsprop
     nesterov: bool = False  # sgd (needs momentum > 0)
     alpha: float = Field(0.99, gt=0, lt=1)  # rmsprop smoothing
@@ -94,8 +94,8 @@ class OptimizerConfig(StrictModel):
 
 # The learning-rate schedule: the run YAML's `schedule:` section (parallel.pipeline_schedule is the pipeline's).
 class LRScheduleConfig(StrictModel):
-    name: Literal["constant", "warmup_cosine", "warmup_linear", "inverse_sqrt", "exponential", "step"] = (
-        "warmup_cosine"
+    name: Literal["constant", "warmup_cosine", "warmup_linear", "inverse_sqrt", "exponential", "step"] = Field(
+        "warmup_cosine", description="learning-rate schedule over train.steps"
     )
     warmup_steps: NonNegativeInt = 0  # linear warmup from 0 (all schedules but constant/exponential/step)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # floor of cosine/linear decay, as a fraction of lr
@@ -110,7 +110,9 @@ ScheduleConfig = LRScheduleConfig  # the name before the learning-rate and pipel
 class PrecisionConfig(StrictModel):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, fp32 master weights
     init_scale: PositiveFloat = 2.0**16  # fp16 dynamic loss scaling
-    growth_interval: PositiveInt = 2000
+    growth_interval: PositiveInt = Field(
+        2000, description="fp16: steps without an overflow before the loss scale doubles"
+    )
     # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 sums), as
     # torch.set_float32_matmul_precision("high"); false keeps true fp32 ("highest"). No effect on a CPU.
     tf32: bool = True
@@ -175,7 +177,9 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")  # zero-bubble: input and w
 class ParallelConfig(StrictModel):
     """How the model is sharded over the data-parallel ranks (the world size comes from the launcher)."""
 
-    engine: Literal["none", "ddp", "fsdp", "deepspeed"] = "none"
+    engine: Literal["none", "ddp", "fsdp", "deepspeed"] = Field(
+        "none", description="none: one process; ddp; fsdp (FSDP2, also pp/tp/ep); deepspeed (ZeRO)"
+    )
     # ZeRO stage. fsdp: 2 = parameters stay gathered from forward to backward (reshard_after_forward=False),
     # 3 = resharded after forward; deepspeed: its stage 0-3. None = the engine's default (fsdp 3, deepspeed 2).
     zero_stage: int | None = None
@@ -188,7 +192,9 @@ class ParallelConfig(StrictModel):
     pp: PositiveInt = 1  # pipeline-parallel degree (ranks per pipeline)
     tp: PositiveInt = 1  # tensor-parallel degree: heads, FFN units and vocabulary split over tp ranks
     ep: PositiveInt = 1  # expert-parallel degree: each MoE layer's experts sharded over ep data-parallel ranks
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = Field(
+        "1f1b", description="torch.distributed.pipelining schedule (pp > 1)"
+    )
     virtual_stages: PositiveInt = 1  # pipeline stages per rank (interleaved_*: >= 2; zbv: 2)
     n_microbatches: PositiveInt | None = None  # pipeline microbatches per step; None = the accumulation count
     # fsdp without a pipeline, when a step has several micro-batches per rank. sharded (the default):
@@ -259,7 +265,7 @@ class TrainConfig(StrictModel):
     log_every: PositiveInt = 10  # progress line / bar refresh
     max_bad_steps: PositiveInt = 3  # consecutive NaN/inf losses tolerated (skipped) before stopping
     peak_tflops: PositiveFloat = 1.0  # per device, for MFU (e.g. 989 for H100 bf16 dense)
-    tensorboard: bool = True
+    tensorboard: bool = Field(True, description="also write the scalars for TensorBoard to RUN_DIR/tb/")
     compile: bool = False  # torch.compile each block (inductor, CPU and GPU), after TP and AC, before FSDP
 
     def accumulation(self, dp: int) -> int:
@@ -296,7 +302,7 @@ class ScalingConfig(StrictModel):
     min_workers: PositiveInt | None = None  # elastic: start as soon as this many fit
     max_workers: PositiveInt | None = None  # elastic: grow up to this many
     use_gpu: bool = False  # one GPU per worker
-    cpus_per_worker: PositiveFloat = 1.0
+    cpus_per_worker: PositiveFloat = Field(1.0, description="CPUs Ray reserves for each worker")
     max_failures: int = Field(3, ge=-1)  # worker-group restarts after a failure (-1 = unlimited)
     resize_check_s: PositiveFloat = 60.0  # how often an elastic run looks for room to grow
     placement_timeout_s: PositiveFloat = 600.0  # no worker placed within this long: end with what was asked
@@ -332,8 +338,8 @@ class ScalingConfig(StrictModel):
 
 
 class RunConfig(StrictModel):
-    name: str = "run"
-    seed: int = 0
+    name: str = Field("run", description="the run's name: runs/<name> when run_dir is not set")
+    seed: int = Field(0, description="model initialisation and data order")
     run_dir: Location = None  # None = runs/<name>; a local folder or a URI (s3://bucket/runs/x, gs://...)
     model: ModelConfig = ModelConfig()
     data: DataConfig
