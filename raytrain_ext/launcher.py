@@ -33,7 +33,7 @@ from raytrain_ext.cleanup import (
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.worker import FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
-from trainers._base import ConfigError, env_default
+from trainers._base import ConfigError, env_default, free_port, scoped_environ
 from trainers.checkpoint import is_complete
 from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
@@ -154,9 +154,16 @@ def ensure_ray(address: str | None) -> bool:
                 ) from None
             raise
         return True
-    with quiet_logger(_TOKEN_SETUP):  # the local Ray's token is made and used here: nothing for the user to do
+    # Ray's state API, called inside the local Ray's own processes (Ray Train's PlacementGroupCleaner asks
+    # it whether the controller lives), looks for "the" Ray of the machine: with two on one machine (two
+    # runs at once, or a stale /tmp/ray/ray_current_cluster) it asks the wrong one, times out and its
+    # monitor dies with a traceback on the console. The raylet and every worker inherit this process's
+    # environment at `ray.init`: they are told their own dashboard's address.
+    port = free_port()
+    with quiet_logger(_TOKEN_SETUP), scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
         ray.init(
             address="local",  # never another Ray on this machine
+            dashboard_port=port,
             num_cpus=os.cpu_count(),
             log_to_driver=True,
             # The raylet warns once its Python workers reach 4x this, as if they were leaked tasks. An

@@ -8,6 +8,7 @@ import contextlib
 import math
 import os
 import re
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,28 @@ def env_default(key: str, value: str) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def scoped_environ(**values: str) -> Iterator[None]:
+    """`os.environ` with `values` set for the block (and the processes started in it), then as it was."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS's pick; another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------- sizes

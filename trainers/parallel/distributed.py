@@ -6,11 +6,12 @@ import contextlib
 import datetime
 import gc
 import os
-import socket
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from trainers._base import free_port, scoped_environ
 
 __all__ = ["device_for_rank", "group_of_one", "init_from_env", "launched", "leave_groups"]
 
@@ -62,22 +63,13 @@ def device_for_rank() -> torch.device:
 def group_of_one() -> Iterator[None]:
     """torchrun's environment for this one process (a free port on loopback) and the group `init_from_env`
     joins from it; both undone after (a benchmark row or a test runs an engine that needs a group)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        if not init_from_env():
-            raise RuntimeError("no process group was made from torchrun's environment")
-        yield
-    finally:
-        if dist.is_initialized():
-            leave_groups()
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with scoped_environ(**env):
+        try:
+            if not init_from_env():
+                raise RuntimeError("no process group was made from torchrun's environment")
+            yield
+        finally:
+            if dist.is_initialized():
+                leave_groups()
