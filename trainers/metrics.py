@@ -130,10 +130,16 @@ class MetricsLog:
         self._started = False  # the sinks: started once, rewound by a checkpoint loaded in place
         if enabled:
             self.local.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter  # heavy import; only when used
 
-                self._tb = SummaryWriter(str(self._tb_dir))  # a store's: this attempt's events only
+    def _open_tensorboard(self, purge_step: int | None) -> None:
+        """TensorBoard's writer (a store's: this attempt's events only). `purge_step`: the first step that
+        will be written again: TensorBoard drops the events at and after it that earlier attempts wrote
+        (the steps of a Ctrl-C'd or killed attempt past its checkpoint), so each step shows once."""
+        from torch.utils.tensorboard import SummaryWriter  # heavy import; only when used
+
+        if self._tb is not None:
+            self._tb.close()
+        self._tb = SummaryWriter(str(self._tb_dir), purge_step=purge_step)
 
     def resume_from(self, step: int) -> None:
         """Drop records of steps after `step` (they will be recomputed) before appending; then the sinks
@@ -144,6 +150,8 @@ class MetricsLog:
             self._file.close()
             self._file = None
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        if self._tb_dir is not None:
+            self._open_tensorboard(step + 1 if step > 0 else None)
         # The readers' file is the truth (on a store, another machine may have written it).
         if self.path.is_file() or self.local.is_file():
             write_text_atomic(self.local, "".join(json.dumps(r) + "\n" for r in keep))
@@ -169,6 +177,8 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         if record.get("kind") == "event":
             self.flush()
+        if self._tb is None and self._tb_dir is not None:
+            self._open_tensorboard(None)
         if self._tb is not None:
             step, kind = record.get("step", 0), record.get("kind", "train")
             for key, value in record.items():
