@@ -58,7 +58,8 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Peak memory per rank (parameters, gradients, optimizer state, activations, buffers), a verdict
-    against the device's memory, and the cheapest change that makes the run fit."""
+    against the device's memory, and the cheapest change that makes the run fit. Exit 0 when the run
+    fits, 1 when it does not, 2 on bad input."""
     memory = parse_bytes(args.device_memory, "--device-memory")
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size} must be at least 1; fix: the number of ranks, e.g. 8")
@@ -70,7 +71,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"config": str(args.config), "overrides": args.overrides, **result.to_dict()}, indent=1))
     else:
         print("\n".join(plan_lines(result, str(args.config))))
-    return 0
+    return 0 if result.fits else 1  # as `cluster check --run`: a script can act on the verdict
 
 
 def plan_lines(result: RunPlan, name: str) -> list[str]:

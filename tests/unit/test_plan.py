@@ -339,7 +339,7 @@ def test_cli_plan_json_and_text(tmp_path, capsys):
     assert out["fits"] is True and out["layout"]["dp"] == 2
     assert sum(out["breakdown"].values()) == out["peak_bytes"]
     # (CUDA, the CLI's default: 64 MiB of cuBLAS workspaces come first, so a tiny model needs ~66 MiB)
-    assert main(["plan", str(run), "--world-size", "2", "--device-memory", "72.5MiB"]) == 0
+    assert main(["plan", str(run), "--world-size", "2", "--device-memory", "72.5MiB"]) == 1  # does not fit
     text = capsys.readouterr().out
     assert "does NOT fit" in text and "--set " in text
     assert main(["plan", str(run), "--world-size", "2", "--device-memory", "lots"]) == 2
