@@ -28,7 +28,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         check_run_storage(cfg)  # a bucket: there, with credentials, writable
         check_inputs(cfg)  # fail before anything starts
-        result = run_local(cfg, progress=not args.no_progress)
+        try:
+            result = run_local(cfg, progress=not args.no_progress)
+        except KeyboardInterrupt:  # Ctrl-C: where the same command continues (the Ray path says it too)
+            from trainers.resume import continue_hint
+
+            raise KeyboardInterrupt(continue_hint(cfg.out_dir)) from None
         sizes = ""
     else:
         from raytrain_ext.launcher import train

@@ -39,7 +39,8 @@ from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
 from trainers.metrics import read_metrics
 from trainers.preflight import check_inputs
-from trainers.resume import check_resume
+from trainers.progress import LineProgress, progress_bar
+from trainers.resume import check_resume, continue_hint
 from trainers.run_dir import FAILED, RunDir
 from trainers.run_lock import RunDirLock
 from trainers.storage import (
@@ -280,7 +281,7 @@ def train(
                     lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
                 )
         except KeyboardInterrupt:
-            raise KeyboardInterrupt(_continue_hint(run_dir)) from None
+            raise KeyboardInterrupt(continue_hint(run_dir)) from None
         finally:
             watcher.stop()
             if started:
@@ -393,14 +394,6 @@ def _unplaced_message(cfg: RunConfig) -> str:
         f"cluster has CPU {have.get('CPU', 0):g}, GPU {have.get('GPU', 0):g} in all; fix: fewer or smaller "
         f"workers, more nodes (or an autoscaler that can add them), or a longer placement_timeout_s"
     )
-
-
-def _continue_hint(run_dir: Path) -> str:
-    from trainers.checkpoint import Checkpointer
-
-    latest = Checkpointer(RunDir(run_dir).checkpoints, 1).latest()
-    where = f"from step {int(latest.name.split('_')[-1])}" if latest else "from the start (no checkpoint yet)"
-    return f"interrupted; run the same command again to continue {where} ({run_dir})"
 
 
 @contextlib.contextmanager
@@ -530,9 +523,7 @@ class _ProgressWatcher:
         return data, offset
 
     def _run(self) -> None:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=self.total, desc=self.name, unit="step", dynamic_ncols=True, disable=not self.bar)
+        bar = progress_bar(self.total, self.name) if self.bar else LineProgress(self.total, self.name, show=False)
         offset, last, val = 0, None, None
         told: set[tuple[Any, ...]] = set()  # events already written (a rewound log is read again)
         try:

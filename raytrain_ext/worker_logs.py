@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ext.hosts import HostWatcher, LostHost
+from trainers._base import env_default
 from trainers.checkpoint_files import STEP_DIR, is_complete
+from trainers.progress import is_terminal, plain
 from trainers.run_dir import WORKER_LOG, RunDir
 from trainers.storage import append_bytes
 
@@ -134,10 +136,14 @@ class WorkerLogs:
         self.open: dict[Any, bool] = {}
         self.told: set[str] = set()
         self.hosts: HostWatcher | None = None
+        self.colors = contextlib.ExitStack()  # RAY_COLOR_PREFIX while in the block
 
     def __enter__(self) -> WorkerLogs:
         from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        if not is_terminal():  # a log file: Ray's prefixes without color codes (a user's RAY_COLOR_PREFIX wins)
+            self.colors.enter_context(env_default("RAY_COLOR_PREFIX", "0"))
 
         self.printer = dict(dispatcher.handlers).get("ray_print_logs")
         if self.printer is not None:
@@ -167,6 +173,7 @@ class WorkerLogs:
 
         if self.hosts is not None:
             self.hosts.stop()
+        self.colors.close()
         if self.printer is not None:
             dispatcher.remove_handler("ray_print_logs")
             dispatcher.add_handler("ray_print_logs", self.printer)
@@ -177,6 +184,8 @@ class WorkerLogs:
 
     def handle(self, data: dict[str, Any], printer: Callable[[dict[str, Any]], None] | None = None) -> None:
         printer = printer or self.printer
+        if not is_terminal() and data.get("lines"):  # Ray colors its "[repeated Nx]" notes whatever the prefix
+            data = {**data, "lines": [plain(line) for line in data["lines"]]}
         source = data.get("actor_name") or data.get("pid")
         if source not in _SOURCES or not data.get("lines"):
             printer(data)
@@ -203,6 +212,9 @@ class WorkerLogs:
     def _say(self, line: str) -> None:
         if self.out is not None:
             print(line, file=self.out, flush=True)
+            return
+        if not is_terminal():
+            print(line, file=sys.stderr, flush=True)
             return
         from tqdm.auto import tqdm
 

@@ -84,3 +84,13 @@ def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
     except (OSError, ValueError):
         return
     check_compatible(saved, compat_of(cfg, manifest), path)
+
+
+def continue_hint(run_dir: Any) -> str:
+    """What an interrupted run tells its user: the same command continues, from which step."""
+    from trainers.checkpoint import Checkpointer
+    from trainers.run_dir import RunDir
+
+    latest = Checkpointer(RunDir(run_dir).checkpoints, 1).latest()
+    where = f"from step {int(latest.name.split('_')[-1])}" if latest else "from the start (no checkpoint yet)"
+    return f"interrupted; run the same command again to continue {where} ({run_dir})"

@@ -31,6 +31,7 @@ from trainers.parallel import build_engine
 from trainers.parallel.engine import Engine
 from trainers.preflight import check_inputs
 from trainers.profiling import build_profiler, span
+from trainers.progress import progress_bar
 from trainers.resume import check_compatible, compat_of
 from trainers.run_dir import RunDir
 from trainers.storage import ensure_folder, location
@@ -80,8 +81,9 @@ class Trainer:
         self.run_dir = cfg.out_dir
         self.manifest = check_inputs(cfg, shards=False)  # TokenWindows checks each shard as it reads it
         self.accum = cfg.train.accumulation(self.engine.dp_size)
-        self.train_data = TokenWindows(cfg.data.path, "train", cfg.data.seq_len, cfg.data.cache)
-        self.val_data = TokenWindows(cfg.data.path, "val", cfg.data.seq_len, cfg.data.cache)
+        data = cfg.data
+        self.train_data = TokenWindows(data.path, "train", data.seq_len, data.cache, data.cache_limit)
+        self.val_data = TokenWindows(data.path, "val", data.seq_len, data.cache, data.cache_limit)
         self.sampler = GlobalSampler(self.train_data.num_windows, cfg.seed, cfg.data.shuffle)
         self.checkpointer = Checkpointer(
             RunDir(self.run_dir).checkpoints,
@@ -313,6 +315,9 @@ class Trainer:
         micro_batches = np.split(
             shard_for_rank(sample_ids, self.engine.dp_rank, self.engine.dp_size), self.accum
         )
+        # The next step's windows are fetched while this one computes (a bucket's pieces; a local disk's hint).
+        ahead = self.sampler.window_ids((step + 1) * batch, batch)
+        self.train_data.prefetch(shard_for_rank(ahead, self.engine.dp_rank, self.engine.dp_size))
         lr = self.lr_schedule.apply(step)
         self.engine.zero_grad()
         data_s = [0.0]  # the engine pulls micro-batches as it goes: their loading is timed one by one
@@ -497,8 +502,4 @@ class Trainer:
     def _progress_bar(self):
         if not (self.progress and self.engine.is_main):
             return None
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=self.cfg.train.steps, initial=self.step, desc=self.cfg.name, unit="step", dynamic_ncols=True
-        )
+        return progress_bar(self.cfg.train.steps, self.cfg.name, initial=self.step)

@@ -60,3 +60,25 @@ def test_one_process_computes_on_the_cpus_the_run_asks_for(tiny_config, monkeypa
               callbacks=[threads], progress=False)
     assert threads.seen == {1}
     assert torch.get_num_threads() == before
+
+
+def test_ctrl_c_of_a_run_without_ray_names_the_step_it_continues_from(corpus_dir, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    import trainers.launch
+    from raytrain_ext.cli import main
+    from tests.conftest import tiny_raw
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(tiny_raw(corpus_dir, tmp_path / "run", train={"steps": 8, "eval_every": 0},
+                                           checkpoint={"every": 5})))
+    assert main(["train", str(run), "--no-ray", "--no-progress", "--set", "train.steps=6"]) == 0
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainers.launch, "run_local", interrupted)
+    assert main(["train", str(run), "--no-ray", "--no-progress"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"raytrain: interrupted; run the same command again to continue from step 6 ({tmp_path / 'run'})"]
