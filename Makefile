@@ -87,3 +87,15 @@ lint: $(STAMP)
 
 clean:
 	rm -rf runs bench/_work .pytest_cache
+
+# The docs: docs/configuration.md and the reference part of docs/cli.md, generated from the pydantic models and
+# the argparse parsers (tests/unit/test_docs.py fails when they are out of date); docs-check also runs the docs'
+# commands for real, in short forms (docs/check_commands.sh: a few minutes on 2 cores).
+.PHONY: docs docs-check
+docs: $(STAMP)
+	$(PY) docs/gen_reference.py
+
+docs-check: $(STAMP)
+	$(PY) docs/gen_reference.py --check
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_docs.py
+	VENV=$(VENV) bash docs/check_commands.sh
