@@ -92,18 +92,21 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
-        include=args.include,
+        **({"include": args.include} if args.include else {}),
         max_bytes=args.max_bytes,
         seed=args.seed,
         progress=not args.no_progress,
+        text_field=args.text_field,
+        workers=args.workers,
     )
     if remote is not None:
         upload_folder(output, remote)
         staging.cleanup()
-    splits = manifest["splits"]
+    splits, source = manifest["splits"], manifest["source"]
     print(
         f"wrote {args.output}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, "
-        f"vocab {manifest['tokenizer']['vocab_size']}, unigram entropy {manifest['unigram_entropy_nats']:.3f} nats"
+        f"vocab {manifest['tokenizer']['vocab_size']}, unigram entropy {manifest['unigram_entropy_nats']:.3f} nats; "
+        f"{source['tokens_per_s'] or 0:,} tokens/s on {source['workers']} process(es)"
     )
     return 0
 
@@ -211,8 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_cmd_report)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
-    prep = data.add_parser("prepare", help="text files or folders to token shards (Parquet + manifest)")
-    prep.add_argument("--input", nargs="+", help="files or folders (default: the Python standard library)")
+    prep = data.add_parser(
+        "prepare",
+        help="text, JSONL, Parquet, Arrow, CSV/TSV (gzip/zstd too) or a datasets folder to token shards",
+    )
+    prep.add_argument(
+        "--input",
+        nargs="+",
+        help="files or folders: plain text (a file is a document), .jsonl/.json, .parquet, .arrow, .csv, .tsv "
+        "(a record is a document), any of them .gz/.zst, or a `datasets` save_to_disk folder "
+        "(default: the Python standard library)",
+    )
     prep.add_argument("--output", required=True, help="folder to write (manifest.json + shards)")
     prep.add_argument(
         "--tokenizer",
@@ -222,7 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--vocab-size", type=int, default=4096, help="bpe vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.05)
-    prep.add_argument("--include", default="*.py,*.txt,*.md,*.rst", help="comma-separated file globs")
+    prep.add_argument(
+        "--include",
+        default=None,
+        help="comma-separated globs choosing the files of a folder, a .gz/.zst suffix looked through (default: "
+        "*.py,*.txt,*.md,*.rst and every record format above)",
+    )
+    prep.add_argument("--text-field", default="text", help="the field or column of records that holds the text")
+    prep.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per core)")
     prep.add_argument("--max-bytes", type=int, default=None, help="stop after this much text")
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--no-progress", action="store_true")

@@ -47,6 +47,9 @@ class TrainerCallback:
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
+    # `record` ({"val_loss": ...}) may be given the callback's own values (numbers, e.g. an accuracy it
+    # measured): they go into the eval row of metrics.jsonl and a run's reports, and a search can rank by
+    # them (`metric: eval/accuracy`).
     def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
 
@@ -401,9 +404,9 @@ class Trainer:
         total = self.engine.eval_loss(batches)
         val_loss = float(self.engine.reduce_mean(total / len(ids)))
         record = {"val_loss": val_loss}
-        self._emit("eval", **record)
-        for cb in self.callbacks:
+        for cb in self.callbacks:  # a callback may add its own values: logged with the row, reported to Ray
             cb.after_eval(self, record)
+        self._emit("eval", **record)
         return val_loss
 
     def save(self) -> Path | None:

@@ -9,15 +9,13 @@ sees the same samples per step, and a run resumed at another world size continue
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from trainers._base import ConfigError
-from trainers.data.manifest import SPLITS, fetch_shard, read_manifest
+from trainers.data.manifest import SPLITS, read_manifest
+from trainers.data.shards import SplitStream
 from trainers.storage import location
 
 __all__ = ["GlobalSampler", "TokenWindows", "eval_window_ids", "shard_for_rank"]
@@ -27,53 +25,58 @@ class TokenWindows:
     """One split as a contiguous token stream cut into windows of `seq_len` (+1 for the shifted targets).
 
     Window i covers stream[i*seq_len : i*seq_len + seq_len + 1]; consecutive windows share one token so
-    that every token in the stream is a target exactly once.
+    that every token in the stream is a target exactly once. The stream is read where it lies
+    (`trainers.data.shards`): only the windows asked for, each piece of a shard checked the first time it is
+    read; the first window is read here, so that a folder that cannot be read fails before any step.
+    `cache`, `cache_bytes`: where a bucket's pieces are kept (data.cache, data.cache_bytes).
     """
 
-    def __init__(self, data_dir: str | Path, split: str, seq_len: int, cache: bool = True) -> None:
+    def __init__(
+        self, data_dir: str | Path, split: str, seq_len: int, cache: bool = True, cache_bytes: int | None = None
+    ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         if seq_len < 1:
             raise ConfigError(f"data.seq_len={seq_len} must be >= 1; fix: e.g. data.seq_len=128")
-        self.data_dir = location(data_dir)  # a local folder or a URI (each shard fetched and checked)
+        self.data_dir = location(data_dir)  # a local folder or a URI
         self.cache = cache
         self.split = split
         self.seq_len = seq_len
         self.manifest = read_manifest(self.data_dir)
-        self.tokens = self._load_stream(self.manifest["splits"][split]["shards"])
-        self.num_windows = (len(self.tokens) - 1) // seq_len
+        self.dtype = np.dtype(self.manifest.get("dtype", "uint16"))
+        self.stream = SplitStream(self.data_dir, self.manifest, split, cache, cache_bytes)
+        self.num_windows = (self.stream.total - 1) // seq_len
         if self.num_windows < 1:
             raise ConfigError(
-                f"data.path={self.data_dir}: the {split} split holds {len(self.tokens)} tokens, fewer than "
+                f"data.path={self.data_dir}: the {split} split holds {self.stream.total} tokens, fewer than "
                 f"data.seq_len+1={seq_len + 1}; fix: add text or lower data.seq_len"
             )
+        self.stream.read(0, seq_len + 1)
 
-    def _load_stream(self, shards: list[dict[str, Any]]) -> np.ndarray:
-        parts = [self._load_shard(s) for s in shards]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
-
-    def _load_shard(self, shard: dict[str, Any]) -> np.ndarray:
-        path = fetch_shard(self.data_dir, shard, self.cache)
-        fix = "fix: prepare the data folder again (raytrain data prepare)"
-        source = pa.BufferReader(path) if isinstance(path, bytes) else path
-        column = pq.read_table(source, columns=["tokens"], memory_map=True).column("tokens")
-        # flatten() honours list offsets; rows are documents that already end in eos.
-        values = np.concatenate([chunk.flatten().to_numpy() for chunk in column.chunks])
-        if len(values) != shard["tokens"]:
-            raise ConfigError(
-                f"data.path={self.data_dir}: shard {shard['file']} holds {len(values)} tokens, the "
-                f"manifest says {shard['tokens']}; {fix}"
-            )
-        return values
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole split as one array (reads all of it: for tests and tools, not for training)."""
+        return self.stream.read(0, self.stream.total).astype(self.dtype)
 
     def get(self, window_ids: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both LongTensor[B, seq_len]; targets are inputs shifted left by one token."""
+        ids = self._check(window_ids)
+        block = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
+        for row, i in zip(block, ids.tolist()):
+            row[:] = self.stream.read(i * self.seq_len, self.seq_len + 1)
+        block = torch.from_numpy(block)
+        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+    def prefetch(self, window_ids: np.ndarray | list[int]) -> None:
+        """Start reading the windows a later `get` will ask for (a bucket's pieces, on threads); returns at once."""
+        ids = self._check(window_ids)
+        self.stream.prefetch((i * self.seq_len for i in ids.tolist()), self.seq_len + 1)
+
+    def _check(self, window_ids: np.ndarray | list[int]) -> np.ndarray:
         ids = np.asarray(window_ids, dtype=np.int64)
         if ids.ndim != 1 or (len(ids) and (ids.min() < 0 or ids.max() >= self.num_windows)):
             raise IndexError(f"window ids must be a 1-d array in [0, {self.num_windows}), got {window_ids!r}")
-        index = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        block = torch.from_numpy(self.tokens[index].astype(np.int64))
-        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        return ids
 
 
 class GlobalSampler:

@@ -4,19 +4,31 @@ tokenizer share, so that every bad manifest or shard gets the same one-line erro
 No numpy or pyarrow here: `check_inputs` runs in the driver before any worker starts.
 
 `data.path` may be a URI (s3://, gs://: `trainers.storage`): the driver checks that each shard is there at
-its recorded size; a worker fetches each shard whole (once per machine into the local cache, or into
-memory) and checks its sha256 before reading it.
+its recorded size; a worker reads and checks what it uses (`trainers.data.shards`). A local shard is hashed by
+`check_shard` once per machine: this machine's record of it (its size, times and inode when its sha256 was
+last found right, `cache_root()/checked`) spares the hash at later starts while the file is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from trainers._base import ConfigError
-from trainers.storage import cached_copy, local_path, location, one_line_errors, sha256_of, size_of
+from trainers.storage import (
+    cache_root,
+    cached_copy,
+    local_path,
+    location,
+    one_line_errors,
+    sha256_of,
+    size_of,
+)
 
 __all__ = [
     "FORMAT",
@@ -27,6 +39,8 @@ __all__ = [
     "fetch_shard",
     "file_sha256",
     "read_manifest",
+    "remember_checked",
+    "shard_problem",
 ]
 
 FORMAT = "raytrain-tokens"
@@ -39,6 +53,7 @@ _KEYS = {"tokenizer.kind": str, "tokenizer.vocab_size": int} | {
     f"splits.{split}.{key}": kind for split in SPLITS for key, kind in (("tokens", int), ("shards", list))
 }
 _SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}
+_OPTIONAL_SHARD_KEYS = {"bytes": int, "values_offset": int, "pieces": list}  # what in-place readers use
 _JSON_NAMES = {str: "string", int: "integer", list: "list", dict: "object"}
 
 
@@ -69,6 +84,11 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             _expect(shard, dict, entry, fix)
             for key, kind in _SHARD_KEYS.items():
                 _expect(shard.get(key), kind, f"{entry}.{key}", fix)
+            for key, kind in _OPTIONAL_SHARD_KEYS.items():
+                if key in shard:
+                    _expect(shard[key], kind, f"{entry}.{key}", fix)
+    if "piece_bytes" in manifest:
+        _expect(manifest["piece_bytes"], int, f"{where}: piece_bytes", fix)
     return manifest
 
 
@@ -106,22 +126,29 @@ def _expect(value: Any, kind: type, what: str, fix: str) -> None:
         raise ConfigError(f"{what} should be a JSON {_JSON_NAMES[kind]}, found {found}; {fix}")
 
 
+def shard_problem(data_dir: str | Path, shard: dict[str, Any], what: str) -> str:
+    """The one line for a shard that is not as the manifest says: `what` is wrong with it."""
+    return f"data.path={data_dir}: shard {shard['file']} {what}; {_fix(data_dir)}"
+
+
 def check_shard(data_dir: str | Path, shard: dict[str, Any]) -> Path:
     """The path of one shard of the manifest, present at its recorded size and sha256 (else ConfigError).
-    A remote shard is checked for presence and size only (its bytes are hashed where they are read:
-    `fetch_shard`)."""
+    A remote shard is checked for presence and size only (its bytes are checked where they are read); a local
+    one is hashed unless this machine checked it before and it has not changed since (`remember_checked`)."""
     path = location(data_dir) / shard["file"]
-    what = f"data.path={data_dir}: shard {shard['file']}"
-    fix = _fix(data_dir)
     size = size_of(path)
     if size is None:
-        raise ConfigError(f"{what} is missing; {fix}")
+        raise ConfigError(shard_problem(data_dir, shard, "is missing"))
     if "bytes" in shard and size != shard["bytes"]:  # older manifests have no size
-        raise ConfigError(f"{what} is {size} bytes, {MANIFEST_FILE} says {shard['bytes']} (truncated?); {fix}")
-    if local_path(path) is None:  # hashed where it is read
+        raise ConfigError(
+            shard_problem(data_dir, shard, f"is {size} bytes, {MANIFEST_FILE} says {shard['bytes']} (truncated?)")
+        )
+    if local_path(path) is None or _checked_before(path, shard["sha256"]):
         return path
+    started = time.time_ns()
     if file_sha256(path) != shard["sha256"]:
-        raise ConfigError(f"{what} does not match its sha256 in {MANIFEST_FILE} (corrupted or changed); {fix}")
+        raise ConfigError(shard_problem(data_dir, shard, f"does not match its sha256 in {MANIFEST_FILE} (corrupted or changed)"))
+    remember_checked(path.parent, {path.name: shard["sha256"]}, started)
     return path
 
 
@@ -131,8 +158,7 @@ def fetch_shard(data_dir: str | Path, shard: dict[str, Any], cache: bool = True)
     path = check_shard(data_dir, shard)
     if local_path(path) is not None:  # checked in place
         return path
-    what = f"data.path={data_dir}: shard {shard['file']}"
-    bad = f"{what} does not match its sha256 in {MANIFEST_FILE} (corrupted or changed); {_fix(data_dir)}"
+    bad = shard_problem(data_dir, shard, f"does not match its sha256 in {MANIFEST_FILE} (corrupted or changed)")
     if cache:
         local = cached_copy(path, shard["sha256"], shard.get("bytes"))
         if local is None:
@@ -146,3 +172,59 @@ def fetch_shard(data_dir: str | Path, shard: dict[str, Any], cache: bool = True)
 
 def file_sha256(path: Path) -> str:
     return sha256_of(path)
+
+
+# ---------------------------------------------------------------- shards this machine has checked
+
+# A record is trusted only when the file had been unchanged this long when it was checked: a change within
+# the file system's timestamp granularity of the previous one could otherwise leave size and times as they
+# were (git's "racy clean" case).
+_SETTLED_NS = 2_000_000_000
+_records: dict[Path, dict[str, Any]] = {}  # checked/<folder>.json of each folder, as this process last wrote or read it
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _record_file(folder: Path) -> Path:
+    name = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
+    return cache_root() / "checked" / f"{name}.json"
+
+
+def _folder_records(folder: Path) -> dict[str, Any]:
+    folder = folder.resolve()
+    if folder not in _records:
+        try:
+            data = json.loads(_record_file(folder).read_text())
+        except (OSError, ValueError):
+            data = {}
+        _records[folder] = data.get("files", {}) if isinstance(data, dict) and data.get("folder") == str(folder) else {}
+    return _records[folder]
+
+
+def _checked_before(path: Path, sha256: str) -> bool:
+    entry = _folder_records(path.parent).get(path.name)
+    if not isinstance(entry, dict) or entry.get("sha256") != sha256:
+        return False
+    try:
+        key = _stat_key(path)
+    except OSError:
+        return False
+    return entry.get("stat") == key and entry.get("checked_ns", 0) - max(key[1], key[2]) > _SETTLED_NS
+
+
+def remember_checked(folder: Path, files: dict[str, str], checked_ns: int) -> None:
+    """Record that the local files `folder/name` held the sha256s `files` gives at `checked_ns` (time.time_ns()
+    before they were read or written): later `check_shard`s on this machine skip the hash while a file stays
+    unchanged. A record that cannot be written costs only a hash more at the next start."""
+    with contextlib.suppress(OSError):
+        records = _folder_records(folder)
+        for name, sha256 in files.items():
+            records[name] = {"sha256": sha256, "stat": _stat_key(folder / name), "checked_ns": checked_ns}
+        path = _record_file(folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"folder": str(folder.resolve()), "files": records}))
+        os.replace(tmp, path)

@@ -1,43 +1,45 @@
-"""Text files to token shards: `raytrain data prepare`.
+"""Text to token shards: `raytrain data prepare`.
 
-Layout of the output folder (written to a temp folder, then renamed into place):
-    manifest.json          format, tokenizer, splits (shards with token counts, bytes and sha256), source stats
+Layout of the output folder (written to a temp folder beside it, then renamed into place):
+    manifest.json          format, tokenizer, splits (shards with token counts, bytes, sha256 and piece
+                           sha256s, where their values start), source stats; written last
     tokenizer.json         bpe, or a model folder's (--tokenizer HF_DIR)
     train-00000.parquet    one row per document, column `tokens` list<uint16|uint32>, each row ends in eos
-    val-00000.parquet
-A document goes to val when a hash of (seed, its relative path) falls below val_fraction, so adding a
-file never moves another one between splits.
+    val-00000.parquet      (the layout a reader reads in place: `trainers.data.shards`)
+The inputs are read in their formats (`trainers.data.sources`); a document goes to val when a hash of (seed,
+its key) falls below val_fraction, so adding a file (or appending records) never moves another document
+between splits. Documents are tokenized in batches on a pool of processes (each tokenizer single-threaded, one
+per core) while this process reads the next ones and writes shards as they fill: memory stays bounded by the
+batches in flight and one shard per split, whatever the size of the corpus.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
+import sys
 import sysconfig
+import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from trainers._base import ConfigError
-from trainers.data.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST_FILE,
-    SPLITS,
-    file_sha256,
-)
+from trainers.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, SPLITS, remember_checked
+from trainers.data.shards import PIECE_BYTES, encode_shard, piece_digests
+from trainers.data.sources import DEFAULT_INCLUDE, Skipped, Source, list_sources, read_documents
 from trainers.data.tokenizer import (
     TOKENIZER_FILE,
     BPETokenizer,
@@ -47,7 +49,7 @@ from trainers.data.tokenizer import (
 )
 from trainers.storage import check_location, is_uri, location
 
-__all__ = ["default_corpus", "prepare_corpus"]
+__all__ = ["DEFAULT_INCLUDE", "CorpusWriter", "default_corpus", "prepare_corpus"]
 
 # Standard-library parts that are not ordinary source: third-party code, tests, GUI, generated tables.
 _STDLIB_SKIP = {
@@ -56,20 +58,15 @@ _STDLIB_SKIP = {
     "lib-dynload",
 }  # fmt: skip
 _TEST_DIRS = {"test", "tests", "idle_test"}
-_BATCH_BYTES = 1 << 20  # text encoded per encode_batch call: big enough for Rust threads, small in memory
-
-
-@dataclass
-class _File:
-    path: Path
-    key: str  # relative path (posix) that decides the split
-    size: int
+_BATCH_BYTES = 1 << 20  # text encoded per call: big enough for Rust threads, small in memory
+_POOL_MIN_BYTES = 16 << 20  # less text than this is tokenized in this process (a pool costs ~1 s to start)
+_MAX_SHARD_TOKENS = 1 << 28  # a shard's values are one Parquet page (< 2 GiB)
 
 
 @dataclass
 class _SourceStats:
     files_read: int = 0
-    files_skipped: int = 0  # unreadable, binary (NUL bytes or not UTF-8) or empty
+    documents: int = 0
     bytes: int = 0
 
 
@@ -77,34 +74,34 @@ class _SourceStats:
 class _Plan:
     """What to read and how to split it; both passes (bpe training, encoding) read through it."""
 
-    files: list[_File]
+    sources: list[Source]
     seed: int
     val_fraction: float
     max_bytes: int | None
-    progress: bool
+    text_field: str
 
     def is_val(self, key: str) -> bool:
         digest = hashlib.sha256(f"{self.seed}\0{key}".encode()).digest()
         return int.from_bytes(digest[:8], "big") / 2**64 < self.val_fraction
 
-    def documents(self, stats: _SourceStats, desc: str) -> Iterator[tuple[str, str]]:
-        """(key, text) of each readable file, stopping once `max_bytes` have been read."""
-        total = sum(f.size for f in self.files)
-        total = min(total, self.max_bytes) if self.max_bytes is not None else total
-        with tqdm(
-            total=total, desc=desc, unit="B", unit_scale=True, disable=not self.progress, leave=False
-        ) as bar:
-            for f in self.files:
+    @property
+    def size(self) -> int:
+        total = sum(s.size for s in self.sources)
+        return min(total, self.max_bytes) if self.max_bytes is not None else total
+
+    def documents(self, stats: _SourceStats, skipped: Skipped, advance: Callable[[int], None] = lambda n: None
+                  ) -> Iterator[tuple[str, str]]:
+        """(key, text) of each document, stopping once `max_bytes` of text have been read."""
+        for source in self.sources:
+            read = False
+            for key, text in read_documents(source, self.text_field, skipped):
                 if self.max_bytes is not None and stats.bytes >= self.max_bytes:
-                    break
-                got = _read_text(f.path)
-                bar.update(f.size)
-                if got is None:
-                    stats.files_skipped += 1
-                    continue
-                stats.files_read += 1
-                stats.bytes += got[1]
-                yield f.key, got[0]
+                    return
+                size = len(text) if text.isascii() else len(text.encode("utf-8"))
+                stats.bytes, stats.documents, read = stats.bytes + size, stats.documents + 1, True
+                advance(size)
+                yield key, text
+            stats.files_read += read
 
 
 def prepare_corpus(
@@ -113,46 +110,61 @@ def prepare_corpus(
     tokenizer: str = "byte",
     vocab_size: int = 4096,
     val_fraction: float = 0.05,
-    include: str = "*.py,*.txt,*.md,*.rst",
+    include: str = DEFAULT_INCLUDE,
     max_bytes: int | None = None,
     shard_tokens: int = 4_000_000,
     seed: int = 0,
     progress: bool = True,
+    text_field: str = "text",
+    workers: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Tokenize the text files under `inputs` into train/val Parquet shards at `output`; returns the manifest."""
+    """Tokenize the documents under `inputs` into train/val Parquet shards at `output`; returns the manifest.
+
+    `text_field`: the field or column of record formats that holds the text. `workers`: tokenizing
+    processes (default: one per core for a bpe or model tokenizer on more than 16 MB of text, else this
+    process). `say`: where the one-line notes go (files left out or skipped, and why); default stderr.
+    """
+    say = say or (lambda line: print(f"raytrain data prepare: {line}", file=sys.stderr, flush=True))
     output, inputs = Path(output), [Path(p) for p in inputs]
     patterns = _check_args(
-        inputs, output, tokenizer, vocab_size, val_fraction, include, max_bytes, shard_tokens
+        inputs, output, tokenizer, vocab_size, val_fraction, include, max_bytes, shard_tokens, text_field
     )
-    files = _list_files(inputs, patterns)
-    if not files:
-        raise ConfigError(f"--input {_show(inputs)}: no files match --include {include}; fix: {_MORE}")
-    plan = _Plan(files, seed, val_fraction, max_bytes, progress)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        tok = _build_tokenizer(tokenizer, vocab_size, plan)
-        stats = _SourceStats()
-        splits, counts = _write_splits(tmp, tok, plan, shard_tokens, stats)
-        _check_splits(splits, stats, inputs, val_fraction)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "tokenizer": tok.save(tmp),
-            "dtype": _dtype(tok.vocab_size).__name__,
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "splits": splits,
-            "source": {"inputs": [str(p) for p in inputs], "include": patterns, "max_bytes": max_bytes}
-            | asdict(stats),
-            "unigram_entropy_nats": _entropy(counts),
+    listing = Skipped()
+    sources = list_sources(inputs, patterns, listing)
+    if not sources:
+        left = "".join(f" ({note})" for note in listing.notes())
+        raise ConfigError(f"--input {_show(inputs)}: no files match --include {include}{left}; fix: {_MORE}")
+    for note in listing.notes():
+        say(note)
+    plan = _Plan(sources, seed, val_fraction, max_bytes, text_field)
+    tok = _build_tokenizer(tokenizer, vocab_size, plan)
+    workers = _workers(workers, tok, plan)
+    stats, skipped = _SourceStats(), Skipped()
+    started = time.perf_counter()
+    with CorpusWriter(output, tok, shard_tokens) as writer:
+        _encode_into(writer, tok, plan, stats, skipped, workers, progress)
+        for note in skipped.notes():
+            say(note)
+        _check_splits(writer, stats, skipped, inputs, val_fraction)
+        seconds = time.perf_counter() - started
+        tokens = sum(writer.writers[s].tokens for s in SPLITS)
+        source = {
+            "inputs": [str(p) for p in inputs],
+            "include": patterns,
+            "text_field": text_field,
+            "max_bytes": max_bytes,
+            "files_read": stats.files_read,
+            "files_skipped": skipped.files_skipped,
+            "files_left_out": listing.files_left_out,
+            "records_skipped": skipped.records_skipped,
+            "bytes": stats.bytes,
+            "notes": listing.notes() + skipped.notes(),
+            "workers": workers,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds) if seconds > 0 else None,
         }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-        _replace_dir(tmp, output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
+        return writer.finish(seed=seed, val_fraction=val_fraction, source=source)
 
 
 def default_corpus() -> list[Path]:
@@ -184,6 +196,7 @@ def _check_args(
     include: str,
     max_bytes: int | None,
     shard_tokens: int,
+    text_field: str,
 ) -> list[str]:
     """One-line errors before any work; returns the include globs."""
     if not inputs:
@@ -206,8 +219,10 @@ def _check_args(
         raise ConfigError(f"--val-fraction={val_fraction} must be in (0, 0.5]; fix: e.g. --val-fraction 0.05")
     if max_bytes is not None and max_bytes < 1:
         raise ConfigError(f"--max-bytes={max_bytes} must be positive; fix: leave it out to read everything")
-    if shard_tokens < 1:
-        raise ConfigError(f"shard_tokens={shard_tokens} must be positive; fix: e.g. 4_000_000")
+    if not 1 <= shard_tokens <= _MAX_SHARD_TOKENS:
+        raise ConfigError(f"shard_tokens={shard_tokens} must be in [1, {_MAX_SHARD_TOKENS}]; fix: e.g. 4_000_000")
+    if not text_field:
+        raise ConfigError("--text-field is empty; fix: name the field or column that holds the text, e.g. text")
     patterns = [g.strip() for g in include.split(",") if g.strip()]
     if not patterns:
         raise ConfigError(f"--include {include!r} holds no glob; fix: e.g. --include '*.py,*.txt'")
@@ -226,7 +241,7 @@ def _check_output(output: Path) -> None:
         raise ConfigError(f"--output {output} exists and is not a prepared-data folder; {fix}")
 
 
-# Every file prepare_corpus writes into an output folder (the shard names of _ShardWriter._flush).
+# Every file a CorpusWriter writes into an output folder (the shard names of _ShardWriter._flush).
 _OUTPUT_NAME = re.compile(rf"(train|val)-\d{{5}}\.parquet|{re.escape(TOKENIZER_FILE)}|{re.escape(MANIFEST_FILE)}")
 
 
@@ -261,40 +276,6 @@ def _holds_tests(folder: Path) -> bool:
     return any(d.name in _TEST_DIRS for d in folder.rglob("*") if d.is_dir())
 
 
-def _list_files(inputs: list[Path], patterns: list[str]) -> list[_File]:
-    """Files in a deterministic order; a file named directly is taken whatever its name."""
-    files: dict[Path, _File] = {}
-    for root in (p.resolve() for p in inputs):
-        if root.is_file():
-            found = [root]
-        else:
-            found = [p for p in _walk(root) if any(fnmatch.fnmatch(p.name, g) for g in patterns)]
-        for p in found:
-            # Relative to the input's parent: the folder name is part of the key, the machine is not.
-            key = p.relative_to(root.parent).as_posix()
-            files.setdefault(p, _File(p, key, p.stat().st_size))
-    return sorted(files.values(), key=lambda f: f.key)
-
-
-def _walk(folder: Path) -> Iterator[Path]:
-    """Files under `folder`, skipping hidden folders (.git, .venv) and __pycache__."""
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
-        for name in sorted(filenames):
-            yield Path(dirpath) / name
-
-
-def _read_text(path: Path) -> tuple[str, int] | None:
-    """(text, bytes), or None for a file that is unreadable, binary or empty."""
-    try:
-        raw = path.read_bytes()
-        if not raw or b"\0" in raw:
-            return None
-        return raw.decode("utf-8"), len(raw)
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 # ------------------------------------------------------------------------------------------- tokens
 
 
@@ -304,12 +285,26 @@ def _build_tokenizer(kind: str, vocab_size: int, plan: _Plan) -> Tokenizer:
     if kind != "bpe":  # a model folder: its tokenizer.json as it is
         return PretrainedTokenizer.from_folder(location(kind))
     # Merges are learnt from the train split only, so val stays unseen text.
-    docs = plan.documents(_SourceStats(), "train bpe")
+    docs = plan.documents(_SourceStats(), Skipped())
     return BPETokenizer.train((text for key, text in docs if not plan.is_val(key)), vocab_size)
 
 
 def _dtype(vocab_size: int) -> type[np.unsignedinteger]:
     return np.uint16 if vocab_size < 1 << 16 else np.uint32
+
+
+def _workers(workers: int | None, tok: Tokenizer, plan: _Plan) -> int:
+    if workers is not None:
+        if workers < 1:
+            raise ConfigError(f"--workers={workers} must be at least 1; fix: e.g. --workers {_cores()}")
+        return workers
+    if isinstance(tok, ByteTokenizer) or plan.size < _POOL_MIN_BYTES:
+        return 1  # bytes need no pool; a small corpus is done before a pool has started
+    return _cores()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
@@ -325,37 +320,158 @@ def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]
         yield batch
 
 
-def _write_splits(
-    folder: Path, tok: Tokenizer, plan: _Plan, shard_tokens: int, stats: _SourceStats
-) -> tuple[dict[str, Any], np.ndarray]:
-    """Encode every document into its split's shards; returns the splits entry and train token counts."""
-    dtype = _dtype(tok.vocab_size)
-    writers = {s: _ShardWriter(folder, s, dtype, shard_tokens, tok.vocab_size) for s in SPLITS}
-    eos = np.array([tok.eos_id], dtype=dtype)
-    for batch in _batches(plan.documents(stats, "tokenize")):
-        for (key, _), ids in zip(batch, tok.encode_batch([text for _, text in batch])):
-            writers["val" if plan.is_val(key) else "train"].add(np.concatenate([ids.astype(dtype), eos]))
-    return {s: w.close() for s, w in writers.items()}, writers["train"].counts
+def encode_documents(tok: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(token values, document lengths) of `texts`, each document followed by eos, in the stored dtype."""
+    ids = tok.encode_batch(texts)
+    lengths = np.fromiter((len(a) + 1 for a in ids), dtype=np.int64, count=len(ids))
+    values = np.empty(int(lengths.sum()), dtype=_dtype(tok.vocab_size))
+    ends = np.cumsum(lengths)
+    for a, end in zip(ids, ends.tolist()):
+        values[end - 1 - len(a) : end - 1] = a
+    values[ends - 1] = tok.eos_id
+    return values, lengths
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(tok: Tokenizer) -> None:
+    # One core per process: the pool is the parallelism (tokenizers would otherwise start a thread per core in
+    # every process).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    global _worker_tokenizer
+    _worker_tokenizer = tok
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _worker_tokenizer is not None
+    return encode_documents(_worker_tokenizer, texts)
+
+
+def _encoded(tok: Tokenizer, batches: Iterable[list[tuple[str, str]]], workers: int
+             ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
+    """(keys, values, lengths) of each batch, in order: in this process, or on `workers` processes with at
+    most two batches each in flight (so that reading never runs ahead of tokenizing by more)."""
+    if workers <= 1:
+        for batch in batches:
+            yield [k for k, _ in batch], *encode_documents(tok, [t for _, t in batch])
+        return
+    context = multiprocessing.get_context("spawn")  # not fork: this process may already run tokenizers' threads
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(tok,)) as pool:
+        window: deque = deque()
+        for batch in batches:
+            window.append(([k for k, _ in batch], pool.submit(_encode_in_worker, [t for _, t in batch])))
+            if len(window) >= 2 * workers:
+                keys, future = window.popleft()
+                yield keys, *future.result()
+        while window:
+            keys, future = window.popleft()
+            yield keys, *future.result()
+
+
+def _encode_into(writer: CorpusWriter, tok: Tokenizer, plan: _Plan, stats: _SourceStats, skipped: Skipped,
+                 workers: int, progress: bool) -> None:
+    """Every document, tokenized, into its split's shards; a progress bar with tokens/s."""
+    started, tokens = time.perf_counter(), 0
+    with tqdm(total=plan.size or None, desc="tokenize", unit="B", unit_scale=True, disable=not progress,
+              leave=False) as bar:
+        for keys, values, lengths in _encoded(tok, _batches(plan.documents(stats, skipped, bar.update)), workers):
+            val = np.fromiter((plan.is_val(k) for k in keys), dtype=bool, count=len(keys))
+            ends = np.cumsum(lengths)
+            for split, chosen in (("train", ~val), ("val", val)):
+                if chosen.all():
+                    writer.add(split, values, lengths)
+                elif chosen.any():
+                    parts = [values[e - n : e] for e, n, c in zip(ends.tolist(), lengths.tolist(), chosen) if c]
+                    writer.add(split, np.concatenate(parts), lengths[chosen])
+            tokens += len(values)
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+class CorpusWriter:
+    """A prepared-data folder being written: documents in (`add`), shards written as they fill into a
+    temporary folder beside `output`, then `finish` writes the manifest last and renames the folder into
+    place. Leaving the `with` block without `finish` removes the temporary folder."""
+
+    def __init__(self, output: Path, tok: Tokenizer, shard_tokens: int = 4_000_000,
+                 piece_bytes: int = PIECE_BYTES) -> None:
+        self.output, self.tok, self.piece_bytes = Path(output), tok, piece_bytes
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.output.parent / f".{self.output.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self.dtype = _dtype(tok.vocab_size)
+        self.writers = {
+            s: _ShardWriter(self.tmp, s, self.dtype, shard_tokens, tok.vocab_size, piece_bytes) for s in SPLITS
+        }
+
+    def __enter__(self) -> CorpusWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def add(self, split: str, values: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents of `split`: `lengths` long, laid end to end in `values`, each ending in eos."""
+        self.writers[split].add(values, lengths)
+
+    def finish(self, **fields: Any) -> dict[str, Any]:
+        """The manifest (with `fields`: seed, val_fraction, source), written last; returns it."""
+        splits = {s: w.close() for s, w in self.writers.items()}
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tokenizer": self.tok.save(self.tmp),
+            "dtype": np.dtype(self.dtype).name,
+            "piece_bytes": self.piece_bytes,
+            **{k: fields.pop(k) for k in ("seed", "val_fraction") if k in fields},
+            "splits": splits,
+            **fields,
+            "unigram_entropy_nats": _entropy(self.writers["train"].counts),
+        }
+        (self.tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        checked = time.time_ns()
+        _replace_dir(self.tmp, self.output)
+        # Hashed as written: the next start on this machine need not hash them again.
+        remember_checked(self.output, {s["file"]: s["sha256"] for e in splits.values() for s in e["shards"]}, checked)
+        return manifest
 
 
 class _ShardWriter:
-    """Buffers documents and writes `{split}-NNNNN.parquet` every `shard_tokens` tokens."""
+    """Buffers documents and writes `{split}-NNNNN.parquet` every `shard_tokens` tokens (a document is never
+    cut: a shard may run over by one document)."""
 
-    def __init__(self, folder: Path, split: str, dtype: type, shard_tokens: int, vocab_size: int) -> None:
+    def __init__(self, folder: Path, split: str, dtype: type, shard_tokens: int, vocab_size: int,
+                 piece_bytes: int) -> None:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
-        self.rows: list[np.ndarray] = []
+        self.piece_bytes = piece_bytes
+        self.values: list[np.ndarray] = []
+        self.lengths: list[np.ndarray] = []
         self.buffered = 0
+        self.tokens = 0
         self.shards: list[dict[str, Any]] = []
         self.counts = np.zeros(vocab_size, dtype=np.int64)
 
-    def add(self, doc: np.ndarray) -> None:
-        self.rows.append(doc)
-        self.buffered += len(doc)
-        if self.buffered >= self.shard_tokens:
-            self._flush()
+    def add(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        ends = np.cumsum(lengths)
+        start = 0
+        while start < len(lengths):  # cut the batch where a shard fills
+            room = self.shard_tokens - self.buffered
+            stop = min(int(np.searchsorted(ends, (ends[start - 1] if start else 0) + room)) + 1, len(lengths))
+            begin, end = (int(ends[start - 1]) if start else 0), int(ends[stop - 1])
+            self.values.append(values[begin:end].astype(self.dtype, copy=False))
+            self.lengths.append(np.asarray(lengths[start:stop]))
+            self.buffered += end - begin
+            self.tokens += end - begin
+            if self.buffered >= self.shard_tokens:
+                self._flush()
+            start = stop
 
     def close(self) -> dict[str, Any]:
-        if self.rows:
+        if self.values:
             self._flush()
         return {
             "tokens": sum(s["tokens"] for s in self.shards),
@@ -364,23 +480,18 @@ class _ShardWriter:
         }
 
     def _flush(self) -> None:
-        values = np.concatenate(self.rows)
-        offsets = np.zeros(len(self.rows) + 1, dtype=np.int32)
-        np.cumsum([len(r) for r in self.rows], out=offsets[1:])
-        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+        values, lengths = np.concatenate(self.values), np.concatenate(self.lengths)
+        buf, values_offset = encode_shard(values, lengths)
+        sha256, pieces = piece_digests(buf, self.piece_bytes)
         name = f"{self.split}-{len(self.shards):05d}.parquet"
-        pq.write_table(pa.table({"tokens": column}), self.folder / name, compression="zstd")
+        with open(self.folder / name, "wb") as f:
+            f.write(buf)
         self.counts += np.bincount(values, minlength=len(self.counts))
-        self.shards.append(
-            {
-                "file": name,
-                "tokens": len(values),
-                "documents": len(self.rows),
-                "bytes": (self.folder / name).stat().st_size,  # so that a truncated shard is named as such
-                "sha256": file_sha256(self.folder / name),
-            }
-        )
-        self.rows, self.buffered = [], 0
+        entry = {"file": name, "tokens": len(values), "documents": len(lengths), "bytes": buf.size, "sha256": sha256}
+        if values_offset is not None:  # read in place; else decoded whole (`trainers.data.shards`)
+            entry |= {"values_offset": values_offset, "pieces": pieces}
+        self.shards.append(entry)
+        self.values, self.lengths, self.buffered = [], [], 0
 
 
 def _entropy(counts: np.ndarray) -> float:
@@ -392,19 +503,16 @@ def _entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def _check_splits(
-    splits: dict[str, Any], stats: _SourceStats, inputs: list[Path], val_fraction: float
-) -> None:
-    if stats.files_read == 0:
-        raise ConfigError(
-            f"--input {_show(inputs)}: no text found ({stats.files_skipped} files skipped as "
-            f"binary, unreadable or empty); fix: {_MORE}"
-        )
+def _check_splits(writer: CorpusWriter, stats: _SourceStats, skipped: Skipped, inputs: list[Path],
+                  val_fraction: float) -> None:
+    if stats.documents == 0:
+        why = "; ".join(skipped.notes()) or "nothing to read"
+        raise ConfigError(f"--input {_show(inputs)}: no text found ({why}); fix: {_MORE}")
     for split in SPLITS:
-        if splits[split]["documents"] == 0:
+        if writer.writers[split].tokens == 0:
             raise ConfigError(
-                f"the {split} split is empty ({stats.files_read} documents, --val-fraction={val_fraction}); "
-                f"fix: add more text files to --input or change --val-fraction (or --seed)"
+                f"the {split} split is empty ({stats.documents} documents, --val-fraction={val_fraction}); "
+                f"fix: add more text to --input or change --val-fraction (or --seed)"
             )
 
 

@@ -122,8 +122,18 @@ class BPETokenizer:
         return self._tok.encode(text).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        # encode_batch runs on all cores in Rust; prepare calls it on chunks of documents.
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(list(texts))]
+        # Runs on all cores in Rust (one in prepare's worker processes); the fast form skips the offsets.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(list(texts))]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled `tokenizers.Tokenizer` forgets encode_special_tokens (prepare's worker processes).
+        return {**self.__dict__, "encode_special_tokens": self._tok.encode_special_tokens}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        special = state.pop("encode_special_tokens")
+        self.__dict__.update(state)
+        self._tok.encode_special_tokens = special
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,437 @@
+"""Token shards on disk, and reading a split's tokens in place.
+
+A shard is a Parquet file, one row per document (column `tokens`, list<uint16|uint32>, each row ends in eos),
+written PLAIN, uncompressed, in one row group and one data page: its token values are then one run of
+little-endian int32 at a known offset (`values_offset`; Parquet has no 16-bit physical type), so a reader
+takes the windows it needs with positioned reads and never decodes or copies a shard, while any Parquet
+reader still reads the file. Shards without `values_offset` (compressed, from an older prepare) are decoded
+whole on first touch.
+
+Integrity, checked once where it is written and then where it is read: the writer records each file's sha256
+and one sha256 per `piece_bytes` piece; a reader checks a piece the first time it reads from it, so opening a
+corpus reads nothing it does not use. A shard in a bucket is read piece by piece (ranged GETs), each piece
+checked as it arrives and kept in this machine's cache (`cache_root()/blobs`, named by its sha256, least
+recently used out past `cache_bytes`), or in memory with `data.cache: false`; `prefetch` fetches the pieces
+of windows the sampler will ask for next on a few threads.
+
+Reads are positioned reads (`os.pread`), not a memory map: a map's touched pages stay in the process's
+resident set, so a worker's resident memory would grow with the part of the corpus it has read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trainers._base import ConfigError
+from trainers.data.manifest import MANIFEST_FILE, fetch_shard, shard_problem
+from trainers.storage import cache_root, local_path, location, read_range
+
+__all__ = [
+    "PIECE_BYTES",
+    "SplitStream",
+    "encode_shard",
+    "piece_digests",
+]
+
+PIECE_BYTES = 1 << 20  # what a reader checks at a time: a window's worth of work, ~0.7 ms of sha256
+DISK_CACHE_BYTES = 20 << 30  # a bucket's pieces kept on this machine when data.cache_bytes is not set
+MEMORY_CACHE_BYTES = 256 << 20  # ... kept in each process with data.cache: false
+_VALUE = np.dtype("<u4")  # how Parquet stores uint16 and uint32 values: INT32, little-endian
+_OPEN_FILES = 64  # local shards a reader keeps open
+_FETCH_THREADS = 8  # ranged GETs in flight for one reader: a store's latency, not its bandwidth, bounds them
+_PARQUET = {
+    "compression": "NONE",
+    "use_dictionary": False,
+    "write_statistics": False,
+    "data_page_size": 1 << 30,  # one page per column chunk: the values stay one run
+    "write_batch_size": 1 << 20,
+}
+try:  # pyarrow >= 21 also cuts pages every 20,000 rows unless told otherwise
+    pq.ParquetWriter(pa.BufferOutputStream(), pa.schema([]), max_rows_per_page=1 << 30).close()
+    _PARQUET["max_rows_per_page"] = 1 << 30
+except TypeError:
+    pass
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def encode_shard(values: np.ndarray, lengths: np.ndarray) -> tuple[pa.Buffer, int | None]:
+    """A shard's Parquet bytes for documents `lengths` long laid end to end in `values`, and where their
+    values start in it (None if this pyarrow lays the page out otherwise: readers then decode the shard)."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"tokens": column}), sink, row_group_size=max(1, len(lengths)), **_PARQUET)
+    buf = sink.getvalue()
+    meta = pq.read_metadata(pa.BufferReader(buf))
+    chunk = meta.row_group(0).column(0)
+    start = chunk.data_page_offset + chunk.total_compressed_size - _VALUE.itemsize * len(values)
+    found = np.frombuffer(buf, _VALUE, count=len(values), offset=start) if start >= 0 else None
+    ok = meta.num_row_groups == 1 and found is not None and np.array_equal(found, values)
+    return buf, start if ok else None
+
+
+def piece_digests(data: Any, piece_bytes: int = PIECE_BYTES) -> tuple[str, list[str]]:
+    """(sha256 of the whole, sha256 of each `piece_bytes` piece) of a bytes-like object."""
+    view = memoryview(data).cast("B")
+    whole = hashlib.sha256(view)
+    pieces = [hashlib.sha256(view[i : i + piece_bytes]).hexdigest() for i in range(0, len(view), piece_bytes)]
+    return whole.hexdigest(), pieces or [hashlib.sha256(b"").hexdigest()]
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+class SplitStream:
+    """The tokens of one split's shards as one stream: `read(start, count)` returns tokens
+    [start, start + count) as uint32, reading (and checking) only the pieces of the shards they lie in."""
+
+    def __init__(self, data_dir: Any, manifest: dict[str, Any], split: str, cache: bool = True,
+                 cache_bytes: int | None = None) -> None:
+        self.data_dir = location(data_dir)
+        self.entries: list[dict[str, Any]] = manifest["splits"][split]["shards"]
+        self.piece_bytes = int(manifest.get("piece_bytes", PIECE_BYTES))
+        self.bounds = np.cumsum([0, *(int(s["tokens"]) for s in self.entries)], dtype=np.int64)
+        self.total = int(self.bounds[-1])
+        self.remote = local_path(self.data_dir) is None
+        self.cache = cache
+        self.pieces: _PieceStore | None = None
+        if self.remote:
+            limit = cache_bytes or (DISK_CACHE_BYTES if cache else MEMORY_CACHE_BYTES)
+            self.pieces = _DiskPieces(limit) if cache else _MemoryPieces(limit)
+        self._open: OrderedDict[int, _Shard] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        if start < 0 or start + count > self.total:
+            raise IndexError(f"tokens [{start}, {start + count}) are outside [0, {self.total})")
+        parts, end = [], start + count
+        i = int(np.searchsorted(self.bounds, start, side="right")) - 1
+        while start < end:
+            stop = min(end, int(self.bounds[i + 1]))
+            parts.append(self.shard(i).values(start - int(self.bounds[i]), stop - start))
+            start, i = stop, i + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def prefetch(self, starts: Iterable[int], count: int) -> None:
+        """Start fetching what `read(s, count)` for each of `starts` will need (a bucket's pieces; on a local
+        disk, a hint to the kernel): nothing waits for it."""
+        for start in starts:
+            end = min(start + count, self.total)
+            i = int(np.searchsorted(self.bounds, start, side="right")) - 1
+            while 0 <= i < len(self.entries) and start < end:
+                stop = min(end, int(self.bounds[i + 1]))
+                self.shard(i).prefetch(start - int(self.bounds[i]), stop - start)
+                start, i = stop, i + 1
+
+    def shard(self, i: int) -> _Shard:
+        with self._lock:
+            shard = self._open.get(i)
+            if shard is not None:
+                self._open.move_to_end(i)
+                return shard
+            entry = self.entries[i]
+            if "values_offset" in entry and "pieces" in entry:
+                shard = _PlainShard(self, entry)
+            else:
+                shard = _DecodedShard(self, entry)
+            self._open[i] = shard
+            if len(self._open) > _OPEN_FILES:
+                self._open.popitem(last=False)[1].close()
+            return shard
+
+    def close(self) -> None:
+        with self._lock:
+            for shard in self._open.values():
+                shard.close()
+            self._open.clear()
+        if self.pieces is not None:
+            self.pieces.close()
+
+    def problem(self, entry: dict[str, Any], what: str) -> ConfigError:
+        return ConfigError(shard_problem(self.data_dir, entry, what))
+
+
+class _Shard:
+    def values(self, start: int, count: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def prefetch(self, start: int, count: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _DecodedShard(_Shard):
+    """A shard whose values cannot be read in place: fetched whole, checked against its sha256, decoded."""
+
+    def __init__(self, stream: SplitStream, entry: dict[str, Any]) -> None:
+        path = fetch_shard(stream.data_dir, entry, stream.cache)
+        source = pa.BufferReader(path) if isinstance(path, bytes) else path
+        column = pq.read_table(source, columns=["tokens"], memory_map=True).column("tokens")
+        chunks = [chunk.flatten().to_numpy() for chunk in column.chunks]  # flatten() honours list offsets
+        self.tokens = np.concatenate(chunks).astype(np.uint32) if chunks else np.zeros(0, np.uint32)
+        if len(self.tokens) != entry["tokens"]:
+            raise stream.problem(entry, f"holds {len(self.tokens)} tokens, {MANIFEST_FILE} says {entry['tokens']}")
+
+    def values(self, start: int, count: int) -> np.ndarray:
+        return self.tokens[start : start + count]
+
+
+class _PlainShard(_Shard):
+    """A shard whose values are one int32 run: read where it lies, each piece checked on first use."""
+
+    def __init__(self, stream: SplitStream, entry: dict[str, Any]) -> None:
+        self.stream, self.entry = stream, entry
+        self.path = stream.data_dir / entry["file"]
+        self.offset = int(entry["values_offset"])
+        self.digests: list[str] = entry["pieces"]
+        self.size = int(entry.get("bytes", self.offset + _VALUE.itemsize * entry["tokens"]))
+        self.checked: set[int] = set()
+        self.fd: int | None = None
+
+    def _range(self, start: int, count: int) -> tuple[int, int]:
+        begin = self.offset + _VALUE.itemsize * start
+        return begin, begin + _VALUE.itemsize * count
+
+    def _pieces(self, begin: int, end: int) -> range:
+        p = self.stream.piece_bytes
+        return range(begin // p, (max(end, begin + 1) - 1) // p + 1)
+
+    def _piece_length(self, k: int) -> int:
+        return min(self.stream.piece_bytes, self.size - k * self.stream.piece_bytes)
+
+    def values(self, start: int, count: int) -> np.ndarray:
+        begin, end = self._range(start, count)
+        if self.stream.remote:
+            return self._from_pieces(begin, end)
+        for k in self._pieces(begin, end):
+            if k not in self.checked:
+                self._check_local_piece(k)
+        data = os.pread(self._fd(), end - begin, begin)
+        if len(data) != end - begin:
+            raise self.stream.problem(self.entry, f"ends before byte {end} (truncated?)")
+        return np.frombuffer(data, _VALUE)
+
+    def prefetch(self, start: int, count: int) -> None:
+        begin, end = self._range(start, count)
+        if self.stream.remote:
+            for k in self._pieces(begin, end):
+                self.stream.pieces.prefetch(self._fetcher(k), self.digests[k])
+        elif hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(), begin, end - begin, os.POSIX_FADV_WILLNEED)
+
+    def _fd(self) -> int:
+        if self.fd is None:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise self.stream.problem(self.entry, "is missing") from None
+        return self.fd
+
+    def _check_local_piece(self, k: int) -> None:
+        length = self._piece_length(k)
+        data = read_range(self.path, k * self.stream.piece_bytes, length) if length > 0 else b""
+        if len(data) != max(length, 0) or hashlib.sha256(data).hexdigest() != self.digests[k]:
+            raise self._mismatch(k)
+        self.checked.add(k)
+
+    def _mismatch(self, k: int) -> ConfigError:
+        return self.stream.problem(
+            self.entry,
+            f"does not match its sha256 in {MANIFEST_FILE} (piece {k} of {len(self.digests)}: corrupted or changed)",
+        )
+
+    def _fetcher(self, k: int) -> _Fetch:
+        return _Fetch(self.path, k * self.stream.piece_bytes, self._piece_length(k))
+
+    def _from_pieces(self, begin: int, end: int) -> np.ndarray:
+        p, parts = self.stream.piece_bytes, []
+        for k in self._pieces(begin, end):
+            data = self.stream.pieces.get(self._fetcher(k), self.digests[k])
+            if data is None:
+                raise self._mismatch(k)
+            lo, hi = max(begin - k * p, 0), min(end - k * p, p)
+            parts.append(memoryview(data)[lo:hi])
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(data) != end - begin:
+            raise self.stream.problem(self.entry, f"ends before byte {end} (truncated?)")
+        return np.frombuffer(data, _VALUE).copy()  # not a view into a cached piece
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# -------------------------------------------------------------------------------- a bucket's pieces
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    path: Any
+    offset: int
+    length: int
+
+    def __call__(self) -> bytes:
+        return bytes(read_range(self.path, self.offset, self.length))
+
+
+@dataclass
+class _PieceStore:
+    """Pieces by sha256: `get` returns a checked piece (None when the store's bytes do not match)."""
+
+    limit: int
+    pending: dict[str, Future] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pool: ThreadPoolExecutor | None = None
+
+    def get(self, fetch: _Fetch, digest: str) -> bytes | None:
+        with self.lock:
+            future = self.pending.get(digest)
+        if future is not None:
+            future.result()  # what it raised, raise here
+        data = self.load(digest)
+        return data if data is not None else self._fetch(fetch, digest)
+
+    def prefetch(self, fetch: _Fetch, digest: str) -> None:
+        with self.lock:
+            if digest in self.pending or self.has(digest):
+                return
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="data-fetch")
+            future = self.pool.submit(self._fetch, fetch, digest)
+            self.pending[digest] = future
+        future.add_done_callback(lambda _: self._done(digest))
+
+    def _done(self, digest: str) -> None:
+        with self.lock:
+            self.pending.pop(digest, None)
+
+    def _fetch(self, fetch: _Fetch, digest: str) -> bytes | None:
+        data = fetch()
+        if hashlib.sha256(data).hexdigest() != digest:
+            return None
+        self.store(digest, data)
+        return data
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def has(self, digest: str) -> bool:
+        raise NotImplementedError
+
+    def load(self, digest: str) -> bytes | None:
+        raise NotImplementedError
+
+    def store(self, digest: str, data: bytes) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class _MemoryPieces(_PieceStore):
+    """Pieces kept in this process, least recently used out past `limit` bytes."""
+
+    held: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+    used: int = 0
+
+    def has(self, digest: str) -> bool:
+        return digest in self.held
+
+    def load(self, digest: str) -> bytes | None:
+        with self.lock:
+            data = self.held.get(digest)
+            if data is not None:
+                self.held.move_to_end(digest)
+            return data
+
+    def store(self, digest: str, data: bytes) -> None:
+        with self.lock:
+            if digest not in self.held:
+                self.held[digest], self.used = data, self.used + len(data)
+            while self.used > self.limit and len(self.held) > 1:
+                self.used -= len(self.held.popitem(last=False)[1])
+
+
+@dataclass
+class _DiskPieces(_PieceStore):
+    """Pieces in this machine's cache folder, shared by its processes (a piece is renamed into place whole,
+    named by its sha256); least recently used (by modification time, touched on first use here) are deleted
+    once the folder holds more than `limit` bytes."""
+
+    folder: Path = field(default_factory=lambda: cache_root() / "blobs")
+    used: int | None = None  # this process's estimate of the folder's size; recounted when past the limit
+    touched: set[str] = field(default_factory=set)
+
+    def has(self, digest: str) -> bool:
+        return (self.folder / digest).is_file()
+
+    def load(self, digest: str) -> bytes | None:
+        try:
+            data = (self.folder / digest).read_bytes()
+        except FileNotFoundError:  # not fetched yet, or evicted by another process
+            return None
+        if digest not in self.touched:
+            self.touched.add(digest)
+            with contextlib.suppress(OSError):
+                os.utime(self.folder / digest)
+        return data
+
+    def store(self, digest: str, data: bytes) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{digest}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.folder / digest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        with self.lock:
+            self.touched.add(digest)
+            self.used = (self.used if self.used is not None else self._count()) + len(data)
+            if self.used > self.limit:
+                self.used = self._evict()
+
+    def _entries(self) -> list[tuple[float, int, str]]:
+        out = []
+        with os.scandir(self.folder) as it:
+            for e in it:
+                if not e.name.startswith("."):
+                    with contextlib.suppress(OSError):
+                        st = e.stat()
+                        out.append((st.st_mtime, st.st_size, e.name))
+        return out
+
+    def _count(self) -> int:
+        return sum(size for _, size, _ in self._entries())
+
+    def _evict(self) -> int:
+        """Oldest first, down to 90% of the limit (so that the next pieces do not each scan the folder)."""
+        entries = sorted(self._entries())
+        used = sum(size for _, size, _ in entries)
+        for _, size, name in entries:
+            if used <= self.limit * 0.9:
+                break
+            if name in self.pending:
+                continue
+            (self.folder / name).unlink(missing_ok=True)
+            used -= size
+        return used

@@ -1,0 +1,454 @@
+"""The inputs of `raytrain data prepare`: which files are read, in which format, and their documents.
+
+A file's format is named by its suffix, once a compression suffix (.gz, .zst, .bz2, .xz) is taken off:
+- .jsonl, .ndjson, .json: one JSON object a line (a .json that starts with `[` is one array of them);
+- .parquet; .arrow, .feather (Arrow IPC, file or stream); .csv, .tsv (a header row first);
+- any other suffix: plain text, the file one document (a file over `TEXT_PART_BYTES` is cut at line ends into
+  documents of about that size, so that memory stays bounded).
+In the record formats each record's text field (`--text-field`) is a document. A folder that `datasets`'
+`save_to_disk` wrote (state.json with its Arrow files, or dataset_dict.json over one such folder per split) is
+read from its Arrow files with pyarrow: the `datasets` package is not needed.
+
+The include globs (`--include`) choose the files of a folder by name, looking through a compression suffix
+(`*.jsonl` takes `a.jsonl.gz`); a file named on the command line is always read. What is left out or cannot be
+read is counted with its reason, for one line each (`Skipped.notes`), never silently.
+
+A document's key decides its split: its file's path relative to the input's parent, then `#N` for the Nth
+record of a record file (or part of a cut text file), so adding files or appending records moves no document
+between splits.
+"""
+
+from __future__ import annotations
+
+import bz2
+import contextlib
+import csv
+import fnmatch
+import gzip
+import io
+import itertools
+import json
+import lzma
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+__all__ = ["DEFAULT_INCLUDE", "TEXT_PART_BYTES", "Skipped", "Source", "list_sources", "read_documents"]
+
+DEFAULT_INCLUDE = "*.py,*.txt,*.md,*.rst,*.jsonl,*.ndjson,*.json,*.parquet,*.arrow,*.csv,*.tsv"
+TEXT_PART_BYTES = 64 << 20
+_COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
+_FORMATS = {
+    ".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
+    ".feather": "arrow", ".csv": "csv", ".tsv": "tsv",
+}  # fmt: skip
+_BATCH_ROWS = 1024  # rows of a columnar file read at a time
+_CSV_BLOCK = 16 << 20  # pyarrow's CSV block: must hold the longest row
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    key: str  # relative path (posix): with a record's index, what decides its split
+    size: int  # bytes on disk
+    format: str  # "text", "json", "parquet", "arrow", "csv", "tsv" or "datasets" (a save_to_disk folder)
+    compression: str | None = None
+
+
+@dataclass
+class Skipped:
+    """What was not read, by reason, with a few names each, for the notes and the manifest."""
+
+    left_out: dict[str, list[str]] = field(default_factory=dict)  # the include rule -> file keys
+    files: dict[str, list[str]] = field(default_factory=dict)  # reason -> file keys
+    records: dict[str, list[str]] = field(default_factory=dict)  # reason -> "key#N" of records
+    counts: dict[str, int] = field(default_factory=dict)  # reason -> how many (files or records)
+
+    def leave_out(self, rule: str, key: str) -> None:
+        self._add(self.left_out, rule, key)
+
+    def file(self, reason: str, key: str) -> None:
+        self._add(self.files, reason, key)
+
+    def record(self, reason: str, where: str) -> None:
+        self._add(self.records, reason, where)
+
+    def _add(self, table: dict[str, list[str]], reason: str, name: str) -> None:
+        names = table.setdefault(reason, [])
+        if len(names) < 3:
+            names.append(name)
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    @property
+    def files_left_out(self) -> int:
+        return sum(self.counts[r] for r in self.left_out)
+
+    @property
+    def files_skipped(self) -> int:
+        return sum(self.counts[r] for r in self.files)
+
+    @property
+    def records_skipped(self) -> int:
+        return sum(self.counts[r] for r in self.records)
+
+    def notes(self) -> list[str]:
+        """One line per reason: how many, which rule or why, a few names, and the fix where there is one."""
+        out = []
+        for table, what in ((self.left_out, "left out by"), (self.files, "skipped:"), (self.records, "skipped:")):
+            unit = "record" if table is self.records else "file"
+            for reason, names in table.items():
+                n = self.counts[reason]
+                shown = ", ".join(names) + (", ..." if n > len(names) else "")
+                out.append(f"{n} {unit}{'s' if n != 1 else ''} {what} {reason} ({shown})")
+        return out
+
+
+# ------------------------------------------------------------------------------------------ listing
+
+
+def split_suffix(name: str) -> tuple[str, str | None]:
+    """(the name without a compression suffix, the compression or None)."""
+    stem, ext = os.path.splitext(name)
+    codec = _COMPRESSION.get(ext.lower())
+    return (stem, codec) if codec else (name, None)
+
+
+def format_of(name: str) -> str:
+    return _FORMATS.get(os.path.splitext(split_suffix(name)[0])[1].lower(), "text")
+
+
+def is_datasets_folder(folder: Path) -> bool:
+    """A folder `datasets.Dataset.save_to_disk` (or `DatasetDict.save_to_disk`) wrote."""
+    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
+def list_sources(inputs: list[Path], patterns: list[str], skipped: Skipped) -> list[Source]:
+    """Sources in a deterministic order; a file named directly is taken whatever its name; files under a
+    folder the globs leave out are counted in `skipped`."""
+    sources: dict[Path, Source] = {}
+    rule = f"--include {','.join(patterns)}"
+    for root in (p.resolve() for p in inputs):
+        found = [root] if root.is_file() or is_datasets_folder(root) else []
+        if not found:
+            for p in _walk(root):
+                if p.is_dir() or _matches(p.name, patterns):
+                    found.append(p)
+                else:
+                    skipped.leave_out(rule, p.relative_to(root.parent).as_posix())
+        for p in found:
+            # Relative to the input's parent: the folder name is part of the key, the machine is not.
+            key = p.relative_to(root.parent).as_posix()
+            sources.setdefault(p, _source(p, key))
+    return sorted(sources.values(), key=lambda s: s.key)
+
+
+def _source(path: Path, key: str) -> Source:
+    if path.is_dir():
+        size = sum(f.stat().st_size for f in path.rglob("*.arrow"))
+        return Source(path, key, size, "datasets")
+    stem, codec = split_suffix(path.name)
+    return Source(path, key, path.stat().st_size, format_of(stem), codec)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    stem = split_suffix(name)[0]
+    return any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(stem, g) for g in patterns)
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    """Files under `folder` (and `datasets` folders, whole), skipping hidden folders (.git, .venv) and
+    __pycache__."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        if here != folder and is_datasets_folder(here):
+            dirnames[:] = []
+            yield here
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in sorted(filenames):
+            yield here / name
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    """(key, text) of each document of `source`; what cannot be read is counted in `skipped`."""
+    reader = {
+        "text": _text_documents, "json": _json_documents, "parquet": _parquet_documents,
+        "arrow": _arrow_documents, "csv": _csv_documents, "tsv": _csv_documents, "datasets": _datasets_documents,
+    }[source.format]  # fmt: skip
+    try:
+        yield from reader(source, text_field, skipped)
+    except (OSError, EOFError, ValueError, pa.ArrowException) as e:  # a damaged file: said, then the next one
+        reason = f"unreadable as {source.format}{' ' + source.compression if source.compression else ''} ({_short(e)})"
+        skipped.file(reason, source.key)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:120]
+
+
+@contextlib.contextmanager
+def _open(source: Source) -> Iterator[IO[bytes]]:
+    """The file's bytes, decompressed as they are read."""
+    path, codec = str(source.path), source.compression
+    if codec is None:
+        f: IO[bytes] = open(path, "rb")  # noqa: SIM115  (closed below)
+    elif codec == "gzip":
+        f = gzip.open(path, "rb")
+    elif codec == "bz2":
+        f = bz2.open(path, "rb")
+    elif codec == "xz":
+        f = lzma.open(path, "rb")
+    else:
+        f = _zstd_reader(path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _zstd_reader(path: str) -> IO[bytes]:
+    try:
+        import zstandard
+    except ImportError:  # pyarrow's own zstd codec
+        if not pa.Codec.is_available("zstd"):
+            raise OSError("no zstd codec here: pip install zstandard") from None
+        return pa.CompressedInputStream(pa.OSFile(path), "zstd")
+    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
+
+
+@contextlib.contextmanager
+def _seekable(source: Source) -> Iterator[Any]:
+    """A path pyarrow can seek in: the file itself, or its decompressed copy in a temporary file."""
+    if source.compression is None:
+        yield str(source.path)
+        return
+    with tempfile.NamedTemporaryFile(prefix="raytrain-prepare-", suffix=source.path.stem) as tmp, _open(source) as f:
+        shutil.copyfileobj(f, tmp, 1 << 22)
+        tmp.flush()
+        yield tmp.name
+
+
+def _read_full(f: IO[bytes], n: int) -> bytes:
+    """Up to `n` bytes, fewer only at the end (a decompressing reader may return less per call)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = f.read(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _text_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    """The file as one document, or cut at line ends into parts of about TEXT_PART_BYTES."""
+    with _open(source) as f:
+        data = _read_full(f, TEXT_PART_BYTES)
+        if not data:
+            skipped.file("empty", source.key)
+            return
+        parts = [(source.key, data)] if len(data) < TEXT_PART_BYTES else _text_parts(source.key, data, f)
+        for key, raw in parts:
+            text = _decode(raw)
+            if text is None:
+                skipped.file("binary or not UTF-8, and of no format prepare reads (by its suffix)", key)
+                return
+            yield key, text
+
+
+def _text_parts(key: str, data: bytes, f: IO[bytes]) -> Iterator[tuple[str, bytes]]:
+    part = 0
+    while data:
+        more = _read_full(f, TEXT_PART_BYTES)
+        cut = data.rfind(b"\n") + 1 if more else len(data)
+        cut = cut or len(data)  # a part with no line end at all is cut where it is
+        yield f"{key}#{part}", data[:cut]
+        data, part = data[cut:] + more, part + 1
+
+
+def _decode(data: bytes) -> str | None:
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _records_of(source: Source, rows: Iterator[tuple[int, Any]], text_field: str, skipped: Skipped,
+                columnar: bool = False) -> Iterator[tuple[str, str]]:
+    """Documents of (index, record) pairs in file order: a record is a JSON value (a dict's `text_field` is
+    the text) or, `columnar`, a text column's value. A file with no document at all is one skipped file, not
+    its records one by one."""
+    found, fields, mine = 0, None, Skipped()
+    for n, row in rows:
+        text = row if columnar else row.get(text_field) if isinstance(row, dict) else None
+        if isinstance(text, str) and text:
+            found += 1
+            yield f"{source.key}#{n}", text
+            continue
+        if isinstance(row, dict) and fields is None:
+            fields = sorted(row)
+        mine.record(_why_no_text(row, text, text_field, columnar), f"{source.key}#{n}")
+    if not found:
+        shown = f"; its fields: {', '.join(fields[:8])}" if fields else ""
+        reason = f"no text in {text_field!r}{shown} (fix: --text-field NAME)" if mine.counts else "empty"
+        skipped.file(reason, source.key)
+        return
+    for reason, names in mine.records.items():
+        kept = skipped.records.setdefault(reason, [])
+        kept += names[: 3 - len(kept)]
+        skipped.counts[reason] = skipped.counts.get(reason, 0) + mine.counts[reason]
+
+
+_NOT_JSON = object()
+
+
+def _why_no_text(row: Any, text: Any, text_field: str, columnar: bool) -> str:
+    if row is _NOT_JSON:
+        return "not JSON"
+    if columnar or (isinstance(row, dict) and text_field in row and text in (None, "")):
+        return f"empty or null {text_field!r}"
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    if text_field not in row:
+        return f"no field {text_field!r} (fix: --text-field NAME)"
+    return f"{text_field!r} is not a string (fix: --text-field NAME)"
+
+
+def _no_column(source: Source, names: list[str], text_field: str, skipped: Skipped) -> None:
+    skipped.file(
+        f"no column {text_field!r}; its columns: {', '.join(names[:8])} (fix: --text-field NAME)", source.key
+    )
+
+
+def _json_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    with _open(source) as raw:
+        f = io.TextIOWrapper(raw, encoding="utf-8")
+        head = f.read(1)
+        while head.isspace():
+            head = f.read(1)
+        if head == "[":  # one JSON array: read whole
+            rows: Iterator[tuple[int, Any]] = enumerate(json.loads(head + f.read()))
+        else:
+            rows = _json_lines(head, f)
+        yield from _records_of(source, rows, text_field, skipped)
+
+
+def _json_lines(head: str, f: IO[str]) -> Iterator[tuple[int, Any]]:
+    """(line index, object) of each line that is not blank (`_NOT_JSON` for one that is not JSON)."""
+    lines = itertools.chain([head + f.readline()], f) if head else iter(())
+    for n, line in enumerate(lines):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except ValueError:
+                yield n, _NOT_JSON
+
+
+def _column_documents(source: Source, schema: pa.Schema, batches: Callable[[], Iterator[pa.RecordBatch]],
+                      text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    """Documents of the text column of record batches; a file without such a column is said and skipped."""
+    if text_field not in schema.names:
+        _no_column(source, schema.names, text_field, skipped)
+        return
+    kind = schema.field(text_field).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        skipped.file(f"column {text_field!r} holds {kind}, not text (fix: --text-field NAME)", source.key)
+        return
+
+    def values() -> Iterator[str | None]:
+        for batch in batches():
+            yield from batch.column(batch.schema.get_field_index(text_field)).to_pylist()
+
+    yield from _records_of(source, enumerate(values()), text_field, skipped, columnar=True)
+
+
+def _parquet_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    with _seekable(source) as path:
+        f = pq.ParquetFile(path)
+        columns = [text_field] if text_field in f.schema_arrow.names else None
+        batches = lambda: f.iter_batches(_BATCH_ROWS, columns=columns)  # noqa: E731
+        yield from _column_documents(source, f.schema_arrow, batches, text_field, skipped)
+
+
+def _arrow_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    with _seekable(source) as path:
+        schema = _ipc_schema(Path(path))
+        yield from _column_documents(source, schema, lambda: _ipc_batches(Path(path)), text_field, skipped)
+
+
+def _ipc_reader(m: pa.MemoryMappedFile) -> Any:
+    """An Arrow IPC file (it starts with ARROW1) or stream."""
+    is_file = m.read(6) == b"ARROW1"
+    m.seek(0)
+    return ipc.open_file(m) if is_file else ipc.open_stream(m)
+
+
+def _ipc_schema(path: Path) -> pa.Schema:
+    with pa.memory_map(str(path)) as m:
+        return _ipc_reader(m).schema
+
+
+def _ipc_batches(path: Path) -> Iterator[pa.RecordBatch]:
+    with pa.memory_map(str(path)) as m:
+        reader = _ipc_reader(m)
+        if isinstance(reader, ipc.RecordBatchFileReader):
+            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            yield from reader
+
+
+def _csv_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    tsv = source.format == "tsv"
+    parse = pcsv.ParseOptions(
+        delimiter="\t" if tsv else ",", quote_char=False if tsv else '"', newlines_in_values=not tsv
+    )
+    with _open(source) as f:
+        header = next(csv.reader(io.TextIOWrapper(f, encoding="utf-8", newline=""), delimiter=parse.delimiter,
+                                 quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL), [])
+    if text_field not in header:
+        _no_column(source, header, text_field, skipped)
+        return
+    convert = pcsv.ConvertOptions(column_types={text_field: pa.large_string()}, include_columns=[text_field])
+    with _open(source) as f:
+        reader = pcsv.open_csv(f, read_options=pcsv.ReadOptions(block_size=_CSV_BLOCK), parse_options=parse,
+                               convert_options=convert)
+        yield from _column_documents(source, reader.schema, lambda: iter(reader), text_field, skipped)
+
+
+def _datasets_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
+    """A save_to_disk folder: its Arrow files in the order state.json lists them, rows counted across them
+    (a DatasetDict: each split's folder in the order dataset_dict.json lists them)."""
+    folder = source.path
+    if (folder / "dataset_dict.json").is_file():
+        for split in json.loads((folder / "dataset_dict.json").read_text()).get("splits", []):
+            sub = Source(folder / split, f"{source.key}/{split}", 0, "datasets")
+            yield from _datasets_documents(sub, text_field, skipped)
+        return
+    state = json.loads((folder / "state.json").read_text())
+    files = [folder / f["filename"] for f in state.get("_data_files", [])]
+    if not files:
+        skipped.file("a datasets folder whose state.json lists no Arrow files", source.key)
+        return
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for path in files:
+            yield from _ipc_batches(path)
+
+    yield from _column_documents(source, _ipc_schema(files[0]), batches, text_field, skipped)
