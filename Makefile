@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: setup demo finetune-demo test test-slow test-cluster test-gpu bench bench-cluster bench-gpu lint clean
+.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-gpu bench bench-cluster bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -99,3 +99,7 @@ docs-check: $(STAMP)
 	$(PY) docs/gen_reference.py --check
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_docs.py
 	VENV=$(VENV) bash docs/check_commands.sh
+
+test-under-load: $(STAMP)
+	# the default tier twice beside two busy processes: catches tests that depend on an idle machine (~1 h on 2 cores)
+	.ci/under_load 2

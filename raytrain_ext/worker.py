@@ -66,20 +66,26 @@ class LatestMetrics(TrainerCallback):
     def __init__(self) -> None:
         self.latest: dict[str, Any] = {}
         self.at_step: dict[int, dict[str, Any]] = {}
+        self.evals: dict[int, dict[str, Any]] = {}  # eval records by step, as given: callbacks after this
+        # one may still add their own values to a record
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self.latest.update({k: v for k, v in record.items() if isinstance(v, (int, float))})
         self.at_step[trainer.step] = dict(self.latest)
 
     def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        self.latest.update(record)
-        self.at_step[trainer.step] = dict(self.latest)
+        self.evals[trainer.step] = record
 
     def report(self, trainer: Trainer, step: int | None = None) -> dict[str, Any]:
-        """The metrics as of `step` (default: the trainer's), for its checkpoint's report."""
+        """The metrics as of `step` (default: the trainer's), for its checkpoint's report: the latest train
+        values and the latest eval record up to it."""
         step = trainer.step if step is None else step
-        metrics = self.at_step.get(step, self.latest)
+        metrics = dict(self.at_step.get(step, self.latest))
+        for at in sorted(s for s in self.evals if s <= step):
+            metrics.update(self.evals[at])
+        newest = max((s for s in self.evals if s <= step), default=None)
         self.at_step = {s: m for s, m in self.at_step.items() if s > step}
+        self.evals = {s: r for s, r in self.evals.items() if s > step or s == newest}
         return {**metrics, "step": step, "world_size": trainer.engine.world_size}
 
 

@@ -47,6 +47,10 @@ _STARTS = (
     "Failed to remove",
     "GCS consider this node to be dead",  # a raylet back from a partition exits (its host's Ray restarts it)
     "*** StackTrace Information ***",
+    # Ray Train's controller when the GCS answers late (a busy machine, a partition), with a traceback:
+    # "it's safe to ignore this error" unless it persists; the run's resize checks try again
+    "Failed to send resource request for",
+    "Failed to get reserved resources for",
 )
 _FRAME = re.compile(r"^(/|\[0x|\s*$)|\(\+0x[0-9a-f]+\)")  # a native stack trace's line (a raylet's)
 # One-line notices of a Train run's processes that a user can do nothing about, kept in the run's log:
@@ -59,6 +63,8 @@ _QUIET = (
     "Found endpoint for s3 via",
     "The worker group startup timed out after",
     "PYTHON worker processes have been started on node",  # the raylet's count on a node of few CPUs
+    # Tune's advice for trials that restart often (reuse_actors); ours live as long as their trial
+    "Trainable.setup took",
 )
 _PID = re.compile(r"(?:Worker PID|\bpid): (\d+)")
 _IP = re.compile(r"(?:Worker IP address|\bip): ([\w.:]+)")
@@ -187,11 +193,14 @@ class WorkerLogs:
         if not is_terminal() and data.get("lines"):  # Ray colors its "[repeated Nx]" notes whatever the prefix
             data = {**data, "lines": [plain(line) for line in data["lines"]]}
         source = data.get("actor_name") or data.get("pid")
-        if source not in _SOURCES or not data.get("lines"):
+        if not data.get("lines"):
             printer(data)
             return
-        key = (data.get("pid"), data.get("is_err"))
-        console, moved, self.open[key] = split_tracebacks(list(data["lines"]), self.open.get(key, False))
+        if source in _SOURCES:
+            key = (data.get("pid"), data.get("is_err"))
+            console, moved, self.open[key] = split_tracebacks(list(data["lines"]), self.open.get(key, False))
+        else:  # any other process (a Tune trial's actor): only its notices a user cannot act on are moved
+            console, moved = list(data["lines"]), []
         quiet = [any(q in line for q in _QUIET) for line in console]
         moved = [line for line, q in zip(console, quiet) if q] + moved
         console = [line for line, q in zip(console, quiet) if not q]

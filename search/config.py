@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -99,8 +100,11 @@ class ExperimentConfig(StrictModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     population: PositiveInt = 4  # trials (pbt/pb2: the population; asha/random: the samples)
     budget: BudgetConfig = BudgetConfig()
-    metric: Literal["val_loss", "train_loss"] = Field(
-        "val_loss", description="what the scheduler ranks trials by"
+    metric: str = Field(
+        "val_loss",
+        description="what the scheduler ranks trials by: val_loss, train_loss, or any value the run logs as "
+        "KIND/KEY: train/loss, eval/val_loss, or a callback's own eval value (eval/accuracy: see "
+        "TrainerCallback.after_eval); with mode",
     )
     mode: Literal["min", "max"] = Field("min", description="whether a lower or a higher metric is better")
     resources: ResourcesConfig = ResourcesConfig()
@@ -115,6 +119,21 @@ class ExperimentConfig(StrictModel):
     seed: int = 0  # initial samples and explore decisions
     _base_raw: dict[str, Any] | None = PrivateAttr(None)
 
+    @field_validator("metric")
+    @classmethod
+    def _metric_form(cls, metric: str) -> str:
+        if metric in METRIC_ALIASES or re.fullmatch(r"(train|eval)/[A-Za-z_][\w.]*", metric):
+            return metric
+        raise ValueError(
+            f"metric={metric!r} is not a metric a run logs; fix: val_loss, train_loss, or KIND/KEY with KIND train "
+            f"or eval (train/loss, eval/accuracy)"
+        )
+
+    @property
+    def metric_key(self) -> str:
+        """The key of the metric in a run's reports (train and eval values merged: their keys differ)."""
+        return METRIC_ALIASES.get(self.metric) or self.metric.split("/", 1)[1]
+
     @field_validator("base")
     @classmethod
     def _absolute(cls, path: Path) -> Path:
@@ -128,6 +147,12 @@ class ExperimentConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
+        if self.metric.startswith("eval/") and self.metric_key != "val_loss" and not self.callbacks:
+            raise ValueError(
+                f"metric={self.metric}: a run's eval records hold val_loss only, and no callback is given to "
+                f"add {self.metric_key!r}; fix: callbacks: [mypkg.hooks:MyEval] (its after_eval adds the "
+                f"value to the record), or metric: val_loss"
+            )
         if len(self.initial) > self.population:
             raise ValueError(
                 f"initial lists {len(self.initial)} members but population={self.population}; "
@@ -226,6 +251,10 @@ def _check_space_overrides(overrides: list[str] | tuple[str, ...]) -> None:
                 f"--set {key.strip()}: a distribution is the value of its key, not part of the key; "
                 f"fix: --set '{head}={{{kind}: {value.strip() or '[lo, hi]'}}}'"
             )
+
+
+# the metrics a search could always rank by, by their names before KIND/KEY: their keys in a run's reports
+METRIC_ALIASES = {"val_loss": "val_loss", "train_loss": "loss"}
 
 
 def parse_experiment(raw: dict[str, Any]) -> ExperimentConfig:

@@ -11,22 +11,36 @@ config as it trains with it: `search.trial.TrialRun.step`.)
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray import tune
 
-__all__ = ["ExperimentReporter"]
+from trainers.run_dir import METRICS
+from trainers.storage import list_names, location, read_appended
+
+__all__ = ["ExperimentReporter", "training_now"]
+
+RUN_DIR = re.compile(r"^(live|seg)-\d{8}-[0-9a-f]+$")  # a trial's Train run folders (search.trial)
 
 
 class ExperimentReporter(tune.CLIReporter):
     def __init__(self, *args: Any, exp_dir: str, slots: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.exp_dir, self.slots = exp_dir, slots  # slots: the time-sharing actor's name (search.slots)
+        self.offsets: dict[str, _Tail] = {}  # each trial's current run's metrics, read as they grow
 
     def _progress_str(self, trials: list[Any], done: bool, *sys_info: str, **kwargs: Any) -> str:
         text = super()._progress_str(trials, done, *sys_info, **kwargs)
-        return "\n".join(self._line(line) for line in text.split("\n"))
+        lines = [self._line(line) for line in text.split("\n")]
+        if not done:  # between reports (minutes, at first): where each Train run is now
+            live = training_now(self.exp_dir, [t.trial_id for t in trials if t.status == "RUNNING"], self.offsets)
+            if live:
+                lines.insert(1, live)
+        return "\n".join(lines)
 
     def _line(self, line: str) -> str:
         if line.startswith("Logical resource usage:"):
@@ -45,6 +59,51 @@ class ExperimentReporter(tune.CLIReporter):
         return f"; Train runs: {stats['running']} of {stats['capacity']} slots, {stats['waiting']} members waiting their turn"
 
 
+@dataclass
+class _Tail:
+    """What was read of one run's metrics.jsonl: up to `offset`, its last train row."""
+
+    run: str
+    offset: int = 0
+    version: Any = None
+    last: dict[str, Any] | None = None
+
+
+def training_now(exp_dir: Any, trials: list[str], tails: dict[str, _Tail]) -> str:
+    """`Training now: 00000 step 37 loss 4.012 | 00001 starting`: the newest Train run of each running trial,
+    from its own metrics.jsonl (the table's step and metric move at reports only: every `interval` steps)."""
+    parts = []
+    for trial in trials:
+        runs = [n for n in list_names(location(exp_dir) / "runs" / trial) if RUN_DIR.match(n)]
+        if not runs:
+            parts.append(f"{_short(trial)} starting")
+            continue
+        run = max(runs)  # <kind>-<step:08d>-<id>: the newest starts at the latest step
+        tail = tails.get(trial)
+        if tail is None or tail.run != run:
+            tail = tails[trial] = _Tail(run)
+        data, tail.offset, tail.version = read_appended(
+            location(exp_dir) / "runs" / trial / run / METRICS, tail.offset, tail.version
+        )
+        if data:
+            complete = data[: data.rfind(b"\n") + 1]
+            tail.offset += len(complete)
+            for line in complete.decode().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("kind") == "train":
+                    tail.last = row
+        last = tail.last
+        parts.append(f"{_short(trial)} step {last['step']} loss {last['loss']:.3f}" if last else f"{_short(trial)} starting")
+    return "Training now: " + " | ".join(parts) if parts else ""
+
+
+def _short(trial: str) -> str:
+    return trial.rsplit("_", 1)[-1]  # Tune's `5ee36_00002` -> `00002`, as its table names trials
+
+
 def held_by_workers() -> str:
     """What the cluster's tasks and actors hold now (the Train runs' workers, as Ray accounts them)."""
     try:
@@ -56,4 +115,6 @@ def held_by_workers() -> str:
         for kind in ("CPU", "GPU")
         if kind == "CPU" or total.get(kind)
     ]
+    if total.get("CPU", 0) and free.get("CPU", 0) == total.get("CPU", 0):
+        return "Held by Train workers: none yet (their runs are starting)"
     return "Held by Train workers: " + ", ".join(parts)

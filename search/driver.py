@@ -161,6 +161,14 @@ def run_experiment(
     board_actor = DecisionBoard.options(name=board).remote() if board else None
     turns = slots_name(exp.name) if time_shared(exp, slots) else None
     slots_actor = start_slots(turns, slots) if turns else None
+    r = exp.resources
+    logger.info(
+        "%s %d trial%s (%s), each a Train run of %d worker%s x %g CPU%s: reports every %d steps to %d; "
+        "the table below every 30 s, with each trial's step and loss as it trains",
+        "continuing" if resume else "starting", exp.population, "s" if exp.population > 1 else "",
+        exp.scheduler.name, r.workers, "s" if r.workers > 1 else "", r.cpus_per_worker,
+        " + 1 GPU" if r.use_gpu else "", exp.scheduler.interval, exp.steps,
+    )
     if turns:
         logger.info(
             "population %d, %d Train run%s fit%s at once: members take turns, yielding at each report",

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from search.lineage import Schedule, best_trial, collect, schedule_of
 from search.state import load_experiment_dir
+from trainers.metrics import read_metrics
+from trainers.run_dir import RunDir
 
 __all__ = ["ReplayResult", "replay"]
 
@@ -51,7 +53,9 @@ def replay(exp_dir: Path, trial: str = "best") -> ReplayResult:
     cfg = exp.run_config(
         first, name=run_dir.name, run_dir=str(run_dir), **{"train.steps": schedule.final_step}
     )
-    callbacks = [f"search.hooks:ApplySchedule(changes={later!r})"] if later else []
+    # the experiment's own callbacks too: one may add the metric (`metric: eval/accuracy`)
+    callbacks = [*([f"search.hooks:ApplySchedule(changes={later!r})"] if later else []), *exp.callbacks]
     result = train(cfg, progress=False, callbacks=callbacks)
-    replayed = result.val_loss if exp.metric == "val_loss" else result.train_loss
+    final = {k: v for r in read_metrics(RunDir(run_dir).metrics) if r.get("step") == result.step for k, v in r.items()}
+    replayed = final.get(exp.metric_key)
     return ReplayResult(trial, schedule, run_dir, exp.metric, replayed, reported)

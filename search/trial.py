@@ -49,6 +49,7 @@ from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
 from search.tracking import in_place_tags, trial_tracking
+from trainers._base import ConfigError
 from trainers.checkpoint_files import STEP_DIR, install_checkpoint, link_tree
 from trainers.config import HPARAM_PREFIXES
 from trainers.metrics import read_metrics
@@ -371,7 +372,7 @@ class TrialRun(tune.Trainable):
         if before is not None and before.name == CHECKPOINTS and str(before.parent.parent) == str(self.dir):
             remove_tree(before)  # the previous segment's: its pin holds what Tune needs
         steps_s, parts = _run_times(run_dir, start, result.step, launched)
-        return _Interval(result.step, _metric_of(self.exp, last), result.checkpoint, steps_s, parts=parts)
+        return _reported(self.exp, result.step, last, result.checkpoint, steps_s, parts)
 
 
 # ------------------------------------------------------------------------------------ live runs
@@ -491,9 +492,7 @@ class _LiveRun:
                 step = int(match.group(1)) if match else int(item["metrics"]["step"])
                 steps_s, parts = _run_times(self.run_dir, start, step, self.launched)
                 self.launched = None  # start-up counts once, in the run's first interval
-                return _Interval(
-                    step, _metric_of(self.exp, item["metrics"]), location(item["path"]), steps_s, parts=parts
-                )
+                return _reported(self.exp, step, item["metrics"], location(item["path"]), steps_s, parts)
             if not self.thread.is_alive():
                 self.thread.join()
                 error = self.error or RuntimeError("the Train run ended before its next report")
@@ -535,8 +534,25 @@ def _worst(exp: ExperimentConfig) -> float:
     return math.inf if exp.mode == "min" else -math.inf
 
 
+def _reported(
+    exp: ExperimentConfig, step: int, metrics: dict[str, Any], step_dir: Any, steps_s: float, parts: dict[str, float]
+) -> _Interval:
+    """The interval a run's report ends; without the experiment's metric, a failed one (its reason in the
+    trial's log, for `tune report`)."""
+    try:
+        return _Interval(step, _metric_of(exp, metrics), step_dir, steps_s, parts=parts)
+    except ConfigError as e:
+        return _Interval(step, _worst(exp), None, steps_s, f"ConfigError: {e}", parts=parts)
+
+
 def _metric_of(exp: ExperimentConfig, metrics: dict[str, Any]) -> float:
-    value = metrics.get("val_loss" if exp.metric == "val_loss" else "loss")
+    value = metrics.get(exp.metric_key)
+    if value is None and exp.metric_key != "val_loss":  # val_loss: none yet when no eval came before it
+        raise ConfigError(
+            f"metric {exp.metric}: the run's report at step {metrics.get('step')} has no {exp.metric_key!r} "
+            f"(it has {', '.join(sorted(k for k in metrics if k not in ('step', 'world_size')))}); fix: a "
+            f"metric the run logs, or a callback that adds {exp.metric_key!r} to the eval record"
+        )
     return float(value) if value is not None else math.nan
 
 

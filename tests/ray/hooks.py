@@ -290,3 +290,13 @@ class SlowWrites(TrainerCallback):
         with self.trained:
             self.step = trainer.step
             self.trained.notify_all()
+
+
+class EvalAccuracy(TrainerCallback):
+    """A user's own eval metric: `accuracy` = exp(-val_loss) (the probability the model gives the
+    reference, in the mean), added to each eval record for a search to rank by (`metric: eval/accuracy`)."""
+
+    def after_eval(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        import math
+
+        record["accuracy"] = math.exp(-record["val_loss"])

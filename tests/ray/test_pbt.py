@@ -391,3 +391,26 @@ def test_synchronous_pbt_replaces_a_member_whose_run_is_killed_for_good(ray_pbt,
     (event,) = [e for e in result.events if e["trial"] == weak]
     assert event["donor"] == strong and math.isinf(event["score"])
     assert result.finished and weak_reports[-1]["step"] == STEPS and not weak_reports[-1]["failed"]
+
+
+@pytest.mark.slow  # ~60 s on 2 cores
+def test_a_callbacks_own_eval_metric_ranks_the_population_with_mode_max(ray_pbt, corpus_dir, tmp_path):
+    """`metric: eval/accuracy, mode: max`: the value a callback adds to each eval record reaches the trials'
+    reports, the scheduler and the result; the best trial is the one with the highest accuracy reported."""
+    path = lr_experiment(
+        tmp_path, corpus_dir, "accuracy", metric="eval/accuracy", mode="max",
+        callbacks=["tests.ray.hooks:EvalAccuracy"],
+    )
+    exp = load_experiment(path)
+    save(exp)
+    result = run_experiment(exp, verbose=0)
+    reports = read_reports(Path(result.exp_dir))
+    assert result.finished and len({r["trial"] for r in reports}) == 2
+    final = {r["trial"]: r["metric"] for r in reports if r["step"] == STEPS and not r["abandoned"]}
+    assert all(0 < m < 1 for m in final.values()), final  # accuracies, not losses
+    assert result.best_trial == max(final, key=final.get) and result.best_metric == max(final.values())
+    # each report's metric is the eval row's accuracy of its run at that step
+    for r in (r for r in reports if not r["abandoned"] and r["step"] == STEPS):
+        evals = [e for p in (Path(result.exp_dir) / "runs" / r["trial"]).glob("*/metrics.jsonl")
+                 for e in read_metrics(p, "eval") if e["step"] == STEPS]
+        assert evals and evals[-1]["accuracy"] == pytest.approx(r["metric"], rel=1e-12)

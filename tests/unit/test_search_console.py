@@ -18,3 +18,44 @@ def test_status_lines_name_what_the_workers_hold_and_the_experiment_folder(monke
     assert reporter._line("Result logdir: /tmp/ray/session_x/artifacts/demo/driver_artifacts") == (
         "Experiment folder: /data/runs/tune/demo"
     )
+
+
+def test_between_reports_the_table_says_where_each_running_trial_trains_now(tmp_path):
+    """The table's step and metric move once per interval; the line under the header reads each running
+    trial's newest Train run as its metrics grow (only the new bytes), and says `starting` before a step."""
+    import json
+
+    from search.console import training_now
+
+    old = tmp_path / "runs" / "ab_00000" / "live-00000000-aaaaaa"
+    new = tmp_path / "runs" / "ab_00000" / "live-00000040-bbbbbb"  # after an exploit or a yield
+    (tmp_path / "runs" / "ab_00001").mkdir(parents=True)
+    for run in (old, new):
+        run.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 39, "loss": 9.0}) + "\n")
+
+    def write(step: int, loss: float) -> None:
+        with (new / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"kind": "train", "step": step, "loss": loss}) + "\n")
+            f.write(json.dumps({"kind": "eval", "step": step, "val_loss": 1.0}) + "\n")
+
+    tails: dict = {}
+    trials = ["ab_00000", "ab_00001"]
+    assert training_now(tmp_path, trials, tails) == "Training now: 00000 starting | 00001 starting"
+    write(41, 4.0)
+    assert training_now(tmp_path, trials, tails) == "Training now: 00000 step 41 loss 4.000 | 00001 starting"
+    offset = tails["ab_00000"].offset
+    write(42, 3.5)
+    with (new / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 43')  # a row being written: read once complete
+    assert training_now(tmp_path, trials, tails) == "Training now: 00000 step 42 loss 3.500 | 00001 starting"
+    assert tails["ab_00000"].offset > offset
+    assert training_now(tmp_path, [], tails) == ""
+
+
+def test_no_cpus_held_yet_reads_as_starting(monkeypatch):
+    monkeypatch.setattr(console.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(console.ray, "available_resources", lambda: {"CPU": 2.0})
+    assert console.held_by_workers() == "Held by Train workers: none yet (their runs are starting)"
+    monkeypatch.setattr(console.ray, "available_resources", lambda: {"CPU": 1.5})
+    assert console.held_by_workers() == "Held by Train workers: 0.5/2 CPUs"

@@ -107,3 +107,26 @@ def test_a_controllers_shutdown_report_is_moved_and_a_trials_lost_worker_names_i
         f"OOM killer)); its trial's run restarts from its newest checkpoint; tracebacks in the experiment "
         f"folder's {WORKER_LOG}"
     )
+
+
+def test_notices_a_user_cannot_act_on_go_to_the_log_from_any_process(tmp_path, capsys):
+    """A trial actor's Tune advice and the controller's "safe to ignore" resource-request warning (with its
+    traceback) are kept in the log; the rest of those batches reach the console."""
+    printed = []
+    logs = WorkerLogs(tmp_path, out=sys.stderr, experiment=True)
+    logs.printer = printed.append
+    setup = "INFO trainable.py:154 -- Trainable.setup took 11.412 seconds. If your trainable is slow ..."
+    request = [
+        "WARNING autoscaling_coordinator_client.py:73 -- Failed to send resource request for "
+        "TrainController-1. If this only happens transiently during network partition or CPU being "
+        "overloaded, it's safe to ignore this error. If this error persists, file a GitHub issue.",
+        "Traceback (most recent call last):",
+        '  File "/ray/train/v2/_internal/execution/scaling_policy/autoscaling_coordinator_client.py", line 60',
+        "ray.exceptions.GetTimeoutError: Get timed out",
+    ]
+    logs.handle({"actor_name": "TrialRun", "pid": 7, "is_err": True, "lines": [setup, "a line of the trial's"]})
+    logs.handle({"actor_name": "TrainController", "pid": 8, "is_err": True, "lines": request})
+    assert [d["lines"] for d in printed] == [["a line of the trial's"]]
+    log = (tmp_path / WORKER_LOG).read_text()
+    assert "Trainable.setup took" in log and "GetTimeoutError" in log and "(TrialRun pid=7)" in log
+    assert capsys.readouterr().err == ""
