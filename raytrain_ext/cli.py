@@ -7,48 +7,69 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
 from trainers.config import RunConfig, load_config
 from trainers.tracking import with_trackers
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from raytrain_ext.result import RunResult
+
+__all__ = ["main", "run_training"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train one run from a run YAML: on Ray (a local Ray started in this process unless --address
     names a cluster), or in this process alone with --no-ray."""
-    cfg = train_config(args)
-    if args.no_ray:
-        from trainers.launch import run_local
-        from trainers.preflight import check_inputs
-        from trainers.storage import check_run_storage
-
-        check_run_storage(cfg)  # a bucket: there, with credentials, writable
-        check_inputs(cfg)  # fail before anything starts
-        try:
-            result = run_local(cfg, progress=not args.no_progress)
-        except KeyboardInterrupt:  # Ctrl-C: where the same command continues (the Ray path says it too)
-            from trainers.resume import continue_hint
-
-            raise KeyboardInterrupt(continue_hint(cfg.out_dir)) from None
-        sizes = ""
-    else:
-        from raytrain_ext.launcher import train
-
-        result = train(
-            cfg,
-            address=args.address,
-            progress=not args.no_progress,
-            callbacks=args.callbacks,
-            ray_log_level=args.ray_log_level,
-        )
-        sizes = f", workers per attempt {result.world_sizes}"
+    result = run_training(
+        train_config(args),
+        address=args.address,
+        no_ray=args.no_ray,
+        progress=not args.no_progress,
+        callbacks=args.callbacks,
+        ray_log_level=args.ray_log_level,
+    )
+    sizes = "" if args.no_ray else f", workers per attempt {result.world_sizes}"
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
     return 0
+
+
+def run_training(
+    cfg: RunConfig,
+    address: str | None = None,
+    no_ray: bool = False,
+    progress: bool = True,
+    callbacks: Sequence[str] = (),
+    ray_log_level: str = "WARNING",
+) -> RunResult:
+    """The steps of `raytrain train` (and of `raytrain_ext.train`): the run on Ray (`launcher.train`: it
+    starts a local Ray when none runs and no address is given, and stops only what it started), or with
+    `no_ray` in this process alone (its inputs checked first). `callbacks`: specs built in each Ray worker."""
+    if no_ray and callbacks:
+        raise ConfigError("--callback is built in Ray's workers; fix: drop --no-ray, or the --callback")
+    if not no_ray:
+        from raytrain_ext.launcher import train
+
+        return train(cfg, address=address, progress=progress, callbacks=callbacks, ray_log_level=ray_log_level)
+    from raytrain_ext.result import summarize
+    from trainers.launch import run_local
+    from trainers.preflight import check_inputs
+    from trainers.storage import check_run_storage
+
+    check_run_storage(cfg)  # a bucket: there, with credentials, writable
+    check_inputs(cfg)  # fail before anything starts
+    try:
+        fit = run_local(cfg, progress=progress)
+    except KeyboardInterrupt:  # Ctrl-C: where the same command continues (the Ray path says it too)
+        from trainers.resume import continue_hint
+
+        raise KeyboardInterrupt(continue_hint(cfg.out_dir)) from None
+    return summarize(fit.run_dir, fit.checkpoint)
 
 
 def train_config(args: argparse.Namespace) -> RunConfig:

@@ -20,7 +20,6 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from raytrain_ext.cleanup import (
     train_controllers_of_this_job,
 )
 from raytrain_ext.reaper import Reaper
+from raytrain_ext.result import RunResult, summarize
 from raytrain_ext.worker import FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, env_default, free_port, scoped_environ
@@ -46,7 +46,6 @@ from trainers.run_lock import RunDirLock
 from trainers.storage import (
     absolute,
     check_run_storage,
-    location,
     location_on,
     poll_interval,
     ray_storage,
@@ -56,7 +55,7 @@ from trainers.storage import (
 )
 
 __all__ = [
-    "RayRunResult",
+    "RunResult",
     "RunFailedError",
     "build_trainer",
     "check_run",
@@ -73,16 +72,6 @@ logger = logging.getLogger(__name__)
 
 class RunFailedError(RuntimeError):
     """The run ended on an error a restart cannot fix (raised in the driver, with the workers' cause)."""
-
-
-@dataclass
-class RayRunResult:
-    run_dir: Path
-    step: int
-    val_loss: float | None
-    train_loss: float | None
-    checkpoint: Path | None
-    world_sizes: list[int]  # the world size of each attempt, in order (resizes and restarts)
 
 
 def run_config_for_workers(cfg: RunConfig) -> RunConfig:
@@ -256,7 +245,7 @@ def train(
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
-) -> RayRunResult:
+) -> RunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError/CheckpointError with the
     workers' cause when the run ended on an error that a restart cannot fix, and KeyboardInterrupt
     (naming where the run will continue) on Ctrl-C or SIGTERM."""
@@ -466,21 +455,6 @@ def _snapshot_on_disk(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         field = f"{key}_checkpoint_dir_names"
         state[field] = [n for n in state[field] if n in names]
     return state
-
-
-def summarize(run_dir: Path, checkpoint: str | None = None) -> RayRunResult:
-    rows = read_metrics(RunDir(run_dir).metrics)
-    train_rows = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
-    starts = [r for r in rows if r.get("kind") == "event" and r.get("event") in ("start", "resume")]
-    return RayRunResult(
-        run_dir=run_dir,
-        step=train_rows[-1]["step"] if train_rows else 0,
-        val_loss=evals[-1]["val_loss"] if evals else None,
-        train_loss=train_rows[-1]["loss"] if train_rows else None,
-        checkpoint=location(checkpoint) if checkpoint else None,
-        world_sizes=[r["world_size"] for r in starts if "world_size" in r],
-    )
 
 
 def _read_failed(run_dir: Path) -> dict[str, Any] | None:

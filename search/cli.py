@@ -13,11 +13,15 @@ import logging
 import os
 import shlex
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_ext.worker_logs import quiet_logger
 
-__all__ = ["add_commands"]
+if TYPE_CHECKING:
+    from search.config import ExperimentConfig
+    from search.driver import ExperimentResult
+
+__all__ = ["add_commands", "run_tune"]
 
 USAGE = """raytrain tune EXP.yaml [--set KEY=VALUE] [--resume] [--address ADDR]
        raytrain tune report EXP_DIR [--output DIR]
@@ -87,26 +91,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, exp: Any) -> int:
-    from raytrain_ext.launcher import ensure_ray, stop_ray
-    from search.config import EXPERIMENT_FILE, save
-    from search.driver import check_target, max_concurrent_trials, run_experiment
-
-    check_target(exp, args.resume)  # a refused command writes nothing: check all, then write
-    started = ensure_ray(args.address)
-    try:
-        import ray
-
-        max_concurrent_trials(exp, ray.cluster_resources())  # a trial larger than the cluster: refused here
-        if not args.resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
-            save(exp)
-        # this process ends next: Ray frees what Ctrl-C'd trials hold with the job, no sweep to wait for
-        with _console(args.quiet):
-            result = run_experiment(
-                exp, resume=args.resume, verbose=0 if args.quiet else 1, driver_goes_on=False
-            )
-    finally:
-        if started:
-            stop_ray()
+    result = run_tune(exp, address=args.address, resume=args.resume, quiet=args.quiet)
     if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
         return _interrupted(args, exp)
     if result.best_trial is None:
@@ -121,6 +106,39 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
         f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
     )
     return 0
+
+
+def run_tune(
+    exp: ExperimentConfig,
+    address: str | None = None,
+    resume: bool = False,
+    quiet: bool = False,
+    driver_goes_on: bool = False,
+) -> ExperimentResult:
+    """The steps of `raytrain tune EXP.yaml` (and of `search.tune`), short of its last lines: refused before
+    anything is written when the folder or the cluster cannot take `exp`; a local Ray started when none
+    runs and no address is given, and only such a Ray stopped at the end. `driver_goes_on`: this process
+    goes on using the Ray it joined (`search.driver.run_experiment`). Returns the driver's result."""
+    from raytrain_ext.launcher import ensure_ray, stop_ray
+    from search.config import EXPERIMENT_FILE, save
+    from search.driver import check_target, max_concurrent_trials, run_experiment
+
+    check_target(exp, resume)  # a refused command writes nothing: check all, then write
+    started = ensure_ray(address)
+    try:
+        import ray
+
+        max_concurrent_trials(exp, ray.cluster_resources())  # a trial larger than the cluster: refused here
+        if not resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
+            save(exp)
+        # a Ray stopped next frees what Ctrl-C'd trials hold with the job, no sweep to wait for
+        with _console(quiet):
+            return run_experiment(
+                exp, resume=resume, verbose=0 if quiet else 1, driver_goes_on=driver_goes_on and not started
+            )
+    finally:
+        if started:
+            stop_ray()
 
 
 @contextlib.contextmanager

@@ -26,8 +26,8 @@ PACKAGES = ("trainers", "raytrain_ext", "search")
 # module gets its place here.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what every layer shares, importing none of ours: ConfigError, strict pydantic models, dotted keys,
-    # the byte sizes users write (parse_bytes); the packages' empty __init__ files
-    ("base", ("trainers", "trainers._base", "raytrain_ext", "search")),
+    # the byte sizes users write (parse_bytes)
+    ("base", ("trainers._base",)),
     # files, local or in a bucket, behind one interface
     ("storage", ("trainers.storage",)),
     # the names of a run dir's files, read and written through storage
@@ -83,6 +83,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer", ("trainers.trainer", "trainers.hf.export")),
     # starting runs without Ray: one process or torchrun
     ("launch", ("trainers.launch", "trainers.__main__")),
+    # the trainers package's public names (its __init__, loaded on first use); raytrain_ext's and search's
+    # __init__ hold theirs in their own layers (raytrain_ext.api, search.api)
+    ("trainers API", ("trainers",)),
     # Ray Train: the CLI, the launcher, the workers, clusters
     ("raytrain_ext", ("raytrain_ext.*",)),
     # Ray Tune: searches over runs

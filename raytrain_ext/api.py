@@ -1,0 +1,74 @@
+"""`train()`: `raytrain train` from Python (a notebook, a script), returning what the run left.
+
+    from raytrain_ext import train
+
+    result = train("examples/tiny-dense.yaml", overrides={"train.steps": 20})
+    result.to_dataframe("train").plot(x="step", y="loss")
+
+Ray: a Ray this process already joined (`ray.init(...)`) is used and left running; else the cluster
+`address` (else RAY_ADDRESS) names is joined for the run (the cluster goes on after it); else a local Ray
+is started for the run and shut down when it ends, on an error too. The steps are the command's
+(`raytrain_ext.cli.run_training`): the same checks, before Ray starts, and the same one-line ConfigError
+(a ValueError) for bad input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from raytrain_ext.result import RunResult
+
+if TYPE_CHECKING:
+    from trainers.config import RunConfig
+
+__all__ = ["RunResult", "as_set_items", "run_config", "train"]
+
+
+def train(
+    config: RunConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    address: str | None = None,
+    no_ray: bool = False,
+    progress: bool = True,
+    callbacks: Sequence[str] = (),
+) -> RunResult:
+    """Train one run and wait for it.
+
+    `config`: a run YAML's path, its mapping, or a RunConfig. `overrides`: dotted keys to Python values,
+    applied as the command's `--set KEY=VALUE` ({"train.steps": 20, "optimizer.lr": 1e-3}). `address`: a
+    Ray cluster to join (`auto`, `ray://host:10001`). `no_ray`: train in this process, without Ray.
+    `callbacks`: TrainerCallback specs built in every worker ("mypkg.hooks:Notify(every=10)").
+    Raises ConfigError (a ValueError) with one line naming the field and the fix, before anything starts."""
+    from raytrain_ext.cli import run_training
+
+    cfg = run_config(config, overrides)
+    return run_training(cfg, address=address, no_ray=no_ray, progress=progress, callbacks=callbacks)
+
+
+def run_config(
+    config: RunConfig | Mapping[str, Any] | str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+) -> RunConfig:
+    """The validated run config of `train`'s `config` with `overrides` applied."""
+    from trainers.config import RunConfig, apply_overrides, load_config, parse_config
+
+    items = as_set_items(overrides or {})
+    if isinstance(config, RunConfig):
+        return parse_config(apply_overrides(config.model_dump(mode="json"), items)) if items else config
+    if isinstance(config, Mapping):
+        return parse_config(apply_overrides(dict(config), items))
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config, items)
+    raise TypeError(f"config: a run YAML's path, a mapping or a RunConfig, not {type(config).__name__}")
+
+
+def as_set_items(overrides: Mapping[str, Any]) -> list[str]:
+    """Dotted keys and Python values as `--set KEY=VALUE` items (the value written as YAML, read back as it)."""
+    import yaml
+
+    def text(value: Any) -> str:
+        return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+    return [f"{key}={text(value)}" for key, value in overrides.items()]
