@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from raytrain_ext._version import __version__
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError
 from trainers.config import RunConfig, load_config
@@ -155,6 +156,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain", description="Sharded, elastic LM training on Ray.")
+    parser.add_argument("--version", action="version", version=f"raytrain-ext {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train one run from a run YAML", description=_cmd_train.__doc__)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from raytrain_ext.cli import build_parser, main
@@ -50,3 +52,21 @@ def test_data_prepare_end_to_end(tmp_path, capsys):
     assert code == 0
     assert (out / "manifest.json").is_file()
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_version_names_the_distribution(capsys, monkeypatch):
+    from importlib.metadata import version
+
+    import raytrain_ext._version as v
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"raytrain-ext {version('raytrain-ext')}\n"
+    assert v.__version__ == version("raytrain-ext")
+
+    def not_installed(name: str) -> str:
+        raise v.PackageNotFoundError(name)
+
+    monkeypatch.setattr(v, "version", not_installed)  # a source tree on PYTHONPATH: pyproject.toml's version
+    assert v.package_version() == re.search(r'^version = "(.+)"', v.PYPROJECT.read_text(), re.MULTILINE)[1]
