@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull several GB of CUDA packages on a CPU machine.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,tracking,hf,s3]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,tracking,hf,s3,deepspeed]'
 	touch $(STAMP)
 
 $(DATA)/manifest.json: | $(STAMP)

@@ -46,7 +46,7 @@ from trainers.config import (
     parse_config,
     read_yaml_mapping,
 )
-from trainers.preflight import check_inputs
+from trainers.preflight import check_engine_installed, check_inputs
 from trainers.storage import (
     Location,
     absolute,
@@ -392,6 +392,7 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
     for label, hparams in probes:
         try:
             cfg = exp.run_config(hparams, run_dir=str(exp.exp_dir / "probe"))
+            check_engine_installed(cfg)  # a space may choose the engine
         except ConfigError as e:
             raise ConfigError(f"{label}: {e}") from None
     # A bucket: there, with credentials, writable (storage) and readable (data), in one line each, first.

@@ -1,18 +1,20 @@
 """Checks of a run's inputs that read the disk or a model folder, made once before any worker starts (the
 CLI, the launcher, a search's driver, `Trainer.__init__`): the prepared data's manifest and shards, the
 data's vocabulary against the model, and a Hugging Face `model.init_from` folder (its tensors and its
-tokenizer against the data's). What needs only the YAML is checked when the config loads (`trainers.config`).
-Every failure is a `ConfigError` with one line that names the key path and the fix.
+tokenizer against the data's), and that the engine's optional package is installed. What needs only the YAML
+is checked when the config loads (`trainers.config`). Every failure is a `ConfigError` with one line that names
+the key path and the fix.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from trainers._base import ConfigError
 from trainers.data.manifest import SPLITS, check_shard, read_manifest
 
-__all__ = ["check_inputs"]
+__all__ = ["check_engine_installed", "check_inputs", "require_deepspeed"]
 
 
 def check_inputs(cfg: Any, shards: bool = True) -> dict[str, Any]:
@@ -20,6 +22,7 @@ def check_inputs(cfg: Any, shards: bool = True) -> dict[str, Any]:
     dataset's) and every shard it lists (`shards=False`: the caller's dataset checks them as it reads
     them, so each byte is hashed once). Returns the manifest. `cfg` is a validated `trainers.config.RunConfig`
     (not imported here while `trainers.config` still re-exports this function: see its `__getattr__`)."""
+    check_engine_installed(cfg)
     manifest = read_manifest(cfg.data.path)
     for split in SPLITS if shards else ():
         for shard in manifest["splits"][split]["shards"]:
@@ -46,3 +49,17 @@ def check_inputs(cfg: Any, shards: bool = True) -> dict[str, Any]:
                 f"data.seq_len+1={cfg.data.seq_len + 1}; fix: add text or lower data.seq_len"
             )
     return manifest
+
+
+def check_engine_installed(cfg: Any) -> None:
+    """parallel.engine=deepspeed needs DeepSpeed, an optional extra: refused here, before any worker imports it."""
+    if cfg.parallel.engine == "deepspeed":
+        require_deepspeed("parallel.engine=deepspeed", " (or set parallel.engine=fsdp)")
+
+
+def require_deepspeed(what: str, alternative: str = "") -> None:
+    """ConfigError where DeepSpeed is not installed (`raytrain-ext[deepspeed]`); looked up, not imported."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(
+            f"{what} needs DeepSpeed, which is not installed; fix: pip install 'raytrain-ext[deepspeed]'{alternative}"
+        )

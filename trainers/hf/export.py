@@ -39,6 +39,7 @@ from trainers.checkpoint_files import (
 from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
 from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, clean_fqn
 from trainers.models.config import ModelConfig
+from trainers.preflight import require_deepspeed
 from trainers.run_dir import CONFIG, RunDir
 from trainers.storage import write_json_atomic
 
@@ -221,6 +222,7 @@ class _DeepSpeedReader:
     def __init__(self, path: Path):
         tag_dir = path / DEEPSPEED_TAG
         if any(tag_dir.glob("*_optim_states.pt")):
+            require_deepspeed(f"{path}: a DeepSpeed ZeRO checkpoint")
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             with contextlib.redirect_stdout(io.StringIO()):  # it prints progress

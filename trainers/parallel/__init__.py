@@ -6,6 +6,7 @@ from trainers.config import RunConfig
 from trainers.layout import ParallelLayout
 from trainers.parallel.distributed import device_for_rank
 from trainers.parallel.engine import Engine, LocalEngine
+from trainers.preflight import check_engine_installed
 
 __all__ = ["Engine", "LocalEngine", "ParallelLayout", "build_engine"]
 
@@ -25,6 +26,7 @@ def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine
         from trainers.parallel.native import DDPEngine, FSDPEngine
 
         return (DDPEngine if engine == "ddp" else FSDPEngine)(layout, device)
+    check_engine_installed(cfg)  # DeepSpeed is an optional extra; torchrun's ranks get its one line too
     from trainers.parallel.deepspeed_engine import DeepSpeedEngine
 
     return DeepSpeedEngine(layout, device)
