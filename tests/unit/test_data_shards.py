@@ -54,7 +54,8 @@ def corpus(tmp_path_factory) -> Path:
 def test_windows_are_read_in_place_and_are_what_a_parquet_reader_finds(corpus) -> None:
     manifest = json.loads((corpus / "manifest.json").read_text())
     entries = manifest["splits"]["train"]["shards"]
-    assert len(entries) > 3 and all("values_offset" in s and len(s["pieces"]) > 5 for s in entries)
+    assert len(entries) > 3 and all("values_offset" in s and s["bytes"] > 5 * PIECE for s in entries)
+    assert (corpus / "train.pieces").stat().st_size == 32 * sum(-(-s["bytes"] // PIECE) for s in entries)
     assert pq.read_metadata(corpus / entries[0]["file"]).row_group(0).column(0).compression == "UNCOMPRESSED"
     expected = _stream(corpus, "train")
     data = TokenWindows(corpus, "train", 100)
@@ -82,7 +83,9 @@ def test_opening_reads_one_piece_and_a_damaged_piece_fails_where_it_is_read(corp
     real = shards.read_range
     monkeypatch.setattr(shards, "read_range", lambda p, o, n: read.append((Path(p).name, o, n)) or real(p, o, n))
     data = TokenWindows(data_dir, "train", 64)
-    assert read == [("train-00000.parquet", 0, PIECE)], "opening checks the piece of the first window only"
+    first = manifest["splits"]["train"]["shards"][0]
+    table = ("train.pieces", 0, 32 * -(-first["bytes"] // PIECE))
+    assert sorted(read) == sorted([table, ("train-00000.parquet", 0, PIECE)]), "the first window's piece only"
     start = manifest["splits"]["train"]["tokens"] - last["tokens"]  # the last shard's first token
     fine = [0, 5, start // 64 + 2]
     data.get(fine)
@@ -93,6 +96,22 @@ def test_opening_reads_one_piece_and_a_damaged_piece_fails_where_it_is_read(corp
     assert line.startswith(f"data.path={data_dir}: shard {last['file']} does not match its sha256 in manifest.json (piece ")
     assert "\n" not in line and "fix: run `raytrain data prepare" in line
     assert len(read) == len({(n, o) for n, o, _ in read}), "a piece is checked once"
+
+
+def test_a_damaged_table_of_piece_checksums_is_named(corpus, tmp_path) -> None:
+    data_dir = tmp_path / "copy"
+    data_dir.mkdir()
+    for f in corpus.iterdir():
+        (data_dir / f.name).write_bytes(f.read_bytes())
+    raw = bytearray((data_dir / "train.pieces").read_bytes())
+    raw[3] ^= 0x01
+    (data_dir / "train.pieces").write_bytes(bytes(raw))
+    with pytest.raises(ConfigError) as e:
+        TokenWindows(data_dir, "train", 64)
+    assert str(e.value).startswith(
+        f"data.path={data_dir}: shard train-00000.parquet has piece checksums in train.pieces that do not match "
+        f"manifest.json; fix: run `raytrain data prepare"
+    )
 
 
 def test_a_truncated_shard_is_named(corpus, tmp_path) -> None:
@@ -117,7 +136,7 @@ def test_a_folder_of_compressed_shards_is_decoded(corpus, tmp_path) -> None:
             pq.write_table(pq.read_table(corpus / entry["file"]), old / entry["file"], compression="zstd")
             raw = (old / entry["file"]).read_bytes()
             entry.update(bytes=len(raw), sha256=manifest_module.hashlib.sha256(raw).hexdigest())
-            del entry["values_offset"], entry["pieces"]
+            del entry["values_offset"], entry["pieces_offset"], entry["pieces_sha256"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert np.array_equal(TokenWindows(old, "train", 64).tokens, _stream(corpus, "train"))
 
@@ -180,40 +199,42 @@ def _cached(cache: Path) -> list[Path]:
     return [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
 
 
-def test_a_buckets_pieces_stay_within_cache_bytes(bucket_corpus, corpus, tmp_path, monkeypatch) -> None:
+def test_a_buckets_blocks_stay_within_cache_bytes(bucket_corpus, corpus, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
-    limit = 12 * PIECE
+    limit = 400_000  # about four of these shards (one block each)
+    fetched = []
+    real = shards._PlainShard._fetch_block
+    monkeypatch.setattr(shards._PlainShard, "_fetch_block", lambda self, b: fetched.append(b) or real(self, b))
     data = TokenWindows(bucket_corpus, "train", 64, cache=True, cache_bytes=limit)
     ids = np.random.default_rng(0).permutation(data.num_windows)[:300]
     inputs, _ = data.get(ids)
     assert inputs.tolist() == TokenWindows(corpus, "train", 64).get(ids)[0].tolist()
     held = sum(p.stat().st_size for p in _cached(tmp_path / "cache"))
-    assert 0 < held <= limit, held
+    assert 0 < held <= limit and len(fetched) > len(_cached(tmp_path / "cache")), (held, len(fetched))
     memory = TokenWindows(bucket_corpus, "train", 64, cache=False, cache_bytes=limit)
     assert memory.get(ids)[0].tolist() == inputs.tolist()
-    assert memory.stream.pieces.used <= limit and len(memory.stream.pieces.held) >= 6
+    assert 0 < memory.stream.blocks.used <= limit and len(memory.stream.blocks.held) >= 2
 
 
-def test_a_buckets_pieces_are_fetched_ahead(bucket_corpus, tmp_path, monkeypatch) -> None:
+def test_a_buckets_blocks_are_fetched_ahead(bucket_corpus, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
     data = TokenWindows(bucket_corpus, "train", 64)
     before = len(_cached(tmp_path / "cache"))
-    ids = np.arange(data.num_windows - 40, data.num_windows)  # the end of the split: not read yet
+    ids = np.linspace(0, data.num_windows - 1, 40).astype(int)  # across every shard: not read yet
     data.prefetch(ids)
-    pool = data.stream.pieces.pool
+    pool = data.stream.blocks.pool
     assert pool is not None
     pool.shutdown(wait=True)  # the fetches finish in the background
-    data.stream.pieces.pool = None
-    fetched = len(_cached(tmp_path / "cache")) - before
-    assert fetched >= 40 * 64 * 4 // PIECE
+    data.stream.blocks.pool = None
+    assert len(_cached(tmp_path / "cache")) - before >= len(data.stream.entries) - 1
     reads = []
-    monkeypatch.setattr(shards._Fetch, "__call__", lambda self: reads.append(self) or b"")
+    monkeypatch.setattr(shards._PlainShard, "_fetch_block", lambda self, b: reads.append(b) or b"")
     data.get(ids)
-    assert reads == [], "every piece the batch needs was there"
+    assert reads == [], "every block the batch needs was there"
 
 
-def test_pieces_held_in_memory_are_dropped_oldest_first() -> None:
-    store = shards._MemoryPieces(limit=10)
+def test_blocks_held_in_memory_are_dropped_oldest_first() -> None:
+    store = shards._MemoryBlocks(limit=10)
     for name in "abcd":
         store.store(name, b"x" * 4)
     assert list(store.held) == ["c", "d"] and store.used == 8
@@ -227,4 +248,28 @@ def test_the_writer_lays_values_out_where_the_manifest_says() -> None:
     table = pq.read_table(pa.BufferReader(buf))
     assert [len(r) for r in table.column("tokens").to_pylist()] == [300, 700]
     whole, pieces = shards.piece_digests(buf, 256)
-    assert len(pieces) == -(-buf.size // 256) and whole == manifest_module.hashlib.sha256(buf).hexdigest()
+    assert len(pieces) == 32 * -(-buf.size // 256) and whole == manifest_module.hashlib.sha256(buf).hexdigest()
+    assert pieces[32:64] == manifest_module.hashlib.sha256(buf.to_pybytes()[256:512]).digest()
+
+
+# ------------------------------------------------------------------------------------------ the order
+
+
+def test_a_large_epoch_order_is_read_from_its_file_and_is_the_same_order(tmp_path, monkeypatch) -> None:
+    from trainers.data.dataset import EpochOrder, GlobalSampler
+
+    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
+    n = GlobalSampler.IN_MEMORY + 12_345
+    on_disk = GlobalSampler(n, seed=-3, shuffle=True)
+    in_memory = GlobalSampler(n, seed=-3, shuffle=True)
+    monkeypatch.setattr(in_memory, "IN_MEMORY", n)
+    for start, count in ((0, 64), (n - 10, 40), (2 * n - 7, 3000), (12_345, 1)):
+        assert np.array_equal(on_disk.window_ids(start, count), in_memory.window_ids(start, count))
+    assert isinstance(on_disk._perms[2], EpochOrder) and isinstance(in_memory._perms[2], np.ndarray)
+    files = sorted((tmp_path / "cache" / "order").iterdir())
+    assert len(files) == 3 and all(f.stat().st_size == 8 * n + 16 for f in files)
+    raw = bytearray(files[0].read_bytes())
+    raw[8 * 100] ^= 0x01  # damaged: found by its checksum and written again
+    files[0].write_bytes(bytes(raw))
+    again = GlobalSampler(n, seed=-3, shuffle=True)
+    assert np.array_equal(again.window_ids(0, n), in_memory.window_ids(0, n))

@@ -8,15 +8,19 @@ sees the same samples per step, and a run resumed at another world size continue
 
 from __future__ import annotations
 
+import contextlib
+import os
+import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from trainers._base import ConfigError
 from trainers.data.manifest import SPLITS, read_manifest
 from trainers.data.shards import SplitStream
-from trainers.storage import location
+from trainers.storage import cache_root, location
 
 __all__ = ["GlobalSampler", "TokenWindows", "eval_window_ids", "shard_for_rank"]
 
@@ -83,8 +87,12 @@ class GlobalSampler:
     """Window ids of global samples: sample g is position g % N of epoch g // N's permutation.
 
     Pure in (num_windows, seed, shuffle): `window_ids(a, n)` is the same whether asked in one call or
-    many, so resuming at any sample count continues the same order; epochs wrap across batches.
+    many, so resuming at any sample count continues the same order; epochs wrap across batches. An epoch's
+    permutation of more than `IN_MEMORY` windows is computed once per machine into a file (`EpochOrder`) and
+    read a batch's slice at a time, so that a worker's memory does not grow with the corpus.
     """
+
+    IN_MEMORY = 1 << 17  # windows (1 MiB of order): smaller permutations stay in memory
 
     def __init__(self, num_windows: int, seed: int, shuffle: bool) -> None:
         if num_windows < 1:
@@ -93,7 +101,7 @@ class GlobalSampler:
         # numpy seeds must be non-negative; a negative config seed maps to its 64-bit two's complement.
         self.seed = seed % (1 << 64)
         self.shuffle = shuffle
-        self._perms: dict[int, np.ndarray] = {}  # cache: the epoch(s) a batch touches
+        self._perms: dict[int, np.ndarray | EpochOrder] = {}  # cache: the epoch(s) a batch touches
 
     def window_ids(self, start: int, count: int) -> np.ndarray:
         if start < 0 or count < 0:
@@ -107,14 +115,74 @@ class GlobalSampler:
             out[mask] = self._permutation(int(epoch))[positions[mask]]
         return out
 
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray | EpochOrder:
         perm = self._perms.get(epoch)
         if perm is None:
             if len(self._perms) >= 2:  # a batch spans at most the current and the next epoch
                 self._perms.pop(min(self._perms))
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            perm = self._make(epoch)
             self._perms[epoch] = perm
         return perm
+
+    def _make(self, epoch: int) -> np.ndarray | EpochOrder:
+        if self.num_windows > self.IN_MEMORY:
+            with contextlib.suppress(OSError):  # no cache folder to write: in memory after all
+                return EpochOrder.open(self.num_windows, self.seed, epoch)
+        return epoch_permutation(self.num_windows, self.seed, epoch)
+
+
+def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+
+
+class EpochOrder:
+    """One epoch's permutation in this machine's cache (`cache_root()/order`), written by the first process
+    that needs it (whole, then renamed into place) with an xxh3-128 of it at the end, checked when a process
+    opens it; indexed by a contiguous run of positions (what a batch asks for), it reads just that run."""
+
+    def __init__(self, path: Path, num_windows: int) -> None:
+        self.path, self.num_windows = path, num_windows
+        self.fd = os.open(path, os.O_RDONLY)
+
+    @classmethod
+    def open(cls, num_windows: int, seed: int, epoch: int) -> EpochOrder:
+        folder = cache_root() / "order"
+        path = folder / f"{num_windows}-{seed}-{epoch}-numpy{np.__version__}.i8"
+        if not (path.is_file() and cls._intact(path, num_windows)):
+            perm = epoch_permutation(num_windows, seed, epoch).astype("<i8")
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(perm.data)
+                    f.write(xxhash.xxh3_128_digest(perm.data))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return cls(path, num_windows)
+
+    @staticmethod
+    def _intact(path: Path, num_windows: int) -> bool:
+        size = 8 * num_windows
+        if path.stat().st_size != size + 16:
+            return False
+        digest = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            for _ in range(0, size, 1 << 20):
+                digest.update(f.read(min(1 << 20, size - f.tell())))
+            return digest.digest() == f.read(16)
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if not len(positions):
+            return positions
+        first, last = int(positions.min()), int(positions.max())
+        run = np.frombuffer(os.pread(self.fd, 8 * (last - first + 1), 8 * first), "<i8")
+        return run[positions - first]
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self.fd)
 
 
 def shard_for_rank(ids: np.ndarray, rank: int, world: int) -> np.ndarray:

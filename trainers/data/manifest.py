@@ -53,7 +53,8 @@ _KEYS = {"tokenizer.kind": str, "tokenizer.vocab_size": int} | {
     f"splits.{split}.{key}": kind for split in SPLITS for key, kind in (("tokens", int), ("shards", list))
 }
 _SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}
-_OPTIONAL_SHARD_KEYS = {"bytes": int, "values_offset": int, "pieces": list}  # what in-place readers use
+# What in-place readers use (`trainers.data.shards`), where a folder has it.
+_OPTIONAL_SHARD_KEYS = {"bytes": int, "values_offset": int, "pieces_offset": int, "pieces_sha256": str}
 _JSON_NAMES = {str: "string", int: "integer", list: "list", dict: "object"}
 
 
@@ -87,6 +88,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             for key, kind in _OPTIONAL_SHARD_KEYS.items():
                 if key in shard:
                     _expect(shard[key], kind, f"{entry}.{key}", fix)
+        if "pieces_file" in manifest["splits"][split]:
+            _expect(manifest["splits"][split]["pieces_file"], str, f"{where}: splits.{split}.pieces_file", fix)
     if "piece_bytes" in manifest:
         _expect(manifest["piece_bytes"], int, f"{where}: piece_bytes", fix)
     return manifest

@@ -1,11 +1,13 @@
 """Text to token shards: `raytrain data prepare`.
 
 Layout of the output folder (written to a temp folder beside it, then renamed into place):
-    manifest.json          format, tokenizer, splits (shards with token counts, bytes, sha256 and piece
-                           sha256s, where their values start), source stats; written last
+    manifest.json          format, tokenizer, splits (shards with token counts, bytes, sha256, where their
+                           values start and their piece checksums), source stats; written last
     tokenizer.json         bpe, or a model folder's (--tokenizer HF_DIR)
     train-00000.parquet    one row per document, column `tokens` list<uint16|uint32>, each row ends in eos
     val-00000.parquet      (the layout a reader reads in place: `trainers.data.shards`)
+    train.pieces           the sha256 of each 64 KiB piece of each shard, raw, shard after shard
+    val.pieces
 The inputs are read in their formats (`trainers.data.sources`); a document goes to val when a hash of (seed,
 its key) falls below val_fraction, so adding a file (or appending records) never moves another document
 between splits. Documents are tokenized in batches on a pool of processes (each tokenizer single-threaded, one
@@ -242,7 +244,9 @@ def _check_output(output: Path) -> None:
 
 
 # Every file a CorpusWriter writes into an output folder (the shard names of _ShardWriter._flush).
-_OUTPUT_NAME = re.compile(rf"(train|val)-\d{{5}}\.parquet|{re.escape(TOKENIZER_FILE)}|{re.escape(MANIFEST_FILE)}")
+_OUTPUT_NAME = re.compile(
+    rf"(train|val)-\d{{5}}\.parquet|(train|val)\.pieces|{re.escape(TOKENIZER_FILE)}|{re.escape(MANIFEST_FILE)}"
+)
 
 
 def _is_prepared(folder: Path) -> bool:
@@ -447,7 +451,7 @@ class _ShardWriter:
     def __init__(self, folder: Path, split: str, dtype: type, shard_tokens: int, vocab_size: int,
                  piece_bytes: int) -> None:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
-        self.piece_bytes = piece_bytes
+        self.piece_bytes, self.pieces_file = piece_bytes, f"{split}.pieces"
         self.values: list[np.ndarray] = []
         self.lengths: list[np.ndarray] = []
         self.buffered = 0
@@ -476,6 +480,7 @@ class _ShardWriter:
         return {
             "tokens": sum(s["tokens"] for s in self.shards),
             "documents": sum(s["documents"] for s in self.shards),
+            "pieces_file": self.pieces_file,  # each piece's sha256, shard by shard (`trainers.data.shards`)
             "shards": self.shards,
         }
 
@@ -489,7 +494,10 @@ class _ShardWriter:
         self.counts += np.bincount(values, minlength=len(self.counts))
         entry = {"file": name, "tokens": len(values), "documents": len(lengths), "bytes": buf.size, "sha256": sha256}
         if values_offset is not None:  # read in place; else decoded whole (`trainers.data.shards`)
-            entry |= {"values_offset": values_offset, "pieces": pieces}
+            with open(self.folder / self.pieces_file, "ab") as f:
+                entry |= {"values_offset": values_offset, "pieces_offset": f.tell(),
+                          "pieces_sha256": hashlib.sha256(pieces).hexdigest()}
+                f.write(pieces)
         self.shards.append(entry)
         self.values, self.lengths, self.buffered = [], [], 0
 

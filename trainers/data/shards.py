@@ -8,11 +8,14 @@ reader still reads the file. Shards without `values_offset` (compressed, from an
 whole on first touch.
 
 Integrity, checked once where it is written and then where it is read: the writer records each file's sha256
-and one sha256 per `piece_bytes` piece; a reader checks a piece the first time it reads from it, so opening a
-corpus reads nothing it does not use. A shard in a bucket is read piece by piece (ranged GETs), each piece
-checked as it arrives and kept in this machine's cache (`cache_root()/blobs`, named by its sha256, least
-recently used out past `cache_bytes`), or in memory with `data.cache: false`; `prefetch` fetches the pieces
-of windows the sampler will ask for next on a few threads.
+(the manifest) and the sha256 of each `piece_bytes` piece of it, 32 raw bytes a piece, in the split's digest
+file (`train.pieces`: the shards' tables end to end; the manifest holds each table's offset and sha256). A
+reader loads a shard's table when it first touches the shard and checks a piece the first time it reads from
+it, so opening a corpus reads nothing it does not use. A shard in a bucket is fetched in blocks of
+`FETCH_BYTES` (ranged GETs: a store's latency, not its bandwidth, is the cost), every piece of a block checked
+as it arrives, kept in this machine's cache (`cache_root()/blobs`, least recently used out past `cache_bytes`)
+or in memory with `data.cache: false`; `prefetch` fetches the blocks of windows the sampler asks for next on a
+few threads.
 
 Reads are positioned reads (`os.pread`), not a memory map: a map's touched pages stay in the process's
 resident set, so a worker's resident memory would grow with the part of the corpus it has read.
@@ -41,18 +44,22 @@ from trainers.data.manifest import MANIFEST_FILE, fetch_shard, shard_problem
 from trainers.storage import cache_root, local_path, location, read_range
 
 __all__ = [
+    "DIGEST_BYTES",
+    "FETCH_BYTES",
     "PIECE_BYTES",
     "SplitStream",
     "encode_shard",
     "piece_digests",
 ]
 
-PIECE_BYTES = 1 << 20  # what a reader checks at a time: a window's worth of work, ~0.7 ms of sha256
-DISK_CACHE_BYTES = 20 << 30  # a bucket's pieces kept on this machine when data.cache_bytes is not set
+PIECE_BYTES = 1 << 16  # what a reader checks at a time: ~8 windows of 2,048 tokens, ~50 us of sha256
+DIGEST_BYTES = 32  # a piece's sha256, raw
+FETCH_BYTES = 1 << 20  # what one ranged GET of a bucket's shard brings (whole pieces)
+DISK_CACHE_BYTES = 20 << 30  # a bucket's blocks kept on this machine when data.cache_bytes is not set
 MEMORY_CACHE_BYTES = 256 << 20  # ... kept in each process with data.cache: false
 _VALUE = np.dtype("<u4")  # how Parquet stores uint16 and uint32 values: INT32, little-endian
-_OPEN_FILES = 64  # local shards a reader keeps open
-_FETCH_THREADS = 8  # ranged GETs in flight for one reader: a store's latency, not its bandwidth, bounds them
+_OPEN_SHARDS = 64  # shards a reader keeps open (a file and a digest table each)
+_FETCH_THREADS = 8
 _PARQUET = {
     "compression": "NONE",
     "use_dictionary": False,
@@ -84,15 +91,14 @@ def encode_shard(values: np.ndarray, lengths: np.ndarray) -> tuple[pa.Buffer, in
     start = chunk.data_page_offset + chunk.total_compressed_size - _VALUE.itemsize * len(values)
     found = np.frombuffer(buf, _VALUE, count=len(values), offset=start) if start >= 0 else None
     ok = meta.num_row_groups == 1 and found is not None and np.array_equal(found, values)
-    return buf, start if ok else None
+    return buf, int(start) if ok else None
 
 
-def piece_digests(data: Any, piece_bytes: int = PIECE_BYTES) -> tuple[str, list[str]]:
-    """(sha256 of the whole, sha256 of each `piece_bytes` piece) of a bytes-like object."""
+def piece_digests(data: Any, piece_bytes: int = PIECE_BYTES) -> tuple[str, bytes]:
+    """(sha256 of the whole as hex, the raw sha256 of each `piece_bytes` piece end to end)."""
     view = memoryview(data).cast("B")
-    whole = hashlib.sha256(view)
-    pieces = [hashlib.sha256(view[i : i + piece_bytes]).hexdigest() for i in range(0, len(view), piece_bytes)]
-    return whole.hexdigest(), pieces or [hashlib.sha256(b"").hexdigest()]
+    pieces = b"".join(hashlib.sha256(view[i : i + piece_bytes]).digest() for i in range(0, len(view), piece_bytes))
+    return hashlib.sha256(view).hexdigest(), pieces or hashlib.sha256(b"").digest()
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -105,40 +111,43 @@ class SplitStream:
     def __init__(self, data_dir: Any, manifest: dict[str, Any], split: str, cache: bool = True,
                  cache_bytes: int | None = None) -> None:
         self.data_dir = location(data_dir)
-        self.entries: list[dict[str, Any]] = manifest["splits"][split]["shards"]
+        entry = manifest["splits"][split]
+        self.entries: list[dict[str, Any]] = entry["shards"]
         self.piece_bytes = int(manifest.get("piece_bytes", PIECE_BYTES))
+        self.digest_file = self.data_dir / entry["pieces_file"] if isinstance(entry.get("pieces_file"), str) else None
         self.bounds = np.cumsum([0, *(int(s["tokens"]) for s in self.entries)], dtype=np.int64)
         self.total = int(self.bounds[-1])
         self.remote = local_path(self.data_dir) is None
         self.cache = cache
-        self.pieces: _PieceStore | None = None
+        self.blocks: _BlockStore | None = None
         if self.remote:
             limit = cache_bytes or (DISK_CACHE_BYTES if cache else MEMORY_CACHE_BYTES)
-            self.pieces = _DiskPieces(limit) if cache else _MemoryPieces(limit)
+            self.blocks = _DiskBlocks(limit) if cache else _MemoryBlocks(limit)
         self._open: OrderedDict[int, _Shard] = OrderedDict()
         self._lock = threading.Lock()
 
     def read(self, start: int, count: int) -> np.ndarray:
         if start < 0 or start + count > self.total:
             raise IndexError(f"tokens [{start}, {start + count}) are outside [0, {self.total})")
-        parts, end = [], start + count
-        i = int(np.searchsorted(self.bounds, start, side="right")) - 1
-        while start < end:
-            stop = min(end, int(self.bounds[i + 1]))
-            parts.append(self.shard(i).values(start - int(self.bounds[i]), stop - start))
-            start, i = stop, i + 1
+        parts = [self.shard(i).values(a, n) for i, a, n in self._spans(start, count)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def prefetch(self, starts: Iterable[int], count: int) -> None:
-        """Start fetching what `read(s, count)` for each of `starts` will need (a bucket's pieces; on a local
-        disk, a hint to the kernel): nothing waits for it."""
+        """Start fetching what `read(s, count)` for each of `starts` will need (a bucket's blocks; on a local
+        disk, a hint to the kernel); returns at once."""
         for start in starts:
-            end = min(start + count, self.total)
-            i = int(np.searchsorted(self.bounds, start, side="right")) - 1
-            while 0 <= i < len(self.entries) and start < end:
-                stop = min(end, int(self.bounds[i + 1]))
-                self.shard(i).prefetch(start - int(self.bounds[i]), stop - start)
-                start, i = stop, i + 1
+            for i, a, n in self._spans(start, min(count, self.total - start)):
+                self.shard(i).prefetch(a, n)
+
+    def _spans(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """(shard, first token in it, tokens) of each shard that tokens [start, start + count) lie in."""
+        out, end = [], start + count
+        i = int(np.searchsorted(self.bounds, start, side="right")) - 1
+        while start < end:
+            stop = min(end, int(self.bounds[i + 1]))
+            out.append((i, start - int(self.bounds[i]), stop - start))
+            start, i = stop, i + 1
+        return out
 
     def shard(self, i: int) -> _Shard:
         with self._lock:
@@ -147,12 +156,10 @@ class SplitStream:
                 self._open.move_to_end(i)
                 return shard
             entry = self.entries[i]
-            if "values_offset" in entry and "pieces" in entry:
-                shard = _PlainShard(self, entry)
-            else:
-                shard = _DecodedShard(self, entry)
+            plain = self.digest_file is not None and "values_offset" in entry and "pieces_offset" in entry
+            shard = _PlainShard(self, entry) if plain else _DecodedShard(self, entry)
             self._open[i] = shard
-            if len(self._open) > _OPEN_FILES:
+            if len(self._open) > _OPEN_SHARDS:
                 self._open.popitem(last=False)[1].close()
             return shard
 
@@ -161,8 +168,8 @@ class SplitStream:
             for shard in self._open.values():
                 shard.close()
             self._open.clear()
-        if self.pieces is not None:
-            self.pieces.close()
+        if self.blocks is not None:
+            self.blocks.close()
 
     def problem(self, entry: dict[str, Any], what: str) -> ConfigError:
         return ConfigError(shard_problem(self.data_dir, entry, what))
@@ -196,33 +203,36 @@ class _DecodedShard(_Shard):
 
 
 class _PlainShard(_Shard):
-    """A shard whose values are one int32 run: read where it lies, each piece checked on first use."""
+    """A shard whose values are one int32 run: read where they lie, each piece checked on first use (a
+    bucket's: each block as it arrives)."""
 
     def __init__(self, stream: SplitStream, entry: dict[str, Any]) -> None:
         self.stream, self.entry = stream, entry
         self.path = stream.data_dir / entry["file"]
         self.offset = int(entry["values_offset"])
-        self.digests: list[str] = entry["pieces"]
         self.size = int(entry.get("bytes", self.offset + _VALUE.itemsize * entry["tokens"]))
+        self.piece = stream.piece_bytes
+        self.block = max(1, FETCH_BYTES // self.piece) * self.piece
         self.checked: set[int] = set()
         self.fd: int | None = None
+        self._digests: bytes | None = None
+        self._lock = threading.Lock()
+
+    # ---- where bytes lie
 
     def _range(self, start: int, count: int) -> tuple[int, int]:
         begin = self.offset + _VALUE.itemsize * start
         return begin, begin + _VALUE.itemsize * count
 
-    def _pieces(self, begin: int, end: int) -> range:
-        p = self.stream.piece_bytes
-        return range(begin // p, (max(end, begin + 1) - 1) // p + 1)
-
-    def _piece_length(self, k: int) -> int:
-        return min(self.stream.piece_bytes, self.size - k * self.stream.piece_bytes)
+    @staticmethod
+    def _units(begin: int, end: int, unit: int) -> range:
+        return range(begin // unit, (max(end, begin + 1) - 1) // unit + 1)
 
     def values(self, start: int, count: int) -> np.ndarray:
         begin, end = self._range(start, count)
         if self.stream.remote:
-            return self._from_pieces(begin, end)
-        for k in self._pieces(begin, end):
+            return self._from_blocks(begin, end)
+        for k in self._units(begin, end, self.piece):
             if k not in self.checked:
                 self._check_local_piece(k)
         data = os.pread(self._fd(), end - begin, begin)
@@ -233,10 +243,43 @@ class _PlainShard(_Shard):
     def prefetch(self, start: int, count: int) -> None:
         begin, end = self._range(start, count)
         if self.stream.remote:
-            for k in self._pieces(begin, end):
-                self.stream.pieces.prefetch(self._fetcher(k), self.digests[k])
+            for b in self._units(begin, end, self.block):
+                self.stream.blocks.prefetch(self._key(b), lambda b=b: self._fetch_block(b))
         elif hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd(), begin, end - begin, os.POSIX_FADV_WILLNEED)
+
+    # ---- checks
+
+    def _digest(self, k: int) -> bytes:
+        with self._lock:
+            if self._digests is None:
+                self._digests = self._load_digests()
+        return self._digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+
+    def _load_digests(self) -> bytes:
+        """This shard's table from the split's digest file, checked against the manifest."""
+        count = max(1, -(-self.size // self.piece))
+        table = read_range(self.stream.digest_file, int(self.entry["pieces_offset"]), DIGEST_BYTES * count)
+        if hashlib.sha256(table).hexdigest() != self.entry.get("pieces_sha256"):
+            name = self.stream.digest_file.name
+            raise self.stream.problem(self.entry, f"has piece checksums in {name} that do not match {MANIFEST_FILE}")
+        return bytes(table)
+
+    def _mismatch(self, k: int) -> ConfigError:
+        return self.stream.problem(
+            self.entry,
+            f"does not match its sha256 in {MANIFEST_FILE} (piece {k} of {max(1, -(-self.size // self.piece))}: "
+            f"corrupted or changed)",
+        )
+
+    def _check(self, k: int, data: Any) -> None:
+        length = min(self.piece, self.size - k * self.piece)
+        if len(data) != length or hashlib.sha256(data).digest() != self._digest(k):
+            raise self._mismatch(k)
+
+    def _check_local_piece(self, k: int) -> None:
+        self._check(k, read_range(self.path, k * self.piece, min(self.piece, self.size - k * self.piece)))
+        self.checked.add(k)
 
     def _fd(self) -> int:
         if self.fd is None:
@@ -246,34 +289,29 @@ class _PlainShard(_Shard):
                 raise self.stream.problem(self.entry, "is missing") from None
         return self.fd
 
-    def _check_local_piece(self, k: int) -> None:
-        length = self._piece_length(k)
-        data = read_range(self.path, k * self.stream.piece_bytes, length) if length > 0 else b""
-        if len(data) != max(length, 0) or hashlib.sha256(data).hexdigest() != self.digests[k]:
-            raise self._mismatch(k)
-        self.checked.add(k)
+    # ---- a bucket's blocks
 
-    def _mismatch(self, k: int) -> ConfigError:
-        return self.stream.problem(
-            self.entry,
-            f"does not match its sha256 in {MANIFEST_FILE} (piece {k} of {len(self.digests)}: corrupted or changed)",
-        )
+    def _key(self, b: int) -> str:
+        return f"{self.entry['sha256']}-{self.piece}-{b}"  # what the block holds, whatever the path
 
-    def _fetcher(self, k: int) -> _Fetch:
-        return _Fetch(self.path, k * self.stream.piece_bytes, self._piece_length(k))
+    def _fetch_block(self, b: int) -> bytes:
+        first = b * self.block
+        data = bytes(read_range(self.path, first, min(self.block, self.size - first)))
+        view = memoryview(data)
+        for k in self._units(first, first + len(data), self.piece):
+            self._check(k, view[k * self.piece - first : (k + 1) * self.piece - first])
+        return data
 
-    def _from_pieces(self, begin: int, end: int) -> np.ndarray:
-        p, parts = self.stream.piece_bytes, []
-        for k in self._pieces(begin, end):
-            data = self.stream.pieces.get(self._fetcher(k), self.digests[k])
-            if data is None:
-                raise self._mismatch(k)
-            lo, hi = max(begin - k * p, 0), min(end - k * p, p)
-            parts.append(memoryview(data)[lo:hi])
+    def _from_blocks(self, begin: int, end: int) -> np.ndarray:
+        parts = []
+        for b in self._units(begin, end, self.block):
+            data = self.stream.blocks.get(self._key(b), lambda b=b: self._fetch_block(b))
+            first = b * self.block
+            parts.append(memoryview(data)[max(begin - first, 0) : min(end - first, len(data))])
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         if len(data) != end - begin:
             raise self.stream.problem(self.entry, f"ends before byte {end} (truncated?)")
-        return np.frombuffer(data, _VALUE).copy()  # not a view into a cached piece
+        return np.frombuffer(data, _VALUE).copy()  # not a view into a cached block
 
     def close(self) -> None:
         if self.fd is not None:
@@ -281,131 +319,117 @@ class _PlainShard(_Shard):
             self.fd = None
 
 
-# -------------------------------------------------------------------------------- a bucket's pieces
-
-
-@dataclass(frozen=True)
-class _Fetch:
-    path: Any
-    offset: int
-    length: int
-
-    def __call__(self) -> bytes:
-        return bytes(read_range(self.path, self.offset, self.length))
+# -------------------------------------------------------------------------------- a bucket's blocks
 
 
 @dataclass
-class _PieceStore:
-    """Pieces by sha256: `get` returns a checked piece (None when the store's bytes do not match)."""
+class _BlockStore:
+    """Checked blocks by key: `get` returns one (fetched, or from the store), waiting for a prefetch of it."""
 
     limit: int
     pending: dict[str, Future] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     pool: ThreadPoolExecutor | None = None
 
-    def get(self, fetch: _Fetch, digest: str) -> bytes | None:
+    def get(self, key: str, fetch: Any) -> bytes:
         with self.lock:
-            future = self.pending.get(digest)
+            future = self.pending.get(key)
         if future is not None:
-            future.result()  # what it raised, raise here
-        data = self.load(digest)
-        return data if data is not None else self._fetch(fetch, digest)
+            future.result()  # what the fetch raised, raise here
+        data = self.load(key)
+        if data is None:
+            data = fetch()
+            self.store(key, data)
+        return data
 
-    def prefetch(self, fetch: _Fetch, digest: str) -> None:
+    def prefetch(self, key: str, fetch: Any) -> None:
         with self.lock:
-            if digest in self.pending or self.has(digest):
+            if key in self.pending or self.has(key):
                 return
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="data-fetch")
-            future = self.pool.submit(self._fetch, fetch, digest)
-            self.pending[digest] = future
-        future.add_done_callback(lambda _: self._done(digest))
+            future = self.pool.submit(lambda: self.store(key, fetch()))
+            self.pending[key] = future
+        future.add_done_callback(lambda _: self._done(key))
 
-    def _done(self, digest: str) -> None:
+    def _done(self, key: str) -> None:
         with self.lock:
-            self.pending.pop(digest, None)
-
-    def _fetch(self, fetch: _Fetch, digest: str) -> bytes | None:
-        data = fetch()
-        if hashlib.sha256(data).hexdigest() != digest:
-            return None
-        self.store(digest, data)
-        return data
+            self.pending.pop(key, None)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
 
-    def has(self, digest: str) -> bool:
+    def has(self, key: str) -> bool:
         raise NotImplementedError
 
-    def load(self, digest: str) -> bytes | None:
+    def load(self, key: str) -> bytes | None:
         raise NotImplementedError
 
-    def store(self, digest: str, data: bytes) -> None:
+    def store(self, key: str, data: bytes) -> None:
         raise NotImplementedError
 
 
 @dataclass
-class _MemoryPieces(_PieceStore):
-    """Pieces kept in this process, least recently used out past `limit` bytes."""
+class _MemoryBlocks(_BlockStore):
+    """Blocks kept in this process, least recently used out past `limit` bytes."""
 
     held: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
     used: int = 0
 
-    def has(self, digest: str) -> bool:
-        return digest in self.held
+    def has(self, key: str) -> bool:
+        return key in self.held
 
-    def load(self, digest: str) -> bytes | None:
+    def load(self, key: str) -> bytes | None:
         with self.lock:
-            data = self.held.get(digest)
+            data = self.held.get(key)
             if data is not None:
-                self.held.move_to_end(digest)
+                self.held.move_to_end(key)
             return data
 
-    def store(self, digest: str, data: bytes) -> None:
+    def store(self, key: str, data: bytes) -> None:
         with self.lock:
-            if digest not in self.held:
-                self.held[digest], self.used = data, self.used + len(data)
+            if key not in self.held:
+                self.held[key], self.used = data, self.used + len(data)
             while self.used > self.limit and len(self.held) > 1:
                 self.used -= len(self.held.popitem(last=False)[1])
 
 
 @dataclass
-class _DiskPieces(_PieceStore):
-    """Pieces in this machine's cache folder, shared by its processes (a piece is renamed into place whole,
-    named by its sha256); least recently used (by modification time, touched on first use here) are deleted
-    once the folder holds more than `limit` bytes."""
+class _DiskBlocks(_BlockStore):
+    """Blocks in this machine's cache folder, shared by its processes (renamed into place whole); least
+    recently used (by modification time, touched on first use here) are deleted once the folder holds more
+    than `limit` bytes."""
 
     folder: Path = field(default_factory=lambda: cache_root() / "blobs")
     used: int | None = None  # this process's estimate of the folder's size; recounted when past the limit
     touched: set[str] = field(default_factory=set)
 
-    def has(self, digest: str) -> bool:
-        return (self.folder / digest).is_file()
+    def has(self, key: str) -> bool:
+        return (self.folder / key).is_file()
 
-    def load(self, digest: str) -> bytes | None:
+    def load(self, key: str) -> bytes | None:
         try:
-            data = (self.folder / digest).read_bytes()
+            data = (self.folder / key).read_bytes()
         except FileNotFoundError:  # not fetched yet, or evicted by another process
             return None
-        if digest not in self.touched:
-            self.touched.add(digest)
+        if key not in self.touched:
+            self.touched.add(key)
             with contextlib.suppress(OSError):
-                os.utime(self.folder / digest)
+                os.utime(self.folder / key)
         return data
 
-    def store(self, digest: str, data: bytes) -> None:
+    def store(self, key: str, data: bytes) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{digest}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        tmp = self.folder / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
         try:
             tmp.write_bytes(data)
-            os.replace(tmp, self.folder / digest)
+            os.replace(tmp, self.folder / key)
         finally:
             tmp.unlink(missing_ok=True)
         with self.lock:
-            self.touched.add(digest)
+            self.touched.add(key)
             self.used = (self.used if self.used is not None else self._count()) + len(data)
             if self.used > self.limit:
                 self.used = self._evict()
@@ -424,7 +448,7 @@ class _DiskPieces(_PieceStore):
         return sum(size for _, size, _ in self._entries())
 
     def _evict(self) -> int:
-        """Oldest first, down to 90% of the limit (so that the next pieces do not each scan the folder)."""
+        """Oldest first, down to 90% of the limit (so that the next blocks do not each scan the folder)."""
         entries = sorted(self._entries())
         used = sum(size for _, size, _ in entries)
         for _, size, name in entries:
