@@ -51,6 +51,7 @@ from corpus import prepared  # noqa: E402
 from plain_loop import train as train_plain  # noqa: E402
 from provenance import git_state  # noqa: E402
 
+from trainers._base import scoped_environ  # noqa: E402
 from trainers.config import RunConfig, apply_overrides, parse_config  # noqa: E402
 from trainers.data.dataset import GlobalSampler, TokenWindows  # noqa: E402
 from trainers.metrics import LiveTensorBytes  # noqa: E402
@@ -308,23 +309,12 @@ def one_row_in_a_fresh_process(row: Row, args: argparse.Namespace, data: str) ->
 def measure(row: Row, args: argparse.Namespace, size: dict[str, Any], data: str,
             device: torch.device) -> dict[str, Any]:
     if args.dry_run:  # in this process: a tiny size, and CI's time
-        with _env(dict(row.env)):
+        with scoped_environ(**dict(row.env)):
             try:
                 return run_row(row, size, data, device)
             except ImportError as e:  # the peer row without transformers
                 return {"error": f"{type(e).__name__}: {e}"}
     return one_row_in_a_fresh_process(row, args, data)
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def checks(rows: dict[str, dict[str, Any]], size: dict[str, Any]) -> dict[str, Any]:
