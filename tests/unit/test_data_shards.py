@@ -182,6 +182,19 @@ def test_a_record_of_a_file_changed_within_the_timestamp_granularity_is_not_trus
     assert manifest_module._checked_before(path, "abc") and not manifest_module._checked_before(path, "abd")
 
 
+def test_records_of_folders_that_are_gone_are_forgotten(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RAYTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(manifest_module, "_records", {})
+    records = tmp_path / "cache" / "checked"
+    records.mkdir(parents=True)
+    for i in range(70):
+        (records / f"gone{i}.json").write_text(json.dumps({"folder": str(tmp_path / f"gone{i}"), "files": {}}))
+    (records / "kept.json").write_text(json.dumps({"folder": str(tmp_path), "files": {}}))
+    (tmp_path / "f").write_bytes(b"x")
+    manifest_module.remember_checked(tmp_path, {"f": "abc"}, checked_ns=0)
+    assert sorted(p.name for p in records.iterdir()) == sorted(["kept.json", manifest_module._record_file(tmp_path).name])
+
+
 # ------------------------------------------------------------------------------------------------ a bucket
 
 

@@ -228,6 +228,19 @@ def remember_checked(folder: Path, files: dict[str, str], checked_ns: int) -> No
             records[name] = {"sha256": sha256, "stat": _stat_key(folder / name), "checked_ns": checked_ns}
         path = _record_file(folder)
         path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            _forget_gone_folders(path.parent)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"folder": str(folder.resolve()), "files": records}))
         os.replace(tmp, path)
+
+
+def _forget_gone_folders(records: Path, keep: int = 64) -> None:
+    """Past `keep` record files, remove those of folders that are no longer there (temporary ones, mostly)."""
+    files = list(records.glob("*.json"))
+    if len(files) <= keep:
+        return
+    for f in files:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if not Path(json.loads(f.read_text()).get("folder", "")).is_dir():
+                f.unlink()

@@ -39,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from trainers._base import ConfigError
+from trainers.data.encode import encode_documents, encode_in_worker, start_worker, stored_dtype, worker_spec
 from trainers.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, SPLITS, remember_checked
 from trainers.data.shards import PIECE_BYTES, encode_shard, piece_digests
 from trainers.data.sources import DEFAULT_INCLUDE, Skipped, Source, list_sources, read_documents
@@ -293,10 +294,6 @@ def _build_tokenizer(kind: str, vocab_size: int, plan: _Plan) -> Tokenizer:
     return BPETokenizer.train((text for key, text in docs if not plan.is_val(key)), vocab_size)
 
 
-def _dtype(vocab_size: int) -> type[np.unsignedinteger]:
-    return np.uint16 if vocab_size < 1 << 16 else np.uint32
-
-
 def _workers(workers: int | None, tok: Tokenizer, plan: _Plan) -> int:
     if workers is not None:
         if workers < 1:
@@ -324,35 +321,6 @@ def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]
         yield batch
 
 
-def encode_documents(tok: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(token values, document lengths) of `texts`, each document followed by eos, in the stored dtype."""
-    ids = tok.encode_batch(texts)
-    lengths = np.fromiter((len(a) + 1 for a in ids), dtype=np.int64, count=len(ids))
-    values = np.empty(int(lengths.sum()), dtype=_dtype(tok.vocab_size))
-    ends = np.cumsum(lengths)
-    for a, end in zip(ids, ends.tolist()):
-        values[end - 1 - len(a) : end - 1] = a
-    values[ends - 1] = tok.eos_id
-    return values, lengths
-
-
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _start_worker(tok: Tokenizer) -> None:
-    # One core per process: the pool is the parallelism (tokenizers would otherwise start a thread per core in
-    # every process).
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    global _worker_tokenizer
-    _worker_tokenizer = tok
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_tokenizer is not None
-    return encode_documents(_worker_tokenizer, texts)
-
-
 def _encoded(tok: Tokenizer, batches: Iterable[list[tuple[str, str]]], workers: int
              ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
     """(keys, values, lengths) of each batch, in order: in this process, or on `workers` processes with at
@@ -362,10 +330,11 @@ def _encoded(tok: Tokenizer, batches: Iterable[list[tuple[str, str]]], workers: 
             yield [k for k, _ in batch], *encode_documents(tok, [t for _, t in batch])
         return
     context = multiprocessing.get_context("spawn")  # not fork: this process may already run tokenizers' threads
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(tok,)) as pool:
+    spec = worker_spec(tok.to_hf(), tok.eos_id, tok.vocab_size)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=start_worker, initargs=(spec,)) as pool:
         window: deque = deque()
         for batch in batches:
-            window.append(([k for k, _ in batch], pool.submit(_encode_in_worker, [t for _, t in batch])))
+            window.append(([k for k, _ in batch], pool.submit(encode_in_worker, [t for _, t in batch])))
             if len(window) >= 2 * workers:
                 keys, future = window.popleft()
                 yield keys, *future.result()
@@ -378,8 +347,9 @@ def _encode_into(writer: CorpusWriter, tok: Tokenizer, plan: _Plan, stats: _Sour
                  workers: int, progress: bool) -> None:
     """Every document, tokenized, into its split's shards; a progress bar with tokens/s."""
     started, tokens = time.perf_counter(), 0
-    with tqdm(total=plan.size or None, desc="tokenize", unit="B", unit_scale=True, disable=not progress,
-              leave=False) as bar:
+    sized = not any(s.compression for s in plan.sources)  # text bytes track file bytes (a compressed file's do not)
+    with tqdm(total=plan.size if sized else None, desc="tokenize", unit="B", unit_scale=True,
+              disable=not progress, leave=False) as bar:
         for keys, values, lengths in _encoded(tok, _batches(plan.documents(stats, skipped, bar.update)), workers):
             val = np.fromiter((plan.is_val(k) for k in keys), dtype=bool, count=len(keys))
             ends = np.cumsum(lengths)
@@ -407,7 +377,7 @@ class CorpusWriter:
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.output.parent / f".{self.output.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
-        self.dtype = _dtype(tok.vocab_size)
+        self.dtype = stored_dtype(tok.vocab_size)
         self.writers = {
             s: _ShardWriter(self.tmp, s, self.dtype, shard_tokens, tok.vocab_size, piece_bytes) for s in SPLITS
         }
