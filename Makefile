@@ -71,6 +71,7 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/pbt_overhead.py --data $(DATA)
 	$(PY) bench/storage.py
 	$(PY) bench/checkpoint.py --data $(DATA)
+	$(PY) bench/no_ray.py --data $(DATA)
 	$(PY) bench/data.py
 
 bench-cluster: $(STAMP)
