@@ -118,7 +118,9 @@ def child(args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (a worker has torch loaded: its RSS is not the data's)
 
     from trainers.data.dataset import GlobalSampler, TokenWindows, shard_for_rank
+    from trainers.storage import location
 
+    location(args.data)  # a bucket's file system imported and its client made: their memory is not the data's
     gc.collect()
     before = rss_bytes()
     t0 = time.perf_counter()
@@ -350,9 +352,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for kind, style in (("warm", "o-"), ("cold", "s--")):
         a.plot(tokens, [result["sizes"][n][kind]["first_batch_s"] * 1e3 for n in names], style, label=kind)
         b.plot(tokens, [result["sizes"][n][kind]["data_rss_bytes"] / 2**20 for n in names], style, label=kind)
-    a.plot(tokens, [result["sizes"][n]["first_start"]["first_batch_s"] * 1e3 for n in names], "^:", label="first start")
-    for ax, title, unit in ((a, "time to a worker's first batch (32 x 2,048 tokens)", "ms"),
-                            (b, "resident memory for data after it (RSS delta)", "MiB")):
+    a.plot(tokens, [result["sizes"][n]["first_start"]["first_batch_s"] * 1e3 for n in names], "^:",
+           label="first start on the machine (writes the epoch's order)")
+    for ax, title, unit in ((a, "time to a worker's first batch (32 x 2,048 tokens; target at 1B: 2 s)", "ms"),
+                            (b, "resident memory for data after it (RSS delta; target at 1B: 256 MiB)", "MiB")):
         ax.set_xscale("log")
         ax.set_xlabel("corpus, train tokens")
         ax.set_ylabel(unit)

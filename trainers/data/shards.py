@@ -305,13 +305,13 @@ class _PlainShard(_Shard):
     def _from_blocks(self, begin: int, end: int) -> np.ndarray:
         parts = []
         for b in self._units(begin, end, self.block):
-            data = self.stream.blocks.get(self._key(b), lambda b=b: self._fetch_block(b))
             first = b * self.block
-            parts.append(memoryview(data)[max(begin - first, 0) : min(end - first, len(data))])
+            lo, hi = max(begin - first, 0), min(end - first, self.block)
+            parts.append(self.stream.blocks.get(self._key(b), lambda b=b: self._fetch_block(b), lo, hi))
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         if len(data) != end - begin:
             raise self.stream.problem(self.entry, f"ends before byte {end} (truncated?)")
-        return np.frombuffer(data, _VALUE).copy()  # not a view into a cached block
+        return np.frombuffer(data, _VALUE)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -331,15 +331,17 @@ class _BlockStore:
     lock: threading.Lock = field(default_factory=threading.Lock)
     pool: ThreadPoolExecutor | None = None
 
-    def get(self, key: str, fetch: Any) -> bytes:
+    def get(self, key: str, fetch: Any, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of the block `key` (fetched with `fetch` when it is not held)."""
         with self.lock:
             future = self.pending.get(key)
         if future is not None:
             future.result()  # what the fetch raised, raise here
-        data = self.load(key)
+        data = self.load(key, lo, hi)
         if data is None:
-            data = fetch()
-            self.store(key, data)
+            block = fetch()
+            self.store(key, block)
+            data = block[lo:hi]
         return data
 
     def prefetch(self, key: str, fetch: Any) -> None:
@@ -364,7 +366,7 @@ class _BlockStore:
     def has(self, key: str) -> bool:
         raise NotImplementedError
 
-    def load(self, key: str) -> bytes | None:
+    def load(self, key: str, lo: int, hi: int) -> bytes | None:
         raise NotImplementedError
 
     def store(self, key: str, data: bytes) -> None:
@@ -381,12 +383,13 @@ class _MemoryBlocks(_BlockStore):
     def has(self, key: str) -> bool:
         return key in self.held
 
-    def load(self, key: str) -> bytes | None:
+    def load(self, key: str, lo: int, hi: int) -> bytes | None:
         with self.lock:
             data = self.held.get(key)
-            if data is not None:
-                self.held.move_to_end(key)
-            return data
+            if data is None:
+                return None
+            self.held.move_to_end(key)
+            return data[lo:hi]
 
     def store(self, key: str, data: bytes) -> None:
         with self.lock:
@@ -409,11 +412,15 @@ class _DiskBlocks(_BlockStore):
     def has(self, key: str) -> bool:
         return (self.folder / key).is_file()
 
-    def load(self, key: str) -> bytes | None:
+    def load(self, key: str, lo: int, hi: int) -> bytes | None:
         try:
-            data = (self.folder / key).read_bytes()
+            fd = os.open(self.folder / key, os.O_RDONLY)
         except FileNotFoundError:  # not fetched yet, or evicted by another process
             return None
+        try:
+            data = os.pread(fd, hi - lo, lo)
+        finally:
+            os.close(fd)
         if key not in self.touched:
             self.touched.add(key)
             with contextlib.suppress(OSError):
