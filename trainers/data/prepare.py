@@ -17,7 +17,9 @@ batches in flight and one shard per split, whatever the size of the corpus.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.machinery
 import json
 import math
 import multiprocessing
@@ -30,7 +32,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -329,18 +330,40 @@ def _encoded(tok: Tokenizer, batches: Iterable[list[tuple[str, str]]], workers: 
         for batch in batches:
             yield [k for k, _ in batch], *encode_documents(tok, [t for _, t in batch])
         return
-    context = multiprocessing.get_context("spawn")  # not fork: this process may already run tokenizers' threads
     spec = worker_spec(tok.to_hf(), tok.eos_id, tok.vocab_size)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=start_worker, initargs=(spec,)) as pool:
+    with _worker_pool(workers, spec) as pool:
         window: deque = deque()
         for batch in batches:
-            window.append(([k for k, _ in batch], pool.submit(encode_in_worker, [t for _, t in batch])))
+            window.append(([k for k, _ in batch], pool.apply_async(encode_in_worker, ([t for _, t in batch],))))
             if len(window) >= 2 * workers:
-                keys, future = window.popleft()
-                yield keys, *future.result()
+                keys, result = window.popleft()
+                yield keys, *result.get()
         while window:
-            keys, future = window.popleft()
-            yield keys, *future.result()
+            keys, result = window.popleft()
+            yield keys, *result.get()
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, spec: tuple) -> Iterator[Any]:
+    """`workers` spawned processes (not forked: this process may already run tokenizers' threads), all started
+    here. A spawned process first runs the parent's main script (multiprocessing's rule for scripts): for the
+    `raytrain` command that imports torch and the trainer, seconds per worker that tokenizing never uses, so
+    the main module is named `__main__` while they start, which multiprocessing leaves alone."""
+    main = sys.modules["__main__"]
+    spec_before = getattr(main, "__spec__", None)
+    if spec_before is None:
+        main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=start_worker, initargs=(spec,))
+    finally:
+        if spec_before is None:
+            main.__spec__ = None
+    try:
+        yield pool
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 def _encode_into(writer: CorpusWriter, tok: Tokenizer, plan: _Plan, stats: _SourceStats, skipped: Skipped,

@@ -58,7 +58,7 @@ FETCH_BYTES = 1 << 20  # what one ranged GET of a bucket's shard brings (whole p
 DISK_CACHE_BYTES = 20 << 30  # a bucket's blocks kept on this machine when data.cache_bytes is not set
 MEMORY_CACHE_BYTES = 256 << 20  # ... kept in each process with data.cache: false
 _VALUE = np.dtype("<u4")  # how Parquet stores uint16 and uint32 values: INT32, little-endian
-_OPEN_SHARDS = 64  # shards a reader keeps open (a file and a digest table each)
+_OPEN_SHARDS = 256  # shards a reader keeps open: a file and an 8 KiB digest table each (16 MB shards)
 _FETCH_THREADS = 8
 _PARQUET = {
     "compression": "NONE",

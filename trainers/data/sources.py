@@ -31,6 +31,7 @@ import json
 import lzma
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -189,9 +190,14 @@ def read_documents(source: Source, text_field: str, skipped: Skipped) -> Iterato
     }[source.format]  # fmt: skip
     try:
         yield from reader(source, text_field, skipped)
-    except (OSError, EOFError, ValueError, pa.ArrowException) as e:  # a damaged file: said, then the next one
-        reason = f"unreadable as {source.format}{' ' + source.compression if source.compression else ''} ({_short(e)})"
-        skipped.file(reason, source.key)
+    except _read_errors() as e:  # a damaged file: said, then the next one
+        codec = f" {source.compression}" if source.compression else ""
+        skipped.file(f"unreadable as {source.format}{codec}", f"{source.key}: {_short(e)}")
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    zstd = sys.modules.get("zstandard")  # its errors are no OSError
+    return (OSError, EOFError, ValueError, pa.ArrowException, *((zstd.ZstdError,) if zstd else ()))
 
 
 def _short(e: BaseException) -> str:
