@@ -97,15 +97,17 @@ class _Plan:
                   ) -> Iterator[tuple[str, str]]:
         """(key, text) of each document, stopping once `max_bytes` of text have been read."""
         for source in self.sources:
-            read = False
+            first = True
             for key, text in read_documents(source, self.text_field, skipped):
                 if self.max_bytes is not None and stats.bytes >= self.max_bytes:
                     return
                 size = len(text) if text.isascii() else len(text.encode("utf-8"))
-                stats.bytes, stats.documents, read = stats.bytes + size, stats.documents + 1, True
+                stats.bytes += size
+                stats.documents += 1
+                stats.files_read += first  # a file counts once it gives a document
+                first = False
                 advance(size)
                 yield key, text
-            stats.files_read += read
 
 
 def prepare_corpus(
