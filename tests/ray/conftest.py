@@ -20,7 +20,8 @@ def ray_local():
 
     assert not ray.is_initialized(), "a Ray from another test module is still running"
     with ray_env_restored():
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False)
+        # address="local": a new Ray of its own, never one a developer started on this machine (`ray start`)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False)
         try:
             yield ray
         finally:
