@@ -12,13 +12,14 @@ never rerun.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
 import socket
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainers.parallel.distributed import leave_groups
+
+RANK_THREADS = 1  # N processes share 2 cores
+
+
+@contextlib.contextmanager
+def rank_threads() -> Iterator[None]:
+    """Torch computes with a rank's thread count meanwhile, for a reference run in the test's own process:
+    MKL splits a matmul's rows over its threads, and a row's result can depend on the split (expert matmuls
+    over the rows routed to each expert: 83 of 200 random splits of 128 rows differ in some row between 1 and
+    2 threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_port() -> int:
@@ -39,7 +56,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     faulthandler.enable(all_threads=True)  # a native crash prints where each thread was
-    torch.set_num_threads(1)  # N processes share 2 cores
+    torch.set_num_threads(RANK_THREADS)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result: Any = ("ok", fn(rank, world, *args))
