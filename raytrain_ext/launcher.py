@@ -37,7 +37,7 @@ from trainers._base import ConfigError, env_default, free_port, scoped_environ
 from trainers.checkpoint import is_complete
 from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
-from trainers.metrics import read_metrics
+from trainers.metrics import MetricsTail, read_metrics
 from trainers.preflight import check_inputs
 from trainers.progress import LineProgress, progress_bar
 from trainers.resume import check_resume, continue_hint
@@ -49,7 +49,6 @@ from trainers.storage import (
     location_on,
     poll_interval,
     ray_storage,
-    read_appended,
     remove_file,
     write_json_atomic,
 )
@@ -481,7 +480,6 @@ class _ProgressWatcher:
         self.interval_s = poll_interval(path, interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
-        self._inode: int | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -490,30 +488,15 @@ class _ProgressWatcher:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _read_from(self, offset: int) -> tuple[bytes | None, int]:
-        """The file's bytes from `offset` on (and the offset they start at: 0 after a rewind: a restart
-        rewinds the log to its checkpoint by replacing the file)."""
-        data, offset, self._inode = read_appended(self.path, offset, self._inode)
-        return data, offset
-
     def _run(self) -> None:
         bar = progress_bar(self.total, self.name) if self.bar else LineProgress(self.total, self.name, show=False)
-        offset, last, val = 0, None, None
+        tail, last, val = MetricsTail(self.path), None, None
         told: set[tuple[Any, ...]] = set()  # events already written (a rewound log is read again)
         try:
             while True:
                 stopping = self._stop.wait(self.interval_s)
-                lines: list[str] = []
-                chunk, offset = self._read_from(offset)
-                if chunk is not None:
-                    complete = chunk[: chunk.rfind(b"\n") + 1]
-                    offset += len(complete)
-                    lines = complete.decode().splitlines()
-                for line in lines:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:  # cut by a kill mid-write: the restart rewrites the log
-                        continue
+                rows = tail.rows()
+                for row in rows:
                     key = (row.get("event"), row.get("step"), row.get("time"))
                     if row.get("kind") == "event" and key in told:
                         continue
@@ -524,7 +507,7 @@ class _ProgressWatcher:
                         last = row
                     elif event_line(row) is not None:
                         bar.write(event_line(row))
-                if lines and last is not None:
+                if rows and last is not None:
                     bar.n = last["step"]
                     bar.set_postfix(
                         loss=f"{last['loss']:.3f}",

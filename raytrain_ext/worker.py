@@ -81,11 +81,11 @@ class LatestMetrics(TrainerCallback):
         values and the latest eval record up to it."""
         step = trainer.step if step is None else step
         metrics = dict(self.at_step.get(step, self.latest))
-        for at in sorted(s for s in self.evals if s <= step):
+        upto = sorted(s for s in self.evals if s <= step)
+        for at in upto:
             metrics.update(self.evals[at])
-        newest = max((s for s in self.evals if s <= step), default=None)
         self.at_step = {s: m for s, m in self.at_step.items() if s > step}
-        self.evals = {s: r for s, r in self.evals.items() if s > step or s == newest}
+        self.evals = {s: r for s, r in self.evals.items() if s > step or s == upto[-1]}  # the newest stays
         return {**metrics, "step": step, "world_size": trainer.engine.world_size}
 
 

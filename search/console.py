@@ -11,33 +11,31 @@ config as it trains with it: `search.trial.TrialRun.step`.)
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray import tune
 
+from search.trial import RUN_DIR
+from trainers.metrics import MetricsTail
 from trainers.run_dir import METRICS
-from trainers.storage import list_names, location, read_appended
+from trainers.storage import list_names, location
 
 __all__ = ["ExperimentReporter", "training_now"]
-
-RUN_DIR = re.compile(r"^(live|seg)-\d{8}-[0-9a-f]+$")  # a trial's Train run folders (search.trial)
 
 
 class ExperimentReporter(tune.CLIReporter):
     def __init__(self, *args: Any, exp_dir: str, slots: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.exp_dir, self.slots = exp_dir, slots  # slots: the time-sharing actor's name (search.slots)
-        self.offsets: dict[str, _Tail] = {}  # each trial's current run's metrics, read as they grow
+        self.tails: dict[str, _Tail] = {}  # each trial's current run's metrics, read as they grow
 
     def _progress_str(self, trials: list[Any], done: bool, *sys_info: str, **kwargs: Any) -> str:
         text = super()._progress_str(trials, done, *sys_info, **kwargs)
         lines = [self._line(line) for line in text.split("\n")]
         if not done:  # between reports (minutes, at first): where each Train run is now
-            live = training_now(self.exp_dir, [t.trial_id for t in trials if t.status == "RUNNING"], self.offsets)
+            live = training_now(self.exp_dir, [t.trial_id for t in trials if t.status == "RUNNING"], self.tails)
             if live:
                 lines.insert(1, live)
         return "\n".join(lines)
@@ -61,11 +59,10 @@ class ExperimentReporter(tune.CLIReporter):
 
 @dataclass
 class _Tail:
-    """What was read of one run's metrics.jsonl: up to `offset`, its last train row."""
+    """What was read of a trial's newest Train run: the run's folder name, its metrics, its last train row."""
 
     run: str
-    offset: int = 0
-    version: Any = None
+    metrics: MetricsTail
     last: dict[str, Any] | None = None
 
 
@@ -75,27 +72,14 @@ def training_now(exp_dir: Any, trials: list[str], tails: dict[str, _Tail]) -> st
     parts = []
     for trial in trials:
         runs = [n for n in list_names(location(exp_dir) / "runs" / trial) if RUN_DIR.match(n)]
-        if not runs:
-            parts.append(f"{_short(trial)} starting")
-            continue
-        run = max(runs)  # <kind>-<step:08d>-<id>: the newest starts at the latest step
-        tail = tails.get(trial)
-        if tail is None or tail.run != run:
-            tail = tails[trial] = _Tail(run)
-        data, tail.offset, tail.version = read_appended(
-            location(exp_dir) / "runs" / trial / run / METRICS, tail.offset, tail.version
-        )
-        if data:
-            complete = data[: data.rfind(b"\n") + 1]
-            tail.offset += len(complete)
-            for line in complete.decode().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if row.get("kind") == "train":
-                    tail.last = row
-        last = tail.last
+        last = None
+        if runs:
+            run = max(runs)  # <kind>-<step:08d>-<id>: the newest starts at the latest step
+            if trial not in tails or tails[trial].run != run:
+                tails[trial] = _Tail(run, MetricsTail(location(exp_dir) / "runs" / trial / run / METRICS))
+            tail = tails[trial]
+            tail.last = next((r for r in reversed(tail.metrics.rows()) if r.get("kind") == "train"), tail.last)
+            last = tail.last
         parts.append(f"{_short(trial)} step {last['step']} loss {last['loss']:.3f}" if last else f"{_short(trial)} starting")
     return "Training now: " + " | ".join(parts) if parts else ""
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 import uuid
@@ -56,7 +57,10 @@ from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
 from trainers.storage import location, remove_tree, write_json_atomic
 
-__all__ = ["META", "PINS", "RunGate", "TrialRun"]
+__all__ = ["META", "PINS", "RUN_DIR", "RunGate", "TrialRun"]
+
+# A trial's Train run folders (`TrialRun._run_dir`): live-<step it starts at:08d>-<id>, or seg-... per segment
+RUN_DIR = re.compile(r"^(live|seg)-\d{8}-[0-9a-f]+$")
 
 META = "meta.json"
 PINS = "pins"  # in the trial's folder: the step folders its Tune checkpoints point at (hard links)
@@ -341,7 +345,7 @@ class TrialRun(tune.Trainable):
         return min((self.step_no // interval + 1) * interval, self.exp.steps)
 
     def _run_dir(self, kind: str) -> Path:
-        return self.dir / f"{kind}-{self.step_no:08d}-{uuid.uuid4().hex[:6]}"
+        return self.dir / f"{kind}-{self.step_no:08d}-{uuid.uuid4().hex[:6]}"  # RUN_DIR
 
     def _train_interval(self) -> _Interval:
         self._take_slot()

@@ -104,6 +104,18 @@ def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
     return int(size)
 
 
+def checked_size(value: Any, what: str) -> str | None:
+    """A config field's byte size kept as written (None stays None), checked now: a ValueError naming
+    `what` and the fix, for pydantic to report before any worker starts."""
+    if value is None:
+        return None
+    try:
+        parse_bytes(value, what)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    return str(value)
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainers._base import ConfigError, StrictModel, parse_bytes
+from trainers._base import ConfigError, StrictModel, checked_size
 from trainers.data.config import DataConfig
 from trainers.models.config import ModelConfig, MoEConfig
 from trainers.profiling import ProfileConfig
@@ -161,13 +161,7 @@ class MemoryConfig(StrictModel):
     @field_validator("device_memory", mode="before")
     @classmethod
     def _size(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        try:  # a size the planner reads: checked here, before any worker
-            parse_bytes(v, "memory.device_memory")
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return str(v)
+        return checked_size(v, "memory.device_memory")  # a size the planner reads: checked here, before any worker
 
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")

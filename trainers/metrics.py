@@ -31,12 +31,13 @@ from trainers.run_dir import RunDir
 from trainers.storage import (
     location,
     publish,
+    read_appended,
     read_bytes,
     working_copy,
     write_text_atomic,
 )
 
-__all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "allocator_peak_bytes", "peak_memory_bytes", "read_metrics"]
+__all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "MetricsTail", "allocator_peak_bytes", "peak_memory_bytes", "read_metrics"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -103,6 +104,29 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
         return []
     rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
     return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+class MetricsTail:
+    """A run's metrics.jsonl read as it grows (a driver's progress, a search's console): each `rows()`
+    gives the complete rows written since the last call, all of them again after the file was rewound
+    (a restart rewrites it from its checkpoint); a row cut by a kill mid-write is skipped."""
+
+    def __init__(self, path: Any) -> None:
+        self.path, self.offset, self.version = path, 0, None
+
+    def rows(self) -> list[dict[str, Any]]:
+        data, self.offset, self.version = read_appended(self.path, self.offset, self.version)
+        if not data:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        rows = []
+        for line in complete.decode().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # cut by a kill mid-write: the restart rewrites the log
+                continue
+        return rows
 
 
 class MetricsSink(Protocol):

@@ -44,12 +44,12 @@ def test_between_reports_the_table_says_where_each_running_trial_trains_now(tmp_
     assert training_now(tmp_path, trials, tails) == "Training now: 00000 starting | 00001 starting"
     write(41, 4.0)
     assert training_now(tmp_path, trials, tails) == "Training now: 00000 step 41 loss 4.000 | 00001 starting"
-    offset = tails["ab_00000"].offset
+    offset = tails["ab_00000"].metrics.offset
     write(42, 3.5)
     with (new / "metrics.jsonl").open("a") as f:
         f.write('{"kind": "train", "step": 43')  # a row being written: read once complete
     assert training_now(tmp_path, trials, tails) == "Training now: 00000 step 42 loss 3.500 | 00001 starting"
-    assert tails["ab_00000"].offset > offset
+    assert tails["ab_00000"].metrics.offset > offset
     assert training_now(tmp_path, [], tails) == ""
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import PositiveInt, field_validator
 
-from trainers._base import ConfigError, StrictModel, parse_bytes
+from trainers._base import StrictModel, checked_size, parse_bytes
 from trainers.storage import Location
 
 
@@ -24,13 +24,7 @@ class DataConfig(StrictModel):
     @field_validator("cache_bytes", mode="before")
     @classmethod
     def _size(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        try:  # a size the reader uses: checked here, before any worker
-            parse_bytes(v, "data.cache_bytes")
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return str(v)
+        return checked_size(v, "data.cache_bytes")  # a size the reader uses: checked here, before any worker
 
     @property
     def cache_limit(self) -> int | None:
