@@ -23,15 +23,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
 from raytrain_ext import ray_compat
 
-__all__ = ["HostWatcher", "LostHost", "probe_cause"]
+__all__ = ["HostWatcher", "LostHost", "on_this_node", "probe_cause"]
 
 # The GCS's NodeDeathInfo.Reason (src/ray/protobuf/gcs.proto), as ray.nodes() gives it.
 _EXPECTED, _PREEMPTED, _IDLE = 1, 3, 4
 
 UNREACHABLE = "unreachable: no answer from its address (a network partition, or the machine is down)"
 RAY_GONE = "its Ray processes are gone: the machine answers but nothing listens (killed, crashed or out of memory)"
+
+
+def on_this_node() -> Any:
+    """A scheduling strategy that places an actor on the caller's node, never elsewhere. Ray spreads actors
+    that ask for no CPU over the cluster's nodes; one that a driver (or a trial) relies on, such as an
+    experiment's decision board, would then die with whatever worker host it landed on, taking every trial
+    with it. On the caller's node it lives exactly as long as its caller."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class ExperimentResult:
     finished: bool  # False: interrupted (Ctrl-C); `tune(..., resume=True)` continues it
     best: TrialResult | None  # None when no trial reported a finite metric
     trials: list[TrialResult]
+    failed: list[str] = field(default_factory=list)  # trial ids that ended failed, short of the budget
     reports: list[dict[str, Any]] = field(default_factory=list, repr=False)  # reports.parquet's rows
     lineage: list[dict[str, Any]] = field(default_factory=list, repr=False)  # lineage.parquet's: the exploits
 
@@ -132,7 +133,8 @@ def _result(exp: ExperimentConfig, ran: Any) -> ExperimentResult:
 
     trials = [_trial(ran.exp_dir, row) for _, row in sorted(latest_reports(ran.reports).items())]
     best = next((t for t in trials if t.trial == ran.best_trial), None)
-    return ExperimentResult(ran.exp_dir, exp.metric, exp.mode, ran.finished, best, trials, ran.reports, ran.events)
+    return ExperimentResult(ran.exp_dir, exp.metric, exp.mode, ran.finished, best, trials, ran.failed, ran.reports,
+                            ran.events)
 
 
 def _trial(exp_dir: Path, row: dict[str, Any]) -> TrialResult:

@@ -94,6 +94,9 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     result = run_tune(exp, address=args.address, resume=args.resume, quiet=args.quiet)
     if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
         return _interrupted(args, exp)
+    if result.best_trial is None and result.failed:
+        print(_failed_line(args, exp, result), file=sys.stderr)
+        return 1
     if result.best_trial is None:
         print(
             f"raytrain: error: no trial reported a finite {exp.metric} (all failed); "
@@ -105,6 +108,9 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
         f"done: best trial {result.best_trial}, {exp.metric} {result.best_metric:.4f}; {len(result.events)} "
         f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
     )
+    if result.failed:  # short of the budget: the experiment did not do what was asked
+        print(_failed_line(args, exp, result), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -178,12 +184,39 @@ def _console(quiet: bool):
             os.environ["RAY_AIR_NEW_OUTPUT"] = env
 
 
+def _failed_line(args: argparse.Namespace, exp: Any, result: Any) -> str:
+    """One line naming the trials that ended failed, each with its error, and how to go on. A run's failure
+    (its error in the trial's last report) ends the trial for good; a trial that Tune ended in ERROR (its
+    actor failed, e.g. with its node) is continued by --resume."""
+    from search.lineage import latest_reports
+
+    last = latest_reports(result.reports)
+    whys, resumable = [], False
+    for trial in result.failed:
+        report = last.get(trial) or {}
+        if report.get("failed"):
+            why = (report.get("error") or "failed").strip().splitlines()[0][:200]
+        else:
+            why, resumable = "its trial failed: Tune's table above names the error file", True
+        whys.append(f"{trial} ({why})")
+    again = f"; `{shlex.join([*_same_command(args), '--resume'])}` continues those Tune ended" if resumable else ""
+    return (
+        f"raytrain: error: {len(result.failed)} of {exp.population} trials ended failed, short of the budget: "
+        f"{'; '.join(whys)}; fix: see the tracebacks in {result.exp_dir}/workers.log{again}"
+    )
+
+
+def _same_command(args: argparse.Namespace) -> list[str]:
+    """The command line that ran this experiment, without --resume."""
+    again = ["raytrain", "tune", args.experiment, *(x for kv in args.overrides for x in ("--set", kv))]
+    return again + (["--address", args.address] if args.address else [])
+
+
 def _interrupted(args: argparse.Namespace, exp: Any) -> int:
     """One line on how to go on, and the shell's exit status for SIGINT (128 + 2)."""
     from search.state import has_tune_state
 
-    again = ["raytrain", "tune", args.experiment, *(x for kv in args.overrides for x in ("--set", kv))]
-    again += ["--address", args.address] if args.address else []
+    again = _same_command(args)
     if args.resume or (exp is not None and has_tune_state(exp.exp_dir)):
         print(f"raytrain: interrupted; resume with: {shlex.join([*again, '--resume'])}", file=sys.stderr)
     else:  # stopped before Tune saved anything: there is nothing to resume yet

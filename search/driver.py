@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,11 @@ from ray import tune
 
 from raytrain_ext import ray_compat
 from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_placement_groups
+from raytrain_ext.hosts import on_this_node
 from raytrain_ext.worker_logs import WorkerLogs
 from search.config import ExperimentConfig
 from search.console import ExperimentReporter
-from search.lineage import best_trial, collect
+from search.lineage import best_trial, collect, latest_reports
 from search.retention import ProtectedRetention
 from search.schedulers import (
     TIME_ATTR,
@@ -84,6 +85,7 @@ class ExperimentResult:
     best_metric: float
     reports: list[dict[str, Any]]
     events: list[dict[str, Any]]
+    failed: list[str] = field(default_factory=list)  # trials that ended failed, not at the budget
 
 
 def check_target(exp: ExperimentConfig, resume: bool) -> None:
@@ -158,7 +160,7 @@ def run_experiment(
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
     slots = max_concurrent_trials(exp, ray.cluster_resources())
     board = board_name(exp.name) if in_place(exp) else None
-    board_actor = DecisionBoard.options(name=board).remote() if board else None
+    board_actor = DecisionBoard.options(name=board, scheduling_strategy=on_this_node()).remote() if board else None
     turns = slots_name(exp.name) if time_shared(exp, slots) else None
     slots_actor = start_slots(turns, slots) if turns else None
     r = exp.resources
@@ -246,14 +248,18 @@ def run_experiment(
         trial, row = best_trial(reports, exp.mode)
     except ValueError:  # nothing finite reported (interrupted early, or every trial failed)
         trial, row = None, {"metric": math.nan}
-    result = ExperimentResult(exp_dir, _finished(exp), trial, row["metric"], reports, events)
+    statuses = saved_trial_statuses(exp_dir)
+    # a trial whose run failed reports so and ends (PBT waits to replace it: failed still if it never was);
+    # one whose trial actor failed (what Tune saw) ends in ERROR
+    last_failed = {t for t, r in latest_reports(reports).items() if r.get("failed")}
+    failed = sorted(last_failed | {t for t, status in statuses.items() if status == "ERROR"})
+    result = ExperimentResult(exp_dir, _finished(exp, statuses), trial, row["metric"], reports, events, failed)
     finish_experiment_run(exp, result)
     return result
 
 
-def _finished(exp: ExperimentConfig) -> bool:
+def _finished(exp: ExperimentConfig, statuses: dict[str, str]) -> bool:
     """Tune catches the first Ctrl-C itself: it saves its state, stops the trials and returns as from a
     finished run (the trials it stopped even read TERMINATED in the ResultGrid). Its last save tells
     them apart, as `--resume` will read it: finished when every member's trial had ended there."""
-    statuses = saved_trial_statuses(exp.exp_dir)
-    return len(statuses) == exp.population and all(s in ("TERMINATED", "ERROR") for s in statuses)
+    return len(statuses) == exp.population and all(s in ("TERMINATED", "ERROR") for s in statuses.values())

@@ -169,7 +169,7 @@ def _parse_jsonl(data: bytes) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ tables
 
 _REPORT_COLUMNS = (
-    "time", "trial", "step", "metric", "hparams", "failed", "steps_s", "wall_s", "abandoned",
+    "time", "trial", "step", "metric", "hparams", "failed", "error", "steps_s", "wall_s", "abandoned",
     "yielded", "running", *TIME_PARTS,
 )
 _EVENT_COLUMNS = (
@@ -247,6 +247,7 @@ def _write(
         "trial": pa.string(),
         "donor": pa.string(),
         "exploit_id": pa.string(),
+        "error": pa.string(),  # why a failed report's run failed
     }
     fields = [pa.field(c, types.get(c, pa.string() if c in json_columns else pa.float64())) for c in columns]
     for flag in ("failed", "abandoned", "yielded"):

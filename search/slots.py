@@ -23,6 +23,8 @@ from typing import Any
 import ray
 from ray import tune
 
+from raytrain_ext.hosts import on_this_node
+
 __all__ = ["SlotRelease", "Slots", "slots_name"]
 
 
@@ -76,7 +78,7 @@ _SLOTS = ray.remote(num_cpus=0)(Slots)
 
 
 def start_slots(name: str, capacity: int) -> Any:
-    return _SLOTS.options(name=name).remote(capacity)
+    return _SLOTS.options(name=name, scheduling_strategy=on_this_node()).remote(capacity)
 
 
 def slots_name(exp_dir: Any) -> str:

@@ -93,13 +93,14 @@ def _names(files: dict[str, int], prefix: str, suffix: str) -> list[str]:
     return sorted(n for n in files if n.startswith(prefix) and n.endswith(suffix))
 
 
-def saved_trial_statuses(exp_dir: Path) -> list[str]:
-    """Each trial's status in Tune's newest saved state (PENDING, RUNNING, PAUSED, TERMINATED, ERROR)."""
+def saved_trial_statuses(exp_dir: Path) -> dict[str, str]:
+    """Each trial's status in Tune's newest saved state (PENDING, RUNNING, PAUSED, TERMINATED, ERROR), by
+    trial id."""
     states = _names(list_sizes(exp_dir), "experiment_state-", ".json")
     if not states:
-        return []
-    trials = json.loads(read_bytes(location(exp_dir) / states[-1]))["trial_data"]
-    return [json.loads(state)["status"] for state, _ in trials]
+        return {}
+    trials = [json.loads(state) for state, _ in json.loads(read_bytes(location(exp_dir) / states[-1]))["trial_data"]]
+    return {t["trial_id"]: t["status"] for t in trials}
 
 
 def check_tune_state(exp_dir: Path) -> None:

@@ -46,6 +46,7 @@ from typing import Any
 import ray
 from ray import tune
 
+from raytrain_ext.hosts import on_this_node
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
 from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
@@ -446,7 +447,7 @@ class _LiveRun:
 
         self.exp, self.run_dir = exp, run_dir
         name = f"raytrain-gate-{uuid.uuid4().hex}"
-        self.gate = _GATE.options(name=name).remote()
+        self.gate = _GATE.options(name=name, scheduling_strategy=on_this_node()).remote()  # beside the trial
         cfg = _run_config(exp, hparams, run_dir, resume, keep=2)
         # Where the workers wait for the trial's answer: from PBT's first decision on; never where no
         # scheduler decision can change the run (ASHA, random search: a stop is looked up without waiting).

@@ -45,12 +45,13 @@ def test_hosts_are_machines(tier):
     assert h2.run(["test", "-e", "/tmp/ray/session_latest"], check=False).returncode == 0
 
 
-def _ranks_on_hosts(tier) -> set[str]:
-    """The addresses of the hosts that ran Train workers (Ray's state API, asked on the head)."""
+def _ranks_on_hosts(tier, class_name: str = "RayTrainWorker") -> set[str]:
+    """The addresses of the hosts that ran actors of `class_name`, alive or dead (Ray's state API, asked on
+    the head): by default, Train workers."""
     out = tier.python(
         "import ray; from ray.util.state import list_actors; ray.init(address='auto', log_to_driver=False); "
         "nodes = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}; "
-        "print(sorted({nodes[a.node_id] for a in list_actors(filters=[('class_name', '=', 'RayTrainWorker')], "
+        f"print(sorted({{nodes[a.node_id] for a in list_actors(filters=[('class_name', '=', {class_name!r})], "
         "limit=1000)}))", host="h1")
     return set(eval(out.strip().splitlines()[-1]))  # noqa: S307 - our own print of a list of strings
 
@@ -180,3 +181,6 @@ def test_pbt_over_hosts_survives_a_lost_host(tier):
     first = found["events"][0]
     assert (first[0], first[1], first[2]) == (weak, strong, interval), found["events"]
     assert len({tier.hosts["h2"].address, tier.hosts["h3"].address} & _ranks_on_hosts(tier)) == 2
+    # what the driver and the trials rely on lives beside them on the head, never on a host that may go
+    for actor in ("DecisionBoard", "RunGate"):
+        assert _ranks_on_hosts(tier, actor) == {tier.hosts["h1"].address}, actor

@@ -125,17 +125,17 @@ def _committed_step(trainer: Trainer) -> int:
 
 
 class RaiseAtStep(TrainerCallback):
-    """A bug that fires at `step` on every attempt."""
+    """A bug that fires at `step` on every attempt (with `lr`: only in the run whose learning rate it is)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, lr: float | None = None) -> None:
+        self.step, self.lr = step, lr
 
     def on_fit_start(self, trainer: Trainer) -> None:
         with (trainer.run_dir / "attempts.log").open("a") as f:  # one line per attempt that trains
             f.write(f"{os.getpid()}\n")
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        if trainer.step == self.step:
+        if trainer.step == self.step and self.lr in (None, trainer.cfg.optimizer.lr):
             raise RuntimeError(f"injected failure at step {self.step}")
 
 

@@ -393,6 +393,19 @@ def test_synchronous_pbt_replaces_a_member_whose_run_is_killed_for_good(ray_pbt,
     assert result.finished and weak_reports[-1]["step"] == STEPS and not weak_reports[-1]["failed"]
 
 
+@pytest.mark.slow  # ~40 s on 2 cores
+def test_a_trial_whose_run_fails_is_named_in_the_result(ray_pbt, corpus_dir, tmp_path):
+    """Random search, one member's run raising at its step 2 (every attempt): that trial reports the failure
+    and ends, the other reaches the budget; the result names the failed trial (`raytrain tune` exits 1)."""
+    result = _run(tmp_path, corpus_dir, "failing", {"name": "random"}, steps=INTERVAL,
+                  callbacks=["tests.ray.hooks:RaiseAtStep(step=2, lr=0.0001)"])
+    strong, weak = _trial_of(result.exp_dir, 1e-2), _trial_of(result.exp_dir, 1e-4)
+    assert result.finished and result.failed == [weak] and result.best_trial == strong
+    (failed,) = [r for r in result.reports if r["trial"] == weak]
+    assert failed["failed"] and "injected failure at step 2" in failed["error"]
+    assert [r["step"] for r in result.reports if r["trial"] == strong and not r["abandoned"]] == [INTERVAL]
+
+
 @pytest.mark.slow  # ~60 s on 2 cores
 def test_a_callbacks_own_eval_metric_ranks_the_population_with_mode_max(ray_pbt, corpus_dir, tmp_path):
     """`metric: eval/accuracy, mode: max`: the value a callback adds to each eval record reaches the trials'

@@ -216,6 +216,30 @@ def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, cap
     )
 
 
+def test_a_tune_with_a_failed_trial_exits_1_naming_it(demo_cli, monkeypatch, capsys):
+    import search.driver
+    from search.driver import ExperimentResult
+
+    args, exp = demo_cli
+
+    def one_failed(exp, resume, verbose, **more):
+        reports = [{"trial": "a_00001", "time": 1.0, "failed": True, "error": "RuntimeError: injected\nmore"}]
+        return ExperimentResult(exp.exp_dir, True, "a_00000", 3.25, reports, [], failed=["a_00001", "a_00002"])
+
+    monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(search.driver, "run_experiment", one_failed)
+    assert main(["tune", *args]) == 1
+    out = capsys.readouterr()
+    assert out.out.startswith("done: best trial a_00000, val_loss 3.2500;")
+    assert out.err == (
+        f"raytrain: error: 2 of {exp.population} trials ended failed, short of the budget: a_00001 (RuntimeError: "
+        "injected); a_00002 (its trial failed: Tune's table above names the error file); fix: see the tracebacks "
+        f"in {exp.exp_dir}/workers.log; `raytrain tune {args[0]} --set {args[2]} --set {args[4]} --resume` "
+        "continues those Tune ended\n"
+    )
+
+
 def test_a_tune_refused_for_resources_leaves_no_experiment_behind(demo_cli, monkeypatch, capsys):
     # the cluster (a stand-in: Ray is not started) holds 2 CPUs; a trial of 2 workers x 2 CPUs does not fit
     args, exp = demo_cli
