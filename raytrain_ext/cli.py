@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,9 @@ from trainers.tracking import with_trackers
 if TYPE_CHECKING:
     from raytrain_ext.result import RunResult
 
-__all__ = ["main", "run_training"]
+__all__ = ["COMMANDS", "main", "run_training"]
+
+COMMANDS = "raytrain.commands"  # the entry point group of commands added by other packages: NAME = "module:fn(sub)"
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -280,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     from raytrain_ext.cli_plan import add_commands as add_plan_commands  # plan, cluster check
 
     add_plan_commands(sub)
-    __import__("search.cli", fromlist=["add_commands"]).add_commands(
-        sub
-    )  # `tune`: search/ is the layer above
+    # Commands of the layers above (`tune`: search/), which this one never imports: each package registers
+    # its own under the `raytrain.commands` entry point group (pyproject.toml), read from the install.
+    for command in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
+        command.load()(sub)
     return parser
 
 

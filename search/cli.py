@@ -1,8 +1,11 @@
-"""`raytrain tune ...`: population-based training and its reports (found by `raytrain_ext.cli` at run time).
+"""`raytrain tune ...`: population-based training and its reports.
 
 raytrain tune EXP.yaml [--set key=value ...] [--resume] [--address auto]
 raytrain tune report EXP_DIR
 raytrain tune replay EXP_DIR [--trial best|TRIAL_ID]
+
+`raytrain` (raytrain_ext.cli) finds `add_commands` through the `raytrain.commands` entry point that
+pyproject.toml registers: the layer below never imports this one.
 """
 
 from __future__ import annotations

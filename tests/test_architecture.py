@@ -121,10 +121,13 @@ def module_files(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, 
 def imports_in(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
     """Every module `name` imports, anywhere in its file (top level, functions, TYPE_CHECKING blocks), as
     (absolute dotted name, line): relative imports resolved; `from pkg import sub` names the submodule when
-    pkg.sub is one of ours, else pkg."""
+    pkg.sub is one of ours, else pkg. `__import__("a.b")` and `import_module("a.b")` (importlib's) with a
+    literal name count as imports of it; a name computed at run time (a user's callback module) cannot be read."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and _dynamic_import(node) is not None:
+            out.append((_dynamic_import(node), node.lineno))
+        elif isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -136,6 +139,16 @@ def imports_in(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[st
                 sub = f"{base}.{alias.name}"
                 out.append((sub if sub in modules else base, node.lineno))
     return out
+
+
+def _dynamic_import(call: ast.Call) -> str | None:
+    """The literal module name of an `__import__(...)` or `[importlib.]import_module(...)` call, else None."""
+    func = call.func
+    called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    if called not in ("__import__", "import_module") or not call.args:
+        return None
+    first = call.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
 
 
 def _ours(target: str, modules: dict[str, Path]) -> str | None:
@@ -263,6 +276,9 @@ def test_the_checker_catches_a_planted_violation(tmp_path):
         "trainers/loss.py": "def f():\n    import ray.train\n",
         "trainers/brand_new.py": "import trainers.config\n",
         "trainers/config.py": "from trainers.models.config import ModelConfig\n",  # the package is ours
+        # imports by name: a literal one is read, one computed at run time cannot be
+        "trainers/run_dir.py": "import importlib\ndef f(m):\n    importlib.import_module(m)\n"
+                               "    return __import__('trainers.loss', fromlist=['x'])\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -271,6 +287,7 @@ def test_the_checker_catches_a_planted_violation(tmp_path):
     assert report.back_edges == [
         "trainers/_base.py:2: trainers._base (layer base) imports trainers.plan (layer plan, higher)",
         "trainers/config.py:1: trainers.config (layer config) imports trainers.models (layer components, higher)",
+        "trainers/run_dir.py:4: trainers.run_dir (layer run_dir) imports trainers.loss (layer components, higher)",
     ]
     assert report.cycles == [["trainers._base", "trainers.plan"], ["trainers.models.llama", "trainers.models.moe"]]
     assert report.ray_in_trainers == ["trainers/loss.py:2: trainers.loss imports ray.train"]
@@ -279,7 +296,8 @@ def test_the_checker_catches_a_planted_violation(tmp_path):
     allowed = {("trainers._base", "trainers.plan"): "planted"}
     report = check_imports(tmp_path, packages=("trainers",), allowed=allowed)
     assert [e.split(": ", 1)[1] for e in report.back_edges] == [
-        "trainers.config (layer config) imports trainers.models (layer components, higher)"
+        "trainers.config (layer config) imports trainers.models (layer components, higher)",
+        "trainers.run_dir (layer run_dir) imports trainers.loss (layer components, higher)",
     ]
     assert ["trainers._base", "trainers.plan"] in report.cycles
 
