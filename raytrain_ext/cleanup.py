@@ -16,6 +16,8 @@ from collections.abc import Iterable
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
+from raytrain_ext import ray_compat
+
 __all__ = [
     "abort_train_controllers",
     "end_train_runs",
@@ -38,11 +40,8 @@ def train_controllers_of_this_job(own: bool = False) -> set[str]:
     """Ids (hex) of this job's Ray Train controller actors not yet dead (being created, alive or
     restarting), from the GCS's actor table (no State API or dashboard needed). `own`: only those this
     process created (a Tune trial's, not its sibling trials')."""
-    from ray._private.state import state
-
-    job = ray._raylet.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    table = state.actor_table(None, job_id=job)
-    me = _own_address() if own else None
+    table = ray_compat.actors_of_this_job()
+    me = ray_compat.own_worker_address() if own else None
     return {
         aid
         for aid, info in table.items()
@@ -52,23 +51,13 @@ def train_controllers_of_this_job(own: bool = False) -> set[str]:
     }
 
 
-def _own_address() -> tuple[str, int]:
-    """This process's Ray worker address (the owner address the GCS records for the actors it creates)."""
-    from ray.core.generated.common_pb2 import Address
-
-    core = ray._private.worker.global_worker.core_worker
-    address = Address.FromString(core.get_owner_address(ray.put(None)))
-    return address.ip_address, address.port
-
-
 def abort_train_controllers(ids: Iterable[str], timeout_s: float = 10.0) -> None:
     """Abort these Train controllers as Ray's own Ctrl-C handler does (`controller.abort`: its workers are
     stopped and the actor exits), so that a `fit()` waiting on one returns before Ray shuts down. One that
     does not answer within `timeout_s` is killed: a controller placing workers blocks its event loop for up
     to RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), and one still being created cannot answer at all;
     `end_train_runs` also frees what it had reserved."""
-    core = ray._private.worker.global_worker.core_worker
-    handles = [core.get_actor_handle(ray._raylet.ActorID.from_hex(aid)) for aid in ids]
+    handles = [ray_compat.actor_handle(aid) for aid in ids]
     pending = {h.abort.remote(): h for h in handles}
     done, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
     for ref in done:
@@ -82,15 +71,14 @@ def abort_train_controllers(ids: Iterable[str], timeout_s: float = 10.0) -> None
 
 def placement_groups_created_by(actor_ids: Iterable[str]) -> set[str]:
     """Ids (hex) of the placement groups not removed whose creator is one of these actors."""
-    from ray._private.state import state
     from ray.core.generated.gcs_pb2 import PlacementGroupTableData
 
-    actor_ids, held = set(actor_ids), set()
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        info = PlacementGroupTableData.FromString(raw)
-        if info.creator_actor_id.hex() in actor_ids and info.state != PlacementGroupTableData.REMOVED:
-            held.add(info.placement_group_id.hex())
-    return held
+    actor_ids = set(actor_ids)
+    return {
+        info.placement_group_id.hex()
+        for info in ray_compat.placement_group_records()
+        if info.creator_actor_id.hex() in actor_ids and info.state != PlacementGroupTableData.REMOVED
+    }
 
 
 def end_train_runs(controller_ids: Iterable[str], timeout_s: float = 10.0) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from raytrain_ext import ray_compat
 from raytrain_ext.worker_logs import quiet_logger
 from trainers._base import ConfigError
 from trainers.config import RunConfig
@@ -111,13 +112,11 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 def _load_ray_up(path: Path, raw: dict[str, Any]) -> ClusterSpec:
     import click
     import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config
 
     _schema_check(path, raw)  # names a misspelt key before prepare_config trips over it
     try:
         with quiet_logger("ray", logging.CRITICAL):  # config helpers log INFO, print PANIC, then raise
-            prepared = prepare_config(copy.deepcopy(raw))
-            validate_config(prepared)
+            prepared = ray_compat.prepare_ray_up_config(copy.deepcopy(raw))
     except jsonschema.ValidationError as e:
         raise ClusterError(_schema_message(path, e)) from None
     except (click.ClickException, ValueError, RuntimeError, KeyError) as e:
@@ -195,8 +194,6 @@ def _start_command_resources(commands: list[str]) -> dict[str, Any]:
 
 
 def _load_kuberay(path: Path, raw: dict[str, Any]) -> ClusterSpec:
-    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
-
     if raw.get("apiVersion") != "ray.io/v1":
         raise ClusterError(f"{path}: apiVersion={raw.get('apiVersion')!r}; fix: use ray.io/v1 (KubeRay >= 1.0)")
     _raycluster_fields(path, raw)
@@ -205,7 +202,7 @@ def _load_kuberay(path: Path, raw: dict[str, Any]) -> ClusterSpec:
     cr["spec"].setdefault("workerGroupSpecs", [])
     try:
         with quiet_logger("ray", logging.CRITICAL):  # config helpers log INFO, print PANIC, then raise
-            derived = _derive_autoscaling_config_from_ray_cr(cr)
+            derived = ray_compat.kuberay_autoscaling_config(cr)
     except KeyError as e:
         raise ClusterError(f"{path}: missing key {e} in the RayCluster (Ray's KubeRay autoscaler needs it); "
                            f"fix: add it") from None

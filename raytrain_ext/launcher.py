@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from raytrain_ext import ray_compat
 from raytrain_ext.cleanup import (
     end_train_runs,
     placement_groups_of_this_job,
@@ -149,7 +150,7 @@ def ensure_ray(address: str | None) -> bool:
     # monitor dies with a traceback on the console. The raylet and every worker inherit this process's
     # environment at `ray.init`: they are told their own dashboard's address.
     port = free_port()
-    with quiet_logger(_TOKEN_SETUP), scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
+    with quiet_logger(ray_compat.TOKEN_SETUP_LOGGER), scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
         ray.init(
             address="local",  # never another Ray on this machine
             dashboard_port=port,
@@ -174,9 +175,6 @@ def _refused_token(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
 
 
 def stop_ray() -> None:

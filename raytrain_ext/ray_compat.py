@@ -11,7 +11,25 @@ from typing import Any
 
 RAY_VERSION = "2.60.0"
 
-__all__ = ["HEAD_NODE_RESOURCE", "RAY_VERSION", "refresh_autoscaling_view", "torch_backend_with"]
+__all__ = [
+    "HEAD_NODE_RESOURCE",
+    "RAY_VERSION",
+    "TOKEN_SETUP_LOGGER",
+    "actor_handle",
+    "actors_of_this_job",
+    "error_printer",
+    "kuberay_autoscaling_config",
+    "local_ray_pids",
+    "own_worker_address",
+    "placement_group_records",
+    "prepare_ray_up_config",
+    "refresh_autoscaling_view",
+    "set_error_printer",
+    "torch_backend_with",
+    "train_report_logger",
+    "training_result",
+    "worker_output_dispatcher",
+]
 
 # ray/_common/constants.py HEAD_NODE_RESOURCE_NAME: a resource of 1 that Ray gives the head node only (a
 # request for a share of it places an actor there).
@@ -53,3 +71,121 @@ def refresh_autoscaling_view() -> bool:
     except Exception:  # noqa: BLE001 - none yet, or busy: its own 20 s tick still comes
         return False
     return True
+
+
+# ------------------------------------------------------------------------- the driver's console
+# ray/_private/ray_logging.py: `global_worker_stdstream_dispatcher` hands each batch of the workers' output
+# lines to its handlers; the driver's own printer is the one named "ray_print_logs" (raytrain_ext.worker_logs
+# puts its own in its place, and back).
+def worker_output_dispatcher() -> Any:
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher
+
+    return global_worker_stdstream_dispatcher
+
+
+# ray/_private/worker.py: Ray's error listener prints the raylet's "A worker died or was killed ..." lines
+# through the module function `print_to_stdstream(data, ignore_prefix)`, looked up by name at each call.
+def error_printer() -> Callable[..., None]:
+    from ray._private import worker
+
+    return worker.print_to_stdstream
+
+
+def set_error_printer(printer: Callable[..., None]) -> None:
+    from ray._private import worker
+
+    worker.print_to_stdstream = printer
+
+
+# ray/_private/authentication/authentication_token_setup.py: the logger of `ray.init`'s line about the
+# cluster's token (raytrain_ext.launcher quiets it for a local Ray, which needs none).
+TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+# ray/train/v2/_internal/execution/context.py: Ray Train's per-report INFO line ("Reporting training
+# result ...") comes from a logger named after this file, outside the `ray.train` logger tree.
+def train_report_logger() -> str:
+    from ray.train.v2._internal.execution import context
+
+    return context.__file__
+
+
+# ----------------------------------------------------------------------------- this driver's Ray
+# ray/_private/worker.py `_global_node` (a ray._private.node.Node): the processes `ray.init()` started for a
+# local Ray, by kind (`all_processes`: {kind: [ProcessInfo(process=Popen, ...)]}).
+def local_ray_pids() -> list[int]:
+    """Pids of the processes this driver's `ray.init()` started (none when it joined a running Ray)."""
+    from ray._private import worker
+
+    node = worker._global_node
+    if node is None:
+        return []
+    return [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
+
+
+def actors_of_this_job() -> dict[str, dict[str, Any]]:
+    """The GCS's actor table for this driver's job (no State API or dashboard needed): actor id (hex) ->
+    {"ActorClassName", "State", "OwnerAddress": {"IPAddress", "Port"}, ...}. ray/_private/state.py
+    `GlobalState.actor_table(actor_id, job_id)` with a `ray._raylet.JobID`."""
+    import ray
+    from ray._private.state import state
+
+    job = ray._raylet.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    return state.actor_table(None, job_id=job)
+
+
+def own_worker_address() -> tuple[str, int]:
+    """This process's Ray worker address: the owner address the GCS records for the actors it creates
+    (the core worker's `get_owner_address` of an object it owns, a serialized common_pb2.Address)."""
+    import ray
+    from ray.core.generated.common_pb2 import Address
+
+    core = ray._private.worker.global_worker.core_worker
+    address = Address.FromString(core.get_owner_address(ray.put(None)))
+    return address.ip_address, address.port
+
+
+def actor_handle(actor_id: str) -> Any:
+    """A handle to the actor with this id (hex), named or not (the core worker's `get_actor_handle`)."""
+    import ray
+
+    core = ray._private.worker.global_worker.core_worker
+    return core.get_actor_handle(ray._raylet.ActorID.from_hex(actor_id))
+
+
+def placement_group_records() -> list[Any]:
+    """Every placement group in the GCS, as gcs_pb2.PlacementGroupTableData (`creator_actor_id`, `state`,
+    `placement_group_id`), from the GCS accessor ray/_private/state.py keeps (the public
+    `placement_group_table` does not say who created one)."""
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+
+    return [PlacementGroupTableData.FromString(raw) for raw in state._connect_and_get_accessor().get_placement_group_table()]
+
+
+# ------------------------------------------------------------------------------- cluster configs
+# ray/autoscaler/_private/util.py: what `ray up` does to a cluster YAML before it starts anything (fill the
+# defaults, check it against Ray's schema).
+def prepare_ray_up_config(raw: dict[str, Any]) -> dict[str, Any]:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(raw)
+    validate_config(prepared)
+    return prepared
+
+
+# ray/autoscaler/_private/kuberay/autoscaling_config.py: the autoscaler's view of a RayCluster custom resource
+# (its node types with their resources and min/max workers), as KubeRay's autoscaler derives it.
+def kuberay_autoscaling_config(cr: dict[str, Any]) -> dict[str, Any]:
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    return _derive_autoscaling_config_from_ray_cr(cr)
+
+
+# ------------------------------------------------------------------------------------------- Tune
+# ray/train/_internal/session.py `_TrainingResult(checkpoint, metrics)`: what a Tune trial's checkpoint
+# manager records per saved checkpoint (search.schedulers points an exploited trial's at its donor's).
+def training_result(checkpoint: Any, metrics: dict[str, Any] | None) -> Any:
+    from ray.train._internal.session import _TrainingResult
+
+    return _TrainingResult(checkpoint=checkpoint, metrics=metrics or {})

@@ -52,12 +52,9 @@ class Reaper:
     @staticmethod
     def local_ray_roots() -> list[int]:
         """Pids of the processes this driver's `ray.init()` started (Ray's node handle keeps them)."""
-        from ray._private import worker
+        from raytrain_ext import ray_compat
 
-        node = worker._global_node
-        if node is None:
-            return []
-        return [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
+        return ray_compat.local_ray_pids()
 
     def stop(self) -> None:
         """The driver ends cleanly: the reaper leaves without killing anything."""

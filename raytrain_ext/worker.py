@@ -29,6 +29,7 @@ from typing import Any
 import ray.train
 from ray.train import Checkpoint, CheckpointUploadMode
 
+from raytrain_ext import ray_compat
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, checkpoint_step
 from trainers.config import RunConfig, parse_config, with_values
@@ -155,9 +156,7 @@ def set_ray_train_log_level(level: str) -> None:
     """Ray Train's console lines in this process at `level`. Its per-report INFO line ("Reporting training
     result ...") comes from a logger named after its source file, outside `ray.train`, so
     `RunConfig(logging_config=...)` alone misses it."""
-    from ray.train.v2._internal.execution import context
-
-    for name in ("ray.train", context.__file__):
+    for name in ("ray.train", ray_compat.train_report_logger()):
         logging.getLogger(name).setLevel(level)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from raytrain_ext import ray_compat
 from raytrain_ext.hosts import HostWatcher, LostHost
 from trainers._base import env_default
 from trainers.checkpoint_files import STEP_DIR, is_complete
@@ -145,9 +146,7 @@ class WorkerLogs:
         self.colors = contextlib.ExitStack()  # RAY_COLOR_PREFIX while in the block
 
     def __enter__(self) -> WorkerLogs:
-        from ray._private import worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
+        dispatcher = ray_compat.worker_output_dispatcher()
         if not is_terminal():  # a log file: Ray's prefixes without color codes (a user's RAY_COLOR_PREFIX wins)
             self.colors.enter_context(env_default("RAY_COLOR_PREFIX", "0"))
 
@@ -157,8 +156,8 @@ class WorkerLogs:
             dispatcher.add_handler("ray_print_logs", self.handle)
             # the raylet's "A worker died or was killed ..." comes through Ray's error listener, which calls
             # this module function by name (the dispatcher's handler holds the original: no double print)
-            self.error_printer = ray_worker.print_to_stdstream
-            ray_worker.print_to_stdstream = self._handle_error
+            self.error_printer = ray_compat.error_printer()
+            ray_compat.set_error_printer(self._handle_error)
         import ray
 
         if ray.is_initialized() and self.printer is not None:  # the process whose console the user watches
@@ -174,16 +173,14 @@ class WorkerLogs:
         return f"the run goes on without it from {f'step {step}' if step is not None else 'its start'}"
 
     def __exit__(self, *exc: Any) -> None:
-        from ray._private import worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
         if self.hosts is not None:
             self.hosts.stop()
         self.colors.close()
         if self.printer is not None:
+            dispatcher = ray_compat.worker_output_dispatcher()
             dispatcher.remove_handler("ray_print_logs")
             dispatcher.add_handler("ray_print_logs", self.printer)
-            ray_worker.print_to_stdstream = self.error_printer
+            ray_compat.set_error_printer(self.error_printer)
 
     def _handle_error(self, data: dict[str, Any], ignore_prefix: bool) -> None:
         self.handle(data, lambda rest: self.error_printer(rest, ignore_prefix=ignore_prefix))

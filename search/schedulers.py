@@ -22,6 +22,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_va
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
 
+from raytrain_ext import ray_compat
 from search.space import SearchSpace
 from trainers._base import StrictModel
 from trainers.storage import location, location_on, pyarrow_fs, write_json_atomic
@@ -430,7 +431,7 @@ class InPlace:
         trial.set_experiment_tag(_make_experiment_tag(state.orig_tag, new_config, self._hyperparam_mutations))
         trial.set_config(new_config)
         checkpoint = donor_state.last_checkpoint
-        trial.run_metadata.checkpoint_manager._latest_checkpoint_result = _training_result(
+        trial.run_metadata.checkpoint_manager._latest_checkpoint_result = ray_compat.training_result(
             checkpoint, donor_state.last_result
         )
         self._num_perturbations += 1
@@ -467,12 +468,6 @@ def pin_of_checkpoint(checkpoint: tune.Checkpoint) -> str:
     """The pin (as a location string) that `pin_checkpoint` made `checkpoint` for."""
     where = location_on(checkpoint.filesystem, checkpoint.path)
     return str(where.parent if where.name == REF else where)
-
-
-def _training_result(checkpoint: Any, metrics: dict[str, Any] | None) -> Any:
-    from ray.train._internal.session import _TrainingResult
-
-    return _TrainingResult(checkpoint=checkpoint, metrics=metrics or {})
 
 
 def _short(value: Any) -> str:

@@ -1,0 +1,64 @@
+"""raytrain_ext.ray_compat holds every private name of Ray that raytrain-ext uses, read from one Ray version.
+These tests fail when the installed Ray is another version, or when a name it relies on moved or changed
+shape, before any run finds out. (Calls that need a live Ray are run by the Ray tier: cleanup, worker logs,
+the reaper, PBT exploits.)"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import ray
+
+from raytrain_ext import ray_compat
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_the_installed_ray_is_the_one_the_names_were_read_from():
+    assert ray.__version__ == ray_compat.RAY_VERSION, (
+        f"Ray {ray.__version__} is installed; raytrain_ext/ray_compat.py was read from {ray_compat.RAY_VERSION}: "
+        "check each entry there against the new version, then change RAY_VERSION (and pyproject's range)"
+    )
+
+
+def test_the_driver_console_hooks_are_there():
+    dispatcher = ray_compat.worker_output_dispatcher()
+    assert callable(dispatcher.add_handler) and callable(dispatcher.remove_handler)
+    assert isinstance(dict(dispatcher.handlers), dict)  # (name, handler) pairs; worker_logs looks one up by name
+    printer = ray_compat.error_printer()
+    assert list(inspect.signature(printer).parameters)[:2] == ["data", "ignore_prefix"]
+    ray_compat.set_error_printer(print)
+    try:
+        assert ray_compat.error_printer() is print
+    finally:
+        ray_compat.set_error_printer(printer)
+    assert ray_compat.error_printer() is printer
+
+
+def test_the_loggers_named_by_file_or_module_exist():
+    logger = ray_compat.train_report_logger()
+    assert Path(logger).is_file() and Path(logger).name == "context.py"
+    module = importlib.import_module(ray_compat.TOKEN_SETUP_LOGGER)
+    assert "logging.getLogger(__name__)" in inspect.getsource(module)  # its logger is named after the module
+
+
+def test_the_gcs_and_core_worker_accessors_are_there():
+    from ray._private.node import Node
+    from ray._private.state import GlobalState
+    from ray._raylet import ActorID, CoreWorker, JobID
+
+    assert ray_compat.local_ray_pids() == []  # no Ray started by this process
+    assert "self.all_processes: dict = {}" in inspect.getsource(Node.__init__)  # {kind: [ProcessInfo]}
+    assert {"actor_id", "job_id"} <= set(inspect.signature(GlobalState.actor_table).parameters)
+    assert hasattr(GlobalState, "_connect_and_get_accessor")
+    assert all(hasattr(CoreWorker, name) for name in ("get_owner_address", "get_actor_handle"))
+    assert callable(JobID.from_hex) and callable(ActorID.from_hex)
+
+
+def test_a_training_result_holds_its_checkpoint_and_metrics():
+    result = ray_compat.training_result("a checkpoint", {"val_loss": 1.5})
+    assert (result.checkpoint, result.metrics) == ("a checkpoint", {"val_loss": 1.5})
+    assert ray_compat.training_result(None, None).metrics == {}
