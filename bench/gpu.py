@@ -51,6 +51,7 @@ from plain_loop import train as train_plain  # noqa: E402
 from provenance import git_state  # noqa: E402
 
 from trainers._base import scoped_environ  # noqa: E402
+from trainers.autofit import resolve_fit  # noqa: E402
 from trainers.config import RunConfig, apply_overrides, parse_config  # noqa: E402
 from trainers.data.dataset import GlobalSampler, TokenWindows  # noqa: E402
 from trainers.metrics import LiveTensorBytes  # noqa: E402
@@ -235,12 +236,11 @@ def run_row(row: Row, size: dict[str, Any], data: str, device: torch.device) -> 
         _peer(cfg, device, meter)
     else:
         with group_of_one() if row.kind == "group" else contextlib.nullcontext():
-            trainer = Trainer(cfg, callbacks=[_MeterCallback(meter)], progress=False)
-            if trainer.fit_choice is not None:
-                out["fit_line"] = trainer.fit_choice.line
-                out["fit_changes"] = trainer.fit_choice.changes
-            cfg = trainer.cfg
-            trainer.fit()
+            cfg, choice = resolve_fit(cfg)
+            if choice is not None:
+                out["fit_line"] = choice.line
+                out["fit_changes"] = choice.changes
+            Trainer(cfg, callbacks=[_MeterCallback(meter)], progress=False).fit()
     step_s = meter.median_step_s()
     tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / step_s
     planned = None if row.kind == "peer" else plan_memory(cfg, 1, device.type, grads_kept=row.kind == "naive")

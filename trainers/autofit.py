@@ -1,4 +1,4 @@
-"""`memory.fit: auto`: the trainer fits itself to its device's memory before it builds the model.
+"""`memory.fit: auto`: a run fits itself to its device's memory before its Trainer is built.
 
 The planner (`trainers.plan.plan_memory`) predicts the step's peak for the layout the run will have; when the
 config as written does not fit the device's usable memory (`plan.USABLE_FRACTION` of `memory.device_memory`,
@@ -12,7 +12,9 @@ recomputation; on a CPU the chunked loss costs nothing. This module owns that ch
 memory figure; the ladder and its prices are the planner's.
 
 What was chosen and why is one line (`FitChoice.line`); a run that fits nowhere stops with a ConfigError that
-names the smallest plan and the next things to change (`raytrain plan` for the sharding side).
+names the smallest plan and the next things to change (`raytrain plan` for the sharding side). The launchers
+(`trainers.launch.run_local`, under it each Ray worker) call `resolve_fit` once the process group exists and
+before the engine and the Trainer: the Trainer takes the final config and plans nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from trainers._base import ConfigError
-from trainers.config import RunConfig
+from trainers.config import RunConfig, with_values
 from trainers.plan import (
     USABLE_FRACTION,
     MemoryChange,
@@ -37,7 +39,7 @@ from trainers.plan import (
     replan,
 )
 
-__all__ = ["FitChoice", "device_memory_bytes", "fit_for_this_rank", "fit_memory"]
+__all__ = ["FitChoice", "device_memory_bytes", "fit_for_this_rank", "fit_memory", "resolve_fit"]
 
 @dataclass
 class FitChoice:
@@ -146,3 +148,13 @@ def fit_for_this_rank(cfg: RunConfig) -> FitChoice:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device_bytes, source = device_memory_bytes(cfg, device, local)
     return fit_memory(cfg, world, device.type, device_bytes, source)
+
+
+def resolve_fit(cfg: RunConfig) -> tuple[RunConfig, FitChoice | None]:
+    """The final config of this rank's run: with `memory.fit: auto`, the one `fit_for_this_rank` chose,
+    marked `memory.fit: off` (it is what runs: resolving it again changes nothing), and the choice; `cfg`
+    itself and None otherwise."""
+    if cfg.memory.fit != "auto":
+        return cfg, None
+    choice = fit_for_this_rank(cfg)
+    return with_values(choice.cfg, {"memory.fit": "off"}), choice

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from trainers.autofit import resolve_fit
 from trainers.config import RunConfig
 from trainers.layout import ParallelLayout
 from trainers.parallel import build_engine
@@ -44,6 +45,9 @@ def run_local(
         torch.set_num_threads(max(int(cfg.scaling.cpus_per_worker), 1))
     engine = None
     try:
+        cfg, choice = resolve_fit(cfg)  # before the engine: the micro-batch size shapes the layout
+        if choice is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(choice.line, flush=True)
         engine = build_engine(cfg)
         return Trainer(cfg, engine=engine, callbacks=callbacks, progress=progress).fit()
     finally:

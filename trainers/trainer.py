@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from trainers._base import NonFiniteLossError
-from trainers.autofit import fit_for_this_rank
 from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
 from trainers.config import ConfigError, RunConfig, check_hparam_keys, with_values
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
@@ -72,14 +71,14 @@ class Trainer:
         callbacks: list[TrainerCallback] | tuple = (),
         progress: bool = True,
     ):
-        self.fit_choice = None
-        if cfg.memory.fit == "auto":  # before the engine: the micro-batch size shapes the layout
-            self.fit_choice = fit_for_this_rank(cfg)
-            cfg = self.fit_choice.cfg
+        if cfg.memory.fit == "auto":
+            raise ConfigError(
+                "memory.fit=auto is resolved before the Trainer is built (it shapes the engine's layout); fix: "
+                "start the run with trainers.run_local, or build the Trainer from "
+                "trainers.autofit.resolve_fit(cfg)[0]"
+            )
         self.cfg, self.callbacks, self.progress = cfg, list(callbacks), progress
         self.engine = engine or build_engine(cfg)
-        if self.fit_choice is not None and self.engine.is_main:
-            print(self.fit_choice.line, flush=True)
         self.device = self.engine.device
         self.run_dir = cfg.out_dir
         self.manifest = check_inputs(cfg, shards=False)  # TokenWindows checks each shard as it reads it

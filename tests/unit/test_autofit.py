@@ -1,15 +1,17 @@
 """`memory.fit: auto` (trainers/autofit.py): for runs that do not fit a given `memory.device_memory` as written,
-the trainer picks micro-batch size, activation checkpointing and loss chunking that the planner says fit,
-keeps the global batch, says what it chose in one line, and the step's measured peak of live tensors stays
-under the budget; a run that cannot fit stops with one line before it builds anything."""
+the run (`run_local`, before its engine and Trainer) picks micro-batch size, activation checkpointing and loss
+chunking that the planner says fit, keeps the global batch, says what it chose in one line, and the step's
+measured peak of live tensors stays under the budget; a run that cannot fit stops with one line before it
+builds anything. The Trainer takes a final config and plans nothing."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import tiny_raw
-from trainers.autofit import fit_memory
+from trainers.autofit import fit_memory, resolve_fit
 from trainers.config import ConfigError, parse_config
+from trainers.launch import run_local
 from trainers.metrics import LiveTensorBytes, read_metrics
 from trainers.plan import USABLE_FRACTION, plan_memory
 from trainers.trainer import Trainer, TrainerCallback
@@ -35,8 +37,10 @@ class StepPeak(TrainerCallback):
 
     def __init__(self):
         self.tracker = LiveTensorBytes()
+        self.cfg = None  # the config the Trainer ran
 
     def after_step(self, trainer, record):
+        self.cfg = trainer.cfg
         if trainer.step == 1:
             model, opt = trainer.model, trainer.engine.optimizer
             state = [*model.parameters(), *model.buffers()]
@@ -57,15 +61,26 @@ def test_fit_auto_picks_a_run_that_fits_and_its_peak_stays_under_the_budget(name
 
     raw = _raw(corpus_dir, tmp_path / "run", MODELS[name], fit="auto", device_memory=str(budget))
     peak = StepPeak()
-    trainer = Trainer(parse_config(raw), callbacks=[peak], progress=False)
+    run_local(parse_config(raw), callbacks=[peak], progress=False)
     line = capsys.readouterr().out.strip().splitlines()[0]
     assert line.startswith("memory.fit=auto: ") and "global batch 16 kept" in line, line
-    cfg = trainer.cfg
+    cfg = peak.cfg
     chosen = lambda c: (c.memory.loss_chunk, c.memory.activation_checkpointing, c.train.micro_batch_size)  # noqa: E731
     assert cfg.train.global_batch_size == 16 and chosen(cfg) == chosen(fitted) != (0, "off", 16)
-    trainer.fit()
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1, 2]
     assert 0 < peak.tracker.peak <= budget, (peak.tracker.peak, budget, line)
+
+
+def test_the_trainer_takes_a_final_config(corpus_dir, tmp_path):
+    """The fit is resolved before the Trainer (the launchers do it); a Trainer given `memory.fit: auto` says
+    so in one line instead of planning; the resolved config is final (resolving it again changes nothing)."""
+    raw = _raw(corpus_dir, tmp_path / "run", MODELS["dense-deep"], fit="auto", device_memory="1GB")
+    with pytest.raises(ConfigError) as e:
+        Trainer(parse_config(raw), progress=False)
+    assert "\n" not in str(e.value) and "resolve_fit" in str(e.value)
+    cfg, choice = resolve_fit(parse_config(raw))
+    assert cfg.memory.fit == "off" and choice is not None and "fits as written" in choice.line
+    assert resolve_fit(cfg) == (cfg, None)
 
 
 def test_a_run_that_fits_is_left_as_written(corpus_dir, tmp_path):
