@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ext import ray_compat
 
@@ -41,8 +42,6 @@ def on_this_node() -> Any:
     that ask for no CPU over the cluster's nodes; one that a driver (or a trial) relies on, such as an
     experiment's decision board, would then die with whatever worker host it landed on, taking every trial
     with it. On the caller's node it lives exactly as long as its caller."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 

@@ -97,20 +97,18 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     result = run_tune(exp, address=args.address, resume=args.resume, quiet=args.quiet)
     if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
         return _interrupted(args, exp)
-    if result.best_trial is None and result.failed:
-        print(_failed_line(args, exp, result), file=sys.stderr)
-        return 1
-    if result.best_trial is None:
+    if result.best_trial is not None:
+        print(
+            f"done: best trial {result.best_trial}, {exp.metric} {result.best_metric:.4f}; {len(result.events)} "
+            f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
+        )
+    elif not result.failed:
         print(
             f"raytrain: error: no trial reported a finite {exp.metric} (all failed); "
             f"fix: see why in `raytrain tune report {result.exp_dir}`",
             file=sys.stderr,
         )
         return 1
-    print(
-        f"done: best trial {result.best_trial}, {exp.metric} {result.best_metric:.4f}; {len(result.events)} "
-        f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
-    )
     if result.failed:  # short of the budget: the experiment did not do what was asked
         print(_failed_line(args, exp, result), file=sys.stderr)
         return 1
