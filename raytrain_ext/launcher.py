@@ -1,10 +1,12 @@
 """`raytrain train` on Ray: a Ray Train V2 `TorchTrainer` built from the run YAML.
 
-Run directory (`run_dir`, default `runs/<name>`; its files are named in `trainers.run_dir`) = the Ray run's
-storage folder: Ray Train keeps its own state there beside ours (`checkpoint_manager_snapshot.json`), and
-our committed checkpoints are registered with Ray where they are (no copy). Ray's `storage_path` is the
-parent folder and its run `name` the folder's name, so re-running the same command continues the run from
-its newest checkpoint. On a multi-node cluster `run_dir` and `data.path` are URIs of a bucket (`s3://...`,
+Run directory (`run_dir`, default `runs/<name>`; its files are named in `trainers.run_dir`): our committed
+checkpoints there are the run's only registry, so re-running the same command continues the run from its
+newest one. Each invocation is a Ray Train run of its own, in `run_dir/ray/<invocation>` (Ray's
+`storage_path` and run `name`): Ray keeps its state there and a pointer to each of our checkpoints
+(`raytrain_ext.worker.POINTER`); a controller restart within the invocation continues that Ray run, a new
+invocation starts a new one (and removes the old one's folder), so Ray never reads a record of checkpoints
+that our retention has deleted since. On a multi-node cluster `run_dir` and `data.path` are URIs of a bucket (`s3://...`,
 `gs://...`: `trainers.storage`; Ray gets the same fsspec file system as its `storage_filesystem`), or
 folders on a filesystem every node mounts at the same path (NFS, EFS).
 """
@@ -19,6 +21,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +35,16 @@ from raytrain_ext.cleanup import (
 )
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.result import RunResult, summarize
-from raytrain_ext.worker import FAILURE_KINDS, RAY_LOG_LEVEL, load_callback, train_fn
+from raytrain_ext.worker import (
+    FAILURE_KINDS,
+    RAY_LOG_LEVEL,
+    load_callback,
+    newest_checkpoint,
+    pointed_to,
+    train_fn,
+)
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, env_default, free_port, scoped_environ
-from trainers.checkpoint import is_complete
 from trainers.config import RunConfig
 from trainers.layout import check_world_sizes
 from trainers.metrics import MetricsTail, read_metrics
@@ -47,11 +56,10 @@ from trainers.run_lock import RunDirLock
 from trainers.storage import (
     absolute,
     check_run_storage,
-    location_on,
     poll_interval,
     ray_storage,
     remove_file,
-    write_json_atomic,
+    remove_tree,
 )
 
 __all__ = [
@@ -191,9 +199,12 @@ def build_trainer(
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
+    loop: str | None = None,
+    ray_run: str = "run",
 ):
-    """The TorchTrainer for this run (not started). `callbacks`: TrainerCallback specs ("module:Name")
-    built inside every worker; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
+    """The TorchTrainer for this run (not started), as Ray run `ray_run` (in `RunDir.ray_runs`). `callbacks`: TrainerCallback specs ("module:Name")
+    built inside every worker; `loop`: the spec of a loop that drives each worker's Trainer (a TrainerCallback
+    with `run(trainer)`: `raytrain_ext.worker.train_fn`), else `fit()`; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
     `ray_log_level`: of Ray Train's own `ray.train` console lines (INFO: every report and checkpoint)."""
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -210,14 +221,14 @@ def build_trainer(
         elastic_resize_monitor_interval_s=s.resize_check_s,
     )
     # A bucket: Ray gets the same fsspec file system we write with (credentials from the environment).
-    storage_fs, storage_path = ray_storage(cfg.out_dir.parent)
+    storage_fs, storage_path = ray_storage(RunDir(cfg.out_dir).ray_runs)
     run = ray.train.RunConfig(
-        name=cfg.out_dir.name,
+        name=ray_run,
         storage_path=storage_path,
         storage_filesystem=storage_fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
-        # Our Checkpointer keeps `checkpoint.keep` and deletes older ones; Ray only registers them.
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+        # Our Checkpointer keeps `checkpoint.keep` and deletes older ones; Ray keeps a pointer to the newest.
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
         callbacks=list(ray_callbacks),
         logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(s.cpus_per_worker), 1))}},
@@ -227,6 +238,7 @@ def build_trainer(
         train_loop_config={
             "run": json.loads(cfg.model_dump_json()),
             "callbacks": list(callbacks),
+            "loop": loop,
             "ray_log_level": ray_log_level,
         },
         torch_config=NodeAddressTorchConfig(backend="nccl" if s.use_gpu else "gloo"),
@@ -242,13 +254,14 @@ def train(
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
+    loop: str | None = None,
 ) -> RunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError/CheckpointError with the
     workers' cause when the run ended on an error that a restart cannot fix, and KeyboardInterrupt
     (naming where the run will continue) on Ctrl-C or SIGTERM."""
     import ray
 
-    check_run(cfg, callbacks)  # before Ray starts
+    check_run(cfg, [*callbacks, *([loop] if loop else [])])  # before Ray starts
     cfg = run_config_for_workers(cfg)
     run_dir = cfg.out_dir
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
@@ -256,7 +269,8 @@ def train(
         check_fits_local(cfg, os.cpu_count() or 1, _local_gpus())
     with RunDirLock(run_dir), _interrupts_raise():
         remove_file(RunDir(run_dir).failed)  # a new invocation: an old failure is history
-        reconcile_ray_snapshot(run_dir, fresh=cfg.checkpoint.resume == "none")
+        remove_tree(RunDir(run_dir).ray_runs)  # so is an old invocation's Ray run (ours resume from our checkpoints)
+        ray_run = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         started = ensure_ray(address)
         # the bar only with progress; the resume, resize and lost-host lines always
         watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name, bar=progress)
@@ -264,7 +278,7 @@ def train(
             watcher.start()
             with WorkerLogs(run_dir):  # a lost worker: one line here, the tracebacks in the run's log
                 result = _run_restarting_controller(
-                    lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level), run_dir, cfg
+                    lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level, loop, ray_run), run_dir, cfg
                 )
         except KeyboardInterrupt:
             raise KeyboardInterrupt(continue_hint(run_dir)) from None
@@ -275,14 +289,16 @@ def train(
     failed = _read_failed(run_dir)
     if failed is not None:
         raise _as_error(failed)
-    # A path on Ray's storage file system (a bucket's without its protocol), as a location.
-    checkpoint = str(location_on(result.checkpoint.filesystem, result.checkpoint.path)) if result.checkpoint else None
+    # The checkpoint Ray's pointer names; none reported in this invocation (a finished run run again): the
+    # run dir's newest committed one.
+    checkpoint = pointed_to(result.checkpoint) if result.checkpoint else newest_checkpoint(cfg)
     return summarize(run_dir, checkpoint)
 
 
 def _run_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any:
-    """Fit; when Ray Train's controller actor dies (its workers die with it), start the run again from
-    its committed checkpoints, as re-running the command would (counted against scaling.max_failures)."""
+    """Fit; when Ray Train's controller actor dies (its workers die with it), start the run again (the same
+    Ray run: the new controller restores its state) from its committed checkpoints, as re-running the
+    command would (counted against scaling.max_failures)."""
     import ray
 
     restarts = 0
@@ -302,7 +318,6 @@ def _run_restarting_controller(build: Any, run_dir: Path, cfg: RunConfig) -> Any
             # Its workers' placement group outlives it until Ray's cleaner notices (or for good, when that
             # cleaner cannot reach the State API): the new run would wait for those CPUs.
             release_stranded_placement_groups(before)
-            reconcile_ray_snapshot(run_dir)
 
 
 def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
@@ -403,55 +418,6 @@ def _local_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def reconcile_ray_snapshot(run_dir: Path, fresh: bool = False) -> None:
-    """Make Ray's record of the run's checkpoints true to the disk before Ray reads it: our retention
-    deletes checkpoints Ray registered, and Ray refuses to start a run whose snapshot names a missing
-    one ("delete the existing folder"). Entries without a complete checkpoint go; a snapshot that cannot
-    be read as Ray 2.60 wrote it is removed (our committed checkpoints are the truth: the workers resume
-    from them). `fresh` (checkpoint.resume=none): no snapshot, so Ray hands over no old checkpoint."""
-    path = RunDir(run_dir).ray_snapshot
-    if not path.is_file():
-        return
-    try:
-        if fresh:
-            raise ValueError("a fresh run")
-        state = json.loads(path.read_text())
-        state = _snapshot_on_disk(state, run_dir)
-    except (ValueError, KeyError, TypeError):
-        path.unlink()
-        return
-    write_json_atomic(path, state, indent=None)
-
-
-def _snapshot_on_disk(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    def here(result: dict[str, Any] | None) -> bool:
-        return result is not None and is_complete(run_dir / result["checkpoint_dir_name"])
-
-    import ray
-
-    if state["ray_version"] != ray.__version__:
-        raise ValueError(f"written by Ray {state['ray_version']}")
-    kept = [
-        (r, i) for r, i in zip(state["checkpoint_results"], state["checkpoint_report_indices"]) if here(r)
-    ]
-    names = {r["checkpoint_dir_name"] for r, _ in kept}
-    pending = [
-        (r, v)
-        for r, v in zip(state["pending_training_results"], state["pending_validation_specs"])
-        if here(r)
-    ]
-    state["checkpoint_results"] = [r for r, _ in kept]
-    state["checkpoint_report_indices"] = [i for _, i in kept]
-    state["pending_training_results"] = [r for r, _ in pending]
-    state["pending_validation_specs"] = [v for _, v in pending]
-    if not here(state["latest_checkpoint_result"]):
-        state["latest_checkpoint_result"] = kept[-1][0] if kept else None
-    for key in ("validated", "timed_out_validation", "failed_validation"):
-        field = f"{key}_checkpoint_dir_names"
-        state[field] = [n for n in state[field] if n in names]
-    return state
 
 
 def _read_failed(run_dir: Path) -> dict[str, Any] | None:

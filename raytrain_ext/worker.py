@@ -1,9 +1,9 @@
 """The function every Ray Train worker runs: build our Trainer from the run config, restore, train, report.
 
-Checkpoints are written by the Trainer (DCP, atomic) straight into the Ray run's storage folder and handed
-to Ray with `CheckpointUploadMode.NO_UPLOAD`, so nothing is copied; `ray.train.get_checkpoint()` after a
-restart (a failure or an elastic resize) is the newest committed one and the Trainer reshards it to the
-new world size. Per-step metrics are persisted by the Trainer (`metrics.jsonl`), because Ray keeps only
+Checkpoints are written by the Trainer (DCP, atomic) into the run dir, which is their only registry; Ray
+gets a pointer to each (`POINTER`), so no tensor is copied. After a restart within the invocation (a
+failure or an elastic resize) the Trainer restores the run's newest committed checkpoint and reshards it
+to the new world size. Per-step metrics are persisted by the Trainer (`metrics.jsonl`), because Ray keeps only
 the metrics reported with a checkpoint.
 
 Failures that retrying cannot fix end the run instead of burning `max_failures` restarts:
@@ -22,12 +22,13 @@ import importlib
 import json
 import logging
 import os
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
 
 import ray.train
-from ray.train import Checkpoint, CheckpointUploadMode
+from ray.train import Checkpoint
 
 from raytrain_ext import ray_compat
 from trainers._base import ConfigError, NonFiniteLossError
@@ -35,14 +36,17 @@ from trainers.checkpoint import CheckpointError, checkpoint_step
 from trainers.config import RunConfig, parse_config, with_values
 from trainers.launch import run_local
 from trainers.run_dir import RunDir
-from trainers.storage import absolute, is_remote, is_within, location_on, write_json_atomic
+from trainers.storage import absolute, is_within, location, write_json_atomic
 from trainers.trainer import Trainer, TrainerCallback
 
 __all__ = [
     "FAILURE_KINDS",
+    "POINTER",
     "LatestMetrics",
     "ReportToRay",
     "load_callback",
+    "newest_checkpoint",
+    "pointed_to",
     "train_fn",
     "with_live_values",
 ]
@@ -91,25 +95,36 @@ class LatestMetrics(TrainerCallback):
 
 
 class ReportToRay(LatestMetrics):
-    """Hands each committed checkpoint to Ray (no copy), with the latest metrics. Every rank calls
-    `ray.train.report` the same number of times: checkpoints are collective."""
+    """Hands each committed checkpoint to Ray, with the latest metrics. Every rank calls `ray.train.report`
+    the same number of times (checkpoints are collective); rank 0's report carries the checkpoint."""
 
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None:
         metrics = self.report(trainer, checkpoint_step(path))
-        ray.train.report(
-            metrics,
-            checkpoint=as_ray_checkpoint(path),
-            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-        )
+        if not trainer.engine.is_main:
+            ray.train.report(metrics, checkpoint=None)
+            return
+        with tempfile.TemporaryDirectory() as pointer:
+            write_pointer(Path(pointer), path)
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(pointer))
 
 
-def as_ray_checkpoint(path: Any) -> Checkpoint:
-    """Our committed checkpoint as Ray's: a local folder, or (in a bucket) the same objects on the run's
-    storage file system, registered where they are (nothing uploaded twice)."""
-    if not is_remote(path):  # Ray needs the file system object: the run's storage one for a bucket
-        return Checkpoint.from_directory(str(path))
-    storage = ray.train.get_context().get_storage()
-    return Checkpoint(path.path, filesystem=storage.storage_filesystem)
+# Ray holds a *pointer* to each committed checkpoint (Ray Train's documented pattern for checkpoints kept
+# outside its run folder), uploaded into its own run folder for this invocation (`RunDir.ray_runs`). Our
+# run dir's committed checkpoints are the only registry: a new `raytrain train` resumes from them
+# (`checkpoint.resume: auto`), never from Ray's. Ray must hold one for two things only: a worker group Ray
+# restarts within the invocation learns from it that the run has a checkpoint of its own, or a donor's
+# (`resume_point`), and Ray's `Result.checkpoint` names the run's last one (`pointed_to`).
+POINTER = "pointer.json"
+
+
+def write_pointer(folder: Path, checkpoint: Any) -> None:
+    (folder / POINTER).write_text(json.dumps({"uri": str(checkpoint), "step": checkpoint_step(checkpoint)}))
+
+
+def pointed_to(ray_checkpoint: Checkpoint) -> Any:
+    """The committed checkpoint (a location) that a checkpoint Ray holds points to."""
+    with ray_checkpoint.as_directory() as folder:
+        return absolute(location(json.loads((Path(folder) / POINTER).read_text())["uri"]))
 
 
 def load_callback(spec: str) -> TrainerCallback:
@@ -161,7 +176,8 @@ def set_ray_train_log_level(level: str) -> None:
 
 
 def train_fn(config: dict[str, Any]) -> None:
-    """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...]}."""
+    """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...],
+    "loop": spec or None}: a loop is a TrainerCallback with `run(trainer) -> FitResult`."""
     cfg: RunConfig = with_live_values(parse_config(config["run"]))
     set_ray_train_log_level(config["ray_log_level"])
     run_dir = cfg.out_dir
@@ -174,7 +190,17 @@ def train_fn(config: dict[str, Any]) -> None:
     had_checkpoint = given is not None or _has_checkpoint(cfg)
     try:
         callbacks = [ReportToRay(), *(load_callback(spec) for spec in config.get("callbacks", []))]
-        run_local(cfg, callbacks=callbacks, progress=False, hold_lock=False)
+        # A loop that drives the Trainer from outside (a PBT trial's): it is a callback too, right after the
+        # report to Ray (it posts each commit's report to its trial before a user's callback runs), and runs
+        # the fit calls.
+        loop = load_callback(config["loop"]) if config.get("loop") else None
+        run_local(
+            cfg,
+            callbacks=[callbacks[0], *([loop] if loop is not None else []), *callbacks[1:]],
+            progress=False,
+            hold_lock=False,
+            loop=getattr(loop, "run", None),
+        )
     except FATAL_ERRORS as e:
         # Deterministic, reached by every rank at the same point: retrying cannot help.
         if ray.train.get_context().get_world_rank() == 0:
@@ -216,20 +242,25 @@ def with_live_values(cfg: RunConfig) -> RunConfig:
 def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> str:
     """`checkpoint.resume` for this attempt.
 
-    - A checkpoint Ray hands over from outside this run's folder (a Tune exploit cloning another trial)
-      wins: the run continues from the donor (that one only: its siblings are not ours to fall back to).
-    - One of this run's own: `auto`, so the Trainer restores our newest committed one whose checksums
-      hold (a worker lost right after a commit may die before Ray's controller registered that report,
-      and a committed checkpoint is never thrown away; a corrupt one is skipped for the one before).
+    - A checkpoint Ray hands over that points outside this run's folder (a donor's) wins: the run continues
+      from it (that one only: its siblings are not ours to fall back to).
+    - One of this run's own (Ray restarted the group within this invocation): `auto`, so the Trainer
+      restores our newest committed one whose checksums hold (a worker lost right after a commit may die
+      before Ray's controller registered that report, and a committed checkpoint is never thrown away; a
+      corrupt one is skipped for the one before).
     - No checkpoint from Ray: `checkpoint.resume` from the run YAML decides."""
     if ray_checkpoint is None:
         return cfg.checkpoint.resume
-    # A path on Ray's storage file system (a bucket's without its protocol), as a location.
-    given = absolute(location_on(ray_checkpoint.filesystem, ray_checkpoint.path))
+    given = pointed_to(ray_checkpoint)
     return "auto" if is_within(given, cfg.out_dir) else str(given)
 
 
-def _has_checkpoint(cfg: RunConfig) -> bool:
+def newest_checkpoint(cfg: RunConfig) -> Any:
+    """The run dir's newest committed checkpoint (None: none yet)."""
     from trainers.checkpoint import Checkpointer
 
-    return Checkpointer(RunDir(cfg.out_dir).checkpoints, cfg.checkpoint.keep).latest() is not None
+    return Checkpointer(RunDir(cfg.out_dir).checkpoints, cfg.checkpoint.keep).latest()
+
+
+def _has_checkpoint(cfg: RunConfig) -> bool:
+    return newest_checkpoint(cfg) is not None

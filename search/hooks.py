@@ -1,4 +1,5 @@
-"""TrainerCallbacks that the search driver passes into Ray Train workers (as `module:Name(...)` specs).
+"""TrainerCallbacks and the trial loop that the search driver passes into Ray Train workers (as
+`module:Name(...)` specs).
 
 Kept in a light module: every worker imports it.
 """
@@ -8,11 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from raytrain_ext.worker import LatestMetrics
 from trainers.checkpoint_files import checkpoint_step
-from trainers.trainer import Trainer, TrainerCallback
+from trainers.trainer import FitResult, Trainer, TrainerCallback
 
-__all__ = ["ApplySchedule", "StopAtStep", "WaitAtGate"]
+__all__ = ["ApplySchedule", "GateLoop", "StopAtStep"]
+
+
+# The trial's gate is gone (no actor by that name, or it died): the run stops.
+_GONE = (ValueError, ray.exceptions.RayActorError)
 
 
 class StopAtStep(TrainerCallback):
@@ -27,15 +34,18 @@ class StopAtStep(TrainerCallback):
             trainer.request_stop(f"segment ends at step {checkpoint_step(path)}")
 
 
-class WaitAtGate(LatestMetrics):
-    """The live run's side of a Tune trial (see `search.trial`). After each checkpoint (reported to Ray
-    just before): rank 0 posts the report to the trial's gate actor at once (not through Ray Train's
-    controller, which polls its workers every 2 s); then every rank asks the gate for the trial's answer
-    for this step: go on, stop here, or load a donor's checkpoint in place (a PBT exploit), with new
-    hyperparameters. From step `wait_from` on (PBT decides there) the ranks wait for that answer; before
-    it, or with `wait_from=None` (ASHA, random search: nothing to load), they only look whether the trial
-    has said stop, and train on without waiting for Tune's round trip. A checkpoint written in the
-    background commits a few steps after the step it holds: the report and the answer are that step's."""
+class GateLoop(LatestMetrics):
+    """The live run's side of a Tune trial (see `search.trial`): a loop that drives each worker's Trainer
+    (`raytrain_ext.worker.train_fn` runs it; as a callback it hears each commit).
+
+    After each committed checkpoint (reported to Ray just before), rank 0 posts the report to the trial's
+    gate actor at once (not through Ray Train's controller, which polls its workers every 2 s). From step
+    `wait_from` on (PBT decides there) the loop trains to the next report (`fit(until=...)`: it returns with
+    that step's checkpoint committed and nothing trained after it), and every rank asks the gate for the
+    trial's answer: go on, stop, or restore a donor's checkpoint with new hyperparameters (a PBT exploit,
+    `Trainer.restore`). The decision comes before the run trains on, so a branch an exploit abandons is
+    never trained or logged. Before `wait_from`, or with `wait_from=None` (ASHA, random search: nothing to
+    restore), the run trains on and each commit only looks whether the trial said stop."""
 
     def __init__(self, gate: str, wait_from: int | None = 0) -> None:
         super().__init__()
@@ -43,38 +53,68 @@ class WaitAtGate(LatestMetrics):
         self.gate = None
         self.branch = 0  # the gate's answers since the last exploit (search.trial.RunGate)
 
-    def on_fit_start(self, trainer: Trainer) -> None:
-        import ray
+    def _waits(self, step: int) -> bool:
+        return self.wait_from is not None and step >= self.wait_from
 
-        if self.wait_from is not None:  # exploits may load in place: the steps after a commit may be abandoned
-            trainer.log.hold_until_committed()
+    def _next_decision(self, trainer: Trainer) -> int | None:
+        """The next report step the trial decides at, before the end; None: none is left."""
+        if self.wait_from is None:
+            return None
+        every = trainer.cfg.checkpoint.every or trainer.cfg.train.steps
+        first = max(trainer.step + 1, self.wait_from)
+        until = -(-first // every) * every  # the report steps are the checkpoint's
+        return until if until < trainer.cfg.train.steps else None
+
+    def run(self, trainer: Trainer) -> FitResult:
         try:  # a restarted group resumed the run's newest commit: it goes on on the gate's current branch
             self.gate = ray.get_actor(self.gate_name)
             self.branch = ray.get(self.gate.current_branch.remote())
-        except (ValueError, ray.exceptions.RayActorError):  # the trial is gone: after_checkpoint stops
+        except _GONE:  # the trial is gone: the first commit stops the run
             pass
+        while True:
+            result = trainer.fit(until=self._next_decision(trainer))
+            if result.stopped is not None or result.step >= trainer.cfg.train.steps:
+                return result
+            answer = self._ask(result.step, wait=True)
+            if isinstance(
+                answer, dict
+            ):  # an exploit: the trial installed the donor's checkpoint as our newest
+                self.branch = answer["branch"]
+                extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
+                trainer.restore(
+                    Path(answer["checkpoint"]),
+                    answer["values"],
+                    event="exploit",
+                    donor=answer["donor"],
+                    **extra,
+                )
+            elif answer != "go":
+                trainer.request_stop(f"the trial stopped the run at step {result.step}")
+                return trainer.fit()  # returns at once: the run ends stopped
 
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
-        import ray
-
         step = checkpoint_step(path)
+        metrics = self.report(trainer, step)
         try:
-            self.gate = self.gate or ray.get_actor(self.gate_name)
-            metrics = self.report(trainer, step)
             if trainer.engine.is_main:  # no wait: calls from one caller arrive in order
-                self.gate.post.remote({"metrics": metrics, "path": str(path)})
-            if step >= trainer.cfg.train.steps:  # the last one: the run ends by itself
-                return
-            waits = self.wait_from is not None and step >= self.wait_from
-            answer = ray.get((self.gate.wait if waits else self.gate.peek).remote(step, self.branch))
-        except (ValueError, ray.exceptions.RayActorError):  # the trial is gone
-            answer = "stop"
-        if isinstance(answer, dict):  # an exploit: the trial installed the donor's checkpoint as our newest
-            extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
-            self.branch = answer["branch"]
-            trainer.load_in_place(Path(answer["checkpoint"]), answer["values"], donor=answer["donor"], **extra)
-        elif answer != "go":
+                self._gate().post.remote({"metrics": metrics, "path": str(path)})
+        except _GONE:
+            trainer.request_stop("the trial is gone")
+            return
+        if step < trainer.cfg.train.steps and not self._waits(step) and self._ask(step, wait=False) != "go":
             trainer.request_stop(f"the trial stopped the run at step {step}")
+
+    def _gate(self) -> Any:
+        self.gate = self.gate or ray.get_actor(self.gate_name)
+        return self.gate
+
+    def _ask(self, step: int, wait: bool) -> Any:
+        """The trial's answer for `step` (`wait`: for it to be given), "stop" when the trial is gone."""
+        try:
+            gate = self._gate()
+            return ray.get((gate.wait if wait else gate.peek).remote(step, self.branch))
+        except _GONE:
+            return "stop"
 
 
 class ApplySchedule(TrainerCallback):
@@ -92,4 +132,3 @@ class ApplySchedule(TrainerCallback):
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if trainer.step in self.changes:
             trainer.set_hparams(self.changes[trainer.step])
-

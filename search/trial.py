@@ -14,9 +14,10 @@ How a trial trains between reports (`trial_runs` in the experiment YAML):
   at the gate for the trial's answer: go on, or load a donor's checkpoint in place. An exploit never
   restarts the run (see `search.schedulers.InPlace`): the trial installs the donor's pin as the run's
   newest checkpoint (so a worker lost right after resumes the exploited state), records the new values in
-  the run dir (`live_values.json`, for such a restart), and answers with the checkpoint and the values;
-  every rank loads it as a resume would (`Trainer.load_in_place`). Where the scheduler cannot act (ASHA,
-  random search, burn-in) the workers only look whether the trial said stop and train on.
+  the run dir (`live_values.json`, for such a restart), and answers with the checkpoint and the values.
+  The workers run a plain loop (`search.hooks.GateLoop`): train to the next report (`Trainer.fit(until)`),
+  ask, then `Trainer.restore(donor, values)` or go on. Where the scheduler cannot act (ASHA, random search,
+  burn-in) the workers only look whether the trial said stop and train on.
 - `segments`: a new bounded Train run per interval, restored from the previous one's checkpoint (a new
   Ray run name each time: a reused name makes Ray hand back the run's own old checkpoint). The baseline
   that `bench/pbt_overhead.py` compares against.
@@ -462,7 +463,8 @@ class _LiveRun:
                 train(
                     cfg,
                     progress=False,
-                    callbacks=[f"search.hooks:WaitAtGate(gate={name!r}, wait_from={wait_from})", *exp.callbacks],
+                    callbacks=exp.callbacks,
+                    loop=f"search.hooks:GateLoop(gate={name!r}, wait_from={wait_from})",
                 )
             except BaseException as e:
                 self.error = e

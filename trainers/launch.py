@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -22,8 +23,12 @@ def run_local(
     callbacks: list[TrainerCallback] | tuple = (),
     progress: bool = True,
     hold_lock: bool = True,
+    loop: Callable[[Trainer], FitResult] | None = None,
 ) -> FitResult:
-    """Under torchrun (any --nproc-per-node, 1 included: `init_from_env`) this joins the process group first
+    """Build the Trainer for `cfg` and run it: `trainer.fit()`, or `loop(trainer)`, a loop that drives it
+    from outside (`fit(until=...)`, `restore`: a PBT trial's, `search.hooks.GateLoop`).
+
+    Under torchrun (any --nproc-per-node, 1 included: `init_from_env`) this joins the process group first
     and leaves it at the end; a group that already exists (Ray Train's) is used and left alone.
 
     `hold_lock`: rank 0 holds the run dir's lock (`RunDirLock`); Ray Train's workers pass False, their
@@ -49,7 +54,8 @@ def run_local(
         if choice is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             print(choice.line, flush=True)
         engine = build_engine(cfg)
-        return Trainer(cfg, engine=engine, callbacks=callbacks, progress=progress).fit()
+        trainer = Trainer(cfg, engine=engine, callbacks=callbacks, progress=progress)
+        return trainer.fit() if loop is None else loop(trainer)
     finally:
         torch.set_num_threads(threads)
         if engine is not None:

@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from trainers.run_dir import RunDir
 from trainers.storage import (
@@ -36,6 +34,7 @@ from trainers.storage import (
     working_copy,
     write_text_atomic,
 )
+from trainers.torch_compat import TorchDispatchMode, tree_leaves
 
 __all__ = ["LiveTensorBytes", "MetricsLog", "MetricsSink", "MetricsTail", "allocator_peak_bytes", "peak_memory_bytes", "read_metrics"]
 
@@ -132,7 +131,6 @@ class MetricsTail:
 class MetricsSink(Protocol):
     def start(self, step: int, kept: list[dict[str, Any]]) -> None: ...
     def rewind(self, step: int) -> None: ...
-    def hold_until_committed(self) -> None: ...
     def write(self, record: dict[str, Any]) -> None: ...
     def close(self, status: str) -> None: ...
 
@@ -151,7 +149,7 @@ class MetricsLog:
         self.sinks = list(sinks) if enabled else []
         self._file = None
         self._tb = None
-        self._started = False  # the sinks: started once, rewound by a checkpoint loaded in place
+        self._started = False  # the sinks: started once, rewound by a restore in a running trainer
         if enabled:
             self.local.parent.mkdir(parents=True, exist_ok=True)
 
@@ -170,7 +168,7 @@ class MetricsLog:
         start from `step` with the records kept."""
         if not self.enabled:
             return
-        if self._file is not None:  # a running trainer loading a checkpoint in place (a PBT exploit)
+        if self._file is not None:  # a running trainer restoring a checkpoint (a PBT exploit)
             self._file.close()
             self._file = None
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
@@ -186,12 +184,6 @@ class MetricsLog:
             else:
                 sink.start(step, keep)
         self._started = True
-
-    def hold_until_committed(self) -> None:
-        """The run may go back to its newest checkpoint with other values (a PBT exploit in place): the
-        trackers get a step's records once it is committed (`TrackingSink.hold_until_committed`)."""
-        for sink in self.sinks:
-            sink.hold_until_committed()
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

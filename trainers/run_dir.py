@@ -9,7 +9,8 @@
         FAILED.json                       a run ended on an error a restart cannot fix (raytrain_ext.worker)
         live_values.json                  run-config values set while it ran: a PBT exploit (search.trial)
         workers.log                       the workers' tracebacks taken off the console
-        checkpoint_manager_snapshot.json  Ray Train's own state (raytrain_ext.launcher reconciles it)
+        ray/<invocation>/                 Ray Train's own run folder for one `raytrain train` (its state and
+                                          pointers to our checkpoints; raytrain_ext.launcher)
         tb/, profile/, <tracker>/         TensorBoard events, profiler traces, a tracker's sent state
         report/                           `raytrain report`'s summary and plots
 """
@@ -29,7 +30,7 @@ __all__ = [
     "LOCK",
     "METRICS",
     "PROFILE",
-    "RAY_SNAPSHOT",
+    "RAY_RUNS",
     "REPORT",
     "TENSORBOARD",
     "WORKER_LOG",
@@ -43,7 +44,7 @@ LOCK = ".lock"
 FAILED = "FAILED.json"
 LIVE_VALUES = "live_values.json"
 WORKER_LOG = "workers.log"
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+RAY_RUNS = "ray"
 TENSORBOARD = "tb"
 PROFILE = "profile"
 REPORT = "report"
@@ -87,8 +88,8 @@ class RunDir:
         return self.root / WORKER_LOG
 
     @property
-    def ray_snapshot(self) -> Any:
-        return self.root / RAY_SNAPSHOT
+    def ray_runs(self) -> Any:
+        return self.root / RAY_RUNS
 
     @property
     def tensorboard(self) -> Any:

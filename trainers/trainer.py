@@ -1,8 +1,13 @@
 """The training loop: global batch = micro-batch x accumulation x data-parallel size.
 
 The Trainer builds its parts from a RunConfig, restores the newest complete checkpoint (or a given one),
-then runs steps until `train.steps`. Everything a step depends on is a function of the step number and
-the restored state (data position, learning rate, RNG), so a resumed run repeats an uninterrupted one.
+then `fit()` runs steps until `train.steps`. Everything a step depends on is a function of the step number
+and the restored state (data position, learning rate, RNG), so a resumed run repeats an uninterrupted one.
+
+A loop that drives the run from outside (a PBT trial: `search.hooks.GateLoop`) calls `fit(until=s)`, which
+returns at step `s` with the checkpoint of `s` committed, decides, and may `restore(path, hparams)` another
+checkpoint before it calls `fit` again. State comes in only through `restore` (the constructor's resume is
+one), and only between `fit` calls: a callback cannot move the trainer's step.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 import torch
 
 from trainers._base import NonFiniteLossError
-from trainers.checkpoint import Checkpointer, CheckpointError, Committed, checkpoint_step, is_complete
+from trainers.checkpoint import Checkpointer, CheckpointError, Committed, is_complete
 from trainers.config import ConfigError, RunConfig, check_hparam_keys, with_values
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.hf.pretrained import load_pretrained, materialize
@@ -110,6 +115,10 @@ class Trainer:
         self.profiler = build_profiler(cfg.profile, self.run_dir, self.device)
         self.step, self.bad_steps, self.last_checkpoint = 0, 0, None
         self.stop_reason: str | None = None
+        self.train_loss: float | None = None  # the latest finite training loss and validation loss
+        self.val_loss: float | None = None
+        self._fitting = False  # inside fit(): restore() is refused (a callback cannot move the step)
+        self._ended = False  # the run reached train.steps, stopped or failed: its log is closed
         self._restore(*resume)
         if resume[0] is None:
             self.set_hparams({})  # the learning-rate schedule (a restore sets it up itself)
@@ -179,18 +188,22 @@ class Trainer:
         self.engine.apply_hparams(cfg.optimizer)
         self.lr_schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
 
-    def load_in_place(self, path: Path, hparams: dict[str, Any], **event: Any) -> None:
-        """Collective: load the committed checkpoint `path` into this running trainer (a PBT exploit: the
-        donor's weights, optimizer state, data position, RNG and step), with the hyperparameters `hparams`
-        (dotted keys, `set_hparams`) applied to the restored optimizer and schedule: exactly a resume from
-        `path` with those values, without a new process, model build or process group. Emits an `exploit`
-        event (with `event`'s fields, e.g. the `values` and `tags` the trackers show), not a `resume`: the
-        run did not start again."""
-        check_hparam_keys(hparams)
-        # The records this run made after its reported checkpoint belong to the branch the exploit abandons.
-        branch = checkpoint_step(self.last_checkpoint) if self.last_checkpoint is not None else None
-        self.cfg = with_values(self.cfg, hparams)  # applied by the restore, over the donor's optimizer state
-        self._restore(location(path), [], event="exploit", branch=branch, **event)
+    def restore(self, path: Path, hparams: dict[str, Any] | None = None, event: str = "restore", **fields: Any) -> None:
+        """Collective, between `fit` calls: load the committed checkpoint `path` (weights, optimizer state,
+        data position, RNG and step) into this trainer, with the hyperparameters `hparams` (dotted keys,
+        `set_hparams`) applied over its optimizer state and schedule: exactly a new run resumed from `path`
+        with those values, without a new process, model build or process group. The metrics after its step
+        are dropped (they will be recomputed) and an `event` record is written with `fields` (a PBT exploit:
+        `event="exploit"`, the donor and the values its trackers show). Refused inside `fit` (a callback's)."""
+        if self._fitting or self._ended:
+            raise RuntimeError(
+                "Trainer.restore is called between fit() calls of a run that has not ended (a callback cannot "
+                "move the trainer's step); fix: return from fit (fit(until=step)), then restore"
+            )
+        values = dict(hparams or {})
+        check_hparam_keys(values)
+        self.cfg = with_values(self.cfg, values) if values else self.cfg  # applied by the restore, over the checkpoint's optimizer state
+        self._restore(location(path), [], event=event, **fields)
 
     def request_stop(self, reason: str) -> None:
         """Ends the run at the next step boundary on purpose (a Tune segment's last step, a trial stopped by
@@ -204,10 +217,9 @@ class Trainer:
         skipped: list[dict[str, str]],
         verify_s: float = 0.0,
         event: str = "resume",
-        branch: int | None = None,
         **fields: Any,
     ) -> None:
-        """Load `path` (None: a fresh start). `branch`: keep the metrics only up to there (an exploit's)."""
+        """Load `path` (None: a fresh start); the metrics are kept up to its step."""
         if path is None:
             self.log.resume_from(0)  # a fresh run in an old run dir starts a fresh log
             start = {"init_from": str(self.cfg.model.init_from)} if self.cfg.model.init_from else {}
@@ -229,7 +241,7 @@ class Trainer:
         if rng is not None:
             torch.set_rng_state(rng["torch"])
         self.last_checkpoint = path
-        self.log.resume_from(self.step if branch is None else min(self.step, branch))
+        self.log.resume_from(self.step)
         self._emit(
             "event",
             event=event,
@@ -254,42 +266,51 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- loop
 
-    def fit(self) -> FitResult:
+    def fit(self, until: int | None = None) -> FitResult:
+        """Train up to step `until` (default, and at most, `train.steps`). Returns at that step boundary with
+        its checkpoint committed (saved there if the schedule had none), or earlier where a callback asked
+        to stop (`request_stop`); call it again to go on. The run ends (its log closed, its trackers told)
+        when it reaches `train.steps`, stops, or fails; `on_fit_start` runs at each call."""
         cfg = self.cfg
+        end = cfg.train.steps if until is None else min(int(until), cfg.train.steps)
+        if self._ended:
+            raise RuntimeError("this Trainer's run has ended; fix: build a new Trainer to train again")
         ensure_folder(self.run_dir)
         if self.engine.is_main:
             RunDir(self.run_dir).write_config(cfg.to_yaml())
         for cb in self.callbacks:
             cb.on_fit_start(self)
         bar = self._progress_bar()
-        train_loss = val_loss = None
         status = "KILLED"  # for trackers: stopped (Ctrl-C, a lost worker, a Tune trial's end), may go on
         hold_freed_heap()  # on CPU, glibc would hand each step's activations back and fault them in again
+        self._fitting = True
         try:
-            while self.step < cfg.train.steps and self.stop_reason is None:
+            while self.step < end and self.stop_reason is None:
                 record = self.train_step()
-                if self._collect(wait=False):  # a background save committed; its report loaded another
-                    continue  # checkpoint in place (a PBT exploit): go on from that step, nothing else here
+                self._collect(wait=False)  # a background save that committed: its event and callbacks
                 if self.stop_reason is not None:  # a callback asked (after this step, or at a commit)
                     break
-                train_loss = record["loss"] if math.isfinite(record["loss"]) else train_loss
+                self.train_loss = record["loss"] if math.isfinite(record["loss"]) else self.train_loss
                 done = self.step == cfg.train.steps
                 if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
-                    val_loss = self.evaluate()
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (done and cfg.checkpoint.final):
+                    self.val_loss = self.evaluate()
+                due = (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (done and cfg.checkpoint.final)
+                if due or (self.step == end and not done):  # fit(until) returns with that step committed
                     self._start_save()
-                if done and self._collect(wait=True):  # the end of fit waits for the last save to commit
-                    continue
+                if self.step == end:  # the last save of this call commits before it returns
+                    self._collect(wait=True)
                 if bar is not None:
                     bar.update(1)
                     if self.step % cfg.train.log_every == 0 or done:
                         bar.set_postfix(
                             loss=f"{record['loss']:.3f}",
-                            val=val_loss and f"{val_loss:.3f}",
+                            val=self.val_loss and f"{self.val_loss:.3f}",
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             lr=f"{record['lr']:.2e}",
                         )
-            if self.stop_reason is None:
+            if self.stop_reason is None and self.step < cfg.train.steps:
+                status = "RUNNING"  # returned at `until`: the run goes on at the next call
+            elif self.stop_reason is None:
                 status = "FINISHED"
             else:  # stopped on purpose: the save in flight (if any) commits first, without a report
                 self._stop_with_save_in_flight(None)
@@ -301,12 +322,17 @@ class Trainer:
             self._stop_with_save_in_flight(e)
             raise
         finally:
+            self._fitting = False
             if bar is not None:
                 bar.close()
-            self.profiler.close()
-            self.log.close(status)
             release_freed_heap()
-        return FitResult(self.run_dir, self.step, train_loss, val_loss, self.last_checkpoint, self.stop_reason)
+            if status != "RUNNING":
+                self._ended = True
+                self.profiler.close()
+                self.log.close(status)
+        return FitResult(
+            self.run_dir, self.step, self.train_loss, self.val_loss, self.last_checkpoint, self.stop_reason
+        )
 
     def train_step(self) -> dict[str, Any]:
         cfg, step = self.cfg, self.step
@@ -410,8 +436,8 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Collective: a checkpoint of the current step, returned once committed (its event written, its
-        callbacks run), in either `checkpoint.mode`. None when the commit of a save before it had a callback
-        load another checkpoint in place (a PBT exploit) or stop the run, so that there was nothing to save."""
+        callbacks run), in either `checkpoint.mode`. None when a callback stopped the run at the commit of
+        the save before it (nothing is saved then)."""
         if not self._start_save():
             return None
         self._collect(wait=True)
@@ -421,9 +447,10 @@ class Trainer:
         """Collective. `sync`: the save, committed and reported. `async`: returns once the state is staged;
         the commit is reported (event, callbacks) at a later step boundary by `_collect`. At most one save is
         in flight: this one waits for the one before to commit (`wait_s`). False when that commit's callbacks
-        loaded another checkpoint in place (an exploit): nothing is saved then."""
+        stopped the run: nothing is saved then."""
         start = time.perf_counter()
-        if self._collect(wait=True) or self.stop_reason is not None:
+        self._collect(wait=True)
+        if self.stop_reason is not None:
             return False
         wait_s = time.perf_counter() - start
         trainer_state = {
@@ -446,14 +473,11 @@ class Trainer:
             self._on_commit(self.checkpointer.save_with_figures(self.step, state, trainer_state, rng, wait_s=wait_s))
         return True
 
-    def _collect(self, wait: bool) -> bool:
-        """Collective while a save is in flight: report it if it committed (with `wait`: once it has).
-        Returns whether its callbacks moved the trainer to another step (a checkpoint loaded in place)."""
-        step = self.step
+    def _collect(self, wait: bool) -> None:
+        """Collective while a save is in flight: report it if it committed (with `wait`: once it has)."""
         committed = self.checkpointer.collect(wait)
         if committed is not None:
             self._on_commit(committed)
-        return self.step != step
 
     def _on_commit(self, committed: Committed, callbacks: bool = True) -> None:
         """A committed checkpoint: its event (at its own step, with what it cost) and the callbacks (a Ray

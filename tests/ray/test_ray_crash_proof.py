@@ -1,20 +1,20 @@
-"""A run dir can always be run again on Ray: after retention deleted checkpoints Ray had registered, and
+"""A run dir can always be run again on Ray: after retention deleted checkpoints of an earlier invocation, and
 with a corrupt newest checkpoint (it falls back to the one before, with an uninterrupted run's losses);
 a run the cluster cannot place ends after `scaling.placement_timeout_s` with one line."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
+import ray.train
 import yaml
 
 from raytrain_ext.cleanup import placement_groups_of_this_job, train_controllers_of_this_job
 from raytrain_ext.cli import main
+from raytrain_ext.worker import pointed_to
 from tests.conftest import tiny_raw
 from trainers.metrics import read_metrics
-from trainers.run_dir import RAY_SNAPSHOT
 
 pytestmark = pytest.mark.ray
 
@@ -39,24 +39,23 @@ def _losses(run_dir):
     return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
-@pytest.mark.slow  # 76 s on 2 cores (three Ray runs); the reconcile itself is unit-tested
+@pytest.mark.slow  # 76 s on 2 cores (three Ray runs)
 def test_run_again_after_retention_and_past_a_corrupt_newest_checkpoint(ray_local, corpus_dir, tmp_path):
     ref_dir, run_dir = tmp_path / "straight", tmp_path / "again"
     assert main(["train", _run(corpus_dir, ref_dir), "--no-progress"]) == 0
 
     run = _run(corpus_dir, run_dir)
     assert main(["train", run, "--no-progress", "--callback", "search.hooks:StopAtStep(step=8)"]) == 0
-    registered = [
-        r["checkpoint_dir_name"]
-        for r in json.loads((run_dir / RAY_SNAPSHOT).read_text())["checkpoint_results"]
-    ]
-    assert registered == [f"checkpoints/step_{s:08d}" for s in (2, 4, 6, 8)], "Ray registered each report"
+    (ray_run,) = (run_dir / "ray").iterdir()  # this invocation's Ray run: Ray holds a pointer to our newest
+    assert pointed_to(ray.train.Result.from_path(str(ray_run)).checkpoint) == run_dir / "checkpoints" / "step_00000008"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
     newest = run_dir / "checkpoints" / "step_00000008"
     victim = max(newest.rglob("*.distcp"), key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[:100])
 
     assert main(["train", run, "--no-progress"]) == 0  # the same command again
+    (again,) = (run_dir / "ray").iterdir()
+    assert again != ray_run, "a new invocation is a new Ray run: Ray never reads the old one's record"
     steps, losses = _losses(run_dir)
     assert steps == list(range(1, STEPS + 1)), "each step exactly once"
     assert losses == _losses(ref_dir)[1], "bit for bit the losses of the uninterrupted run"

@@ -22,7 +22,7 @@ from trainers.checkpoint import COMMITTED, Checkpointer
 from trainers.checkpoint_files import checkpoint_step
 from trainers.config import parse_config
 from trainers.metrics import read_metrics
-from trainers.run_dir import LOCK, RAY_SNAPSHOT
+from trainers.run_dir import LOCK
 from trainers.run_lock import RunDirLock
 from trainers.trainer import Trainer, TrainerCallback
 
@@ -201,68 +201,3 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(corpus
     assert out.returncode == 0, out.stderr[-2000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl", "train")] == list(range(1, 11))
     assert RunDirLock(run_dir).holder() is None, "released at the end"
-
-
-# --------------------------------------------------------------------- Ray's run snapshot
-
-
-def test_ray_snapshot_fields_we_reconcile_are_ray_260s():
-    """`reconcile_ray_snapshot` rewrites Ray Train's checkpoint-manager snapshot: fail here when a Ray
-    upgrade changes its fields, rather than in a user's resumed run."""
-    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
-
-    assert set(_CheckpointManagerState.model_fields) == {
-        "ray_version",
-        "checkpoint_results",
-        "checkpoint_report_indices",
-        "latest_checkpoint_result",
-        "pending_training_results",
-        "pending_validation_specs",
-        "current_report_index",
-        "validated_checkpoint_dir_names",
-        "timed_out_validation_checkpoint_dir_names",
-        "failed_validation_checkpoint_dir_names",
-    }
-
-
-def test_snapshot_entries_without_a_complete_checkpoint_go(tmp_path):
-    import ray
-
-    run_dir = tmp_path / "run"
-    for step in (30, 40):
-        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
-        (run_dir / "checkpoints" / f"step_{step:08d}" / COMMITTED).write_text("{}")
-
-    def result(step):
-        return {
-            "version": 0,
-            "checkpoint_dir_name": f"checkpoints/step_{step:08d}",
-            "metrics": {"step": step},
-        }
-
-    names = [f"checkpoints/step_{s:08d}" for s in (10, 40)]
-    snapshot = {
-        "ray_version": ray.__version__,
-        "checkpoint_results": [result(s) for s in (10, 20, 30, 40)],
-        "checkpoint_report_indices": [0, 1, 2, 3],
-        "latest_checkpoint_result": result(40),
-        "pending_training_results": [result(20)],
-        "pending_validation_specs": [False],
-        "current_report_index": 4,
-        "validated_checkpoint_dir_names": names,
-        "timed_out_validation_checkpoint_dir_names": [],
-        "failed_validation_checkpoint_dir_names": [],
-    }
-    path = run_dir / RAY_SNAPSHOT
-    path.write_text(json.dumps(snapshot))
-    launcher.reconcile_ray_snapshot(run_dir)
-    got = json.loads(path.read_text())
-    assert [r["metrics"]["step"] for r in got["checkpoint_results"]] == [30, 40]
-    assert got["checkpoint_report_indices"] == [2, 3] and got["current_report_index"] == 4
-    assert got["pending_training_results"] == [] and got["pending_validation_specs"] == []
-    assert got["validated_checkpoint_dir_names"] == ["checkpoints/step_00000040"]
-    assert got["latest_checkpoint_result"]["metrics"]["step"] == 40
-
-    path.write_text('{"ray_version": "2.59.0", "checkpoint_results": []')  # cut short by a crash
-    launcher.reconcile_ray_snapshot(run_dir)
-    assert not path.exists(), "an unreadable snapshot goes: the workers resume from our checkpoints"

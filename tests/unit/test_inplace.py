@@ -1,6 +1,6 @@
-"""PBT's exploit in place, one process: a donor's checkpoint installed into a running trainer's checkpoint
-folder and loaded into it (`Trainer.load_in_place`) continues exactly as a new run resumed from that
-checkpoint with the same new learning rate would, bit for bit (fp32, CPU)."""
+"""PBT's exploit in place, one process: a trainer that returned at a step boundary (`fit(until=step)`), given
+a donor's checkpoint installed into its checkpoint folder (`Trainer.restore`), continues exactly as a new
+run resumed from that checkpoint with the same new learning rate would, bit for bit (fp32, CPU)."""
 
 from __future__ import annotations
 
@@ -11,49 +11,62 @@ import pytest
 import torch
 
 from trainers._base import ConfigError
-from trainers.checkpoint_files import COMMITTED, checkpoint_step, install_checkpoint
+from trainers.checkpoint_files import COMMITTED, install_checkpoint
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback
 
 STEPS, EVERY, NEW_LR = 20, 10, 3e-3
 
 
-class _ExploitAt(TrainerCallback):
-    """After the checkpoint of `step`: install `donor` as this run's newest and load it with NEW_LR."""
-
-    def __init__(self, step, donor):
-        self.step, self.donor, self.done = step, donor, False
+class _RestoreFromCallback(TrainerCallback):
+    def __init__(self, donor):
+        self.donor, self.error = donor, None
 
     def after_checkpoint(self, trainer, path):
-        # An async save commits a few steps after its step: those steps are the branch the exploit abandons.
-        if checkpoint_step(path) == self.step and not self.done:
-            self.done = True
-            installed = install_checkpoint(trainer.run_dir / "checkpoints", self.donor)
-            # the event fields a PBT trial's hook adds for its trackers (search.hooks.WaitAtGate)
-            trainer.load_in_place(
-                installed, {"optimizer.lr": NEW_LR}, donor="d", values={"optimizer.lr": NEW_LR}, tags={"t": "1"}
-            )
+        try:
+            trainer.restore(self.donor)
+        except RuntimeError as e:
+            self.error = e
 
 
 def _rows(run_dir, kind="train"):
     return read_metrics(run_dir / "metrics.jsonl", kind)
 
 
-def test_load_in_place_equals_a_resume_from_the_donor(tiny_config):
-    sections = dict(train={"steps": STEPS}, checkpoint={"every": EVERY})
+def test_a_restore_between_fit_calls_equals_a_resume_from_the_donor(tiny_config):
+    sections = dict(train={"steps": STEPS}, checkpoint={"every": EVERY, "mode": "async"})
     donor_cfg = tiny_config("donor", optimizer={"lr": 1e-2}, **sections)
     Trainer(donor_cfg, progress=False).fit()
     donor = donor_cfg.out_dir / "checkpoints" / f"step_{EVERY:08d}"
 
     ref_cfg = tiny_config(
-        "ref", optimizer={"lr": NEW_LR}, train={"steps": STEPS}, checkpoint={"every": EVERY, "resume": str(donor)}
+        "ref",
+        optimizer={"lr": NEW_LR},
+        train={"steps": STEPS},
+        checkpoint={"every": EVERY, "resume": str(donor)},
     )
     ref = Trainer(ref_cfg, progress=False)
     ref.fit()
 
     cfg = tiny_config("recipient", optimizer={"lr": 1e-4}, **sections)
-    live = Trainer(cfg, callbacks=[_ExploitAt(EVERY, donor)], progress=False)
-    live.fit()
+    live = Trainer(cfg, progress=False)
+    first = live.fit(until=EVERY)
+    # fit(until) returns at the step with its checkpoint committed: with saves in the background, no step
+    # after it was trained (the branch an exploit would abandon is never logged)
+    assert first.step == EVERY and first.checkpoint == cfg.out_dir / "checkpoints" / f"step_{EVERY:08d}"
+    assert [r["step"] for r in _rows(cfg.out_dir)] == list(range(1, EVERY + 1))
+    installed = install_checkpoint(cfg.out_dir / "checkpoints", donor)
+    # the event fields a PBT trial's loop adds for its trackers (search.hooks.GateLoop)
+    live.restore(
+        installed,
+        {"optimizer.lr": NEW_LR},
+        event="exploit",
+        donor="d",
+        values={"optimizer.lr": NEW_LR},
+        tags={"t": "1"},
+    )
+    last = live.fit()
+    assert last.step == STEPS and last.stopped is None
 
     mine, theirs = _rows(cfg.out_dir), _rows(ref_cfg.out_dir)
     assert [r["step"] for r in mine] == list(range(1, STEPS + 1)), "each step once"
@@ -65,15 +78,34 @@ def test_load_in_place_equals_a_resume_from_the_donor(tiny_config):
     events = [e["event"] for e in _rows(cfg.out_dir, "event") if e["event"] != "checkpoint"]
     assert events == ["start", "exploit"], "loaded in place: no new start or resume"
     (exploit,) = [e for e in _rows(cfg.out_dir, "event") if e["event"] == "exploit"]
-    assert exploit["donor"] == "d" and exploit["values"] == {"optimizer.lr": NEW_LR} and exploit["tags"] == {"t": "1"}
-    # The exploit was loaded when the step-10 save committed, a step or more later (async): the run goes on
-    # from the donor's step 10 without saving, evaluating or reporting step 10 again (a second report of 10
-    # would meet the gate's stored answer and apply the same exploit twice).
+    assert (
+        exploit["donor"] == "d"
+        and exploit["values"] == {"optimizer.lr": NEW_LR}
+        and exploit["tags"] == {"t": "1"}
+    )
     saves = [e["step"] for e in _rows(cfg.out_dir, "event") if e["event"] == "checkpoint"]
     assert saves == [EVERY, STEPS], saves
     evals = [r["step"] for r in _rows(cfg.out_dir, "eval")]
     assert evals == sorted(set(evals)), evals
     assert _rows(cfg.out_dir, "eval")[-1]["val_loss"] == _rows(ref_cfg.out_dir, "eval")[-1]["val_loss"]
+    with pytest.raises(RuntimeError, match="has ended"):
+        live.fit()
+
+
+def test_fit_until_saves_at_its_step_and_a_callback_cannot_move_the_step(tiny_config):
+    """fit(until) commits a checkpoint at its step even off the schedule; a callback's restore is refused,
+    so the step only ever moves by training."""
+    donor_cfg = tiny_config("donor", train={"steps": 8}, checkpoint={"every": 2})
+    Trainer(donor_cfg, progress=False).fit()
+    cfg = tiny_config("run", train={"steps": 8}, checkpoint={"every": 0, "final": False})
+    hook = _RestoreFromCallback(donor_cfg.out_dir / "checkpoints" / "step_00000002")
+    trainer = Trainer(cfg, callbacks=[hook], progress=False)
+    result = trainer.fit(until=3)
+    assert result.step == 3 and result.checkpoint.name == "step_00000003"
+    assert isinstance(hook.error, RuntimeError) and "between fit() calls" in str(hook.error)
+    assert trainer.step == 3, "the refused restore moved nothing"
+    assert trainer.fit().step == 8
+    assert [r["step"] for r in _rows(cfg.out_dir)] == list(range(1, 9))
 
 
 def _fake_checkpoint(root, step, content):
@@ -107,4 +139,6 @@ def test_set_hparams_is_the_one_way_hyperparameters_change_and_refuses_the_rest(
     assert trainer.lr_schedule.apply(0) == 0.25 / 2, "and the schedule: warmup step 1 of 2"
     with pytest.raises(ConfigError, match=r"^model\.dim, train\.steps cannot change in a running trainer"):
         trainer.set_hparams({"train.steps": 8, "model.dim": 64, "optimizer.lr": 0.5})
-    assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.train.steps == 4, "a refused change changes nothing"
+    assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.train.steps == 4, (
+        "a refused change changes nothing"
+    )

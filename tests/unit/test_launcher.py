@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from ray.train import Checkpoint
 
 from raytrain_ext.cli import main
 from raytrain_ext.launcher import build_trainer, check_run
-from raytrain_ext.worker import load_callback, resume_point
+from raytrain_ext.worker import POINTER, load_callback, pointed_to, resume_point, write_pointer
 from tests.conftest import tiny_raw
 from trainers.checkpoint import Checkpointer
 from trainers.config import ConfigError, parse_config
@@ -61,11 +64,13 @@ def test_unsharded_engine_refused_for_several_workers(corpus_dir, tmp_path, caps
 def test_trainer_built_from_yaml(corpus_dir, tmp_path):
     cfg = parse_config(tiny_raw(corpus_dir, tmp_path / "runs" / "x", parallel={"engine": "fsdp"},
                                 scaling={"min_workers": 1, "max_workers": 2, "max_failures": 5}))
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, ray_run="20261127-041500-abcdef")
     assert trainer.scaling_config.num_workers == (1, 2)
     assert trainer.run_config.failure_config.max_failures == 5
-    assert trainer.run_config.storage_path == str((tmp_path / "runs").resolve())
-    assert trainer.run_config.name == "x"
+    # the invocation's own Ray run inside the run dir; our checkpoints stay the run dir's
+    assert trainer.run_config.storage_path == str((tmp_path / "runs" / "x" / "ray").resolve())
+    assert trainer.run_config.name == "20261127-041500-abcdef"
+    assert trainer.run_config.checkpoint_config.num_to_keep == 1, "Ray keeps a pointer to the newest only"
 
 
 def _commit(root, step):
@@ -84,11 +89,26 @@ def test_resume_point(corpus_dir, tmp_path):
     assert Checkpointer(cfg.out_dir / "checkpoints", 3).candidates() == [s20, s10]
     # Ray registered step 10 only (the worker died before step 20's report reached the controller): the
     # Trainer restores our newest committed one (auto), whichever Ray names, even when resume was none.
-    assert resume_point(cfg, Checkpoint.from_directory(str(s10))) == "auto"
-    assert resume_point(none, Checkpoint.from_directory(str(s10))) == "auto"
+    assert resume_point(cfg, _pointer(tmp_path, s10)) == "auto"
+    assert resume_point(none, _pointer(tmp_path, s10)) == "auto"
     # A checkpoint from outside this run (a Tune exploit's donor) wins even when older.
     donor = _commit(tmp_path / "donor", 5)
-    assert resume_point(cfg, Checkpoint.from_directory(str(donor))) == str(donor.resolve())
+    assert resume_point(cfg, _pointer(tmp_path, donor)) == str(donor.resolve())
+
+
+def _pointer(tmp_path, checkpoint):
+    """What Ray holds for one of our checkpoints (`ReportToRay`): a folder with a pointer to it."""
+    folder = tmp_path / "ray" / f"checkpoint_{len(list(tmp_path.glob('ray/*')))}"
+    folder.mkdir(parents=True)
+    write_pointer(folder, checkpoint)
+    return Checkpoint.from_directory(str(folder))
+
+
+def test_a_pointer_names_the_committed_checkpoint_and_its_step(tmp_path):
+    s7 = _commit(tmp_path / "run", 7)
+    held = _pointer(tmp_path, s7)
+    assert pointed_to(held) == s7.resolve()
+    assert json.loads((Path(held.path) / POINTER).read_text())["step"] == 7
 
 
 def test_callback_specs():

@@ -78,28 +78,23 @@ def test_an_eval_after_its_steps_train_row_was_sent_is_sent(tmp_path):
     assert json.loads((tmp_path / "state.json").read_text())["sent_eval"] == 8
 
 
-def test_a_pbt_trials_steps_go_out_once_committed_and_an_abandoned_branch_never_does(tmp_path):
-    """A PBT trial's run (hold_until_committed): an exploit loads the donor's step 10 in place while the run
-    trains step 14 (its save of step 10 committed late, in the background); the tracker, which cannot take
-    a value back, gets steps 11-14 only from the branch the run went on with."""
+def test_a_restore_to_an_earlier_step_sends_the_steps_after_it_again_with_their_new_values(tmp_path):
+    """A running trainer that restores a donor's step 10 after its own step 14 was sent (`Trainer.restore`):
+    the tracker gets steps 11-14 again, from the branch the run goes on with, and each step after once."""
     tracker = _Flaky()
     sink = TrackingSink(tracker, tmp_path / "state.json", flush_every_s=3600)
     sink.start(0, [])
-    sink.hold_until_committed()
     for s in range(1, 15):
         sink.write(_train(s))
-    assert sink._attempt() and tracker.got == [], "no step is committed yet"
-    sink.write(_event(10, "checkpoint"))
-    assert sink._attempt() and [r["step"] for r in tracker.got] == [*range(1, 11), 10]
-    sink.rewind(10)  # the exploit
+    assert sink._attempt() and [r["step"] for r in tracker.got] == list(range(1, 15))
+    sink.rewind(10)  # the restore
     new = [{**_train(s), "loss": -float(s)} for s in range(11, 21)]
     for r in new:
         sink.write(r)
-    sink.write(_event(20, "checkpoint"))
     sink.close("FINISHED")
     train = [r for r in tracker.got if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, 21)), "each step once"
-    assert train[10:] == new
+    assert [r["step"] for r in train] == [*range(1, 15), *range(11, 21)]
+    assert train[14:] == new, "the new branch's values, not skipped as sent already"
 
 
 def test_a_rewind_while_a_batch_is_on_its_way_still_sends_the_branch_the_run_goes_on_with(tmp_path):

@@ -8,10 +8,11 @@ on a tracker, except at the end of a run for at most `close_timeout_s`; `metrics
 record whatever happens to the copy.
 
 A resumed run continues the same tracked run (its id is kept in the run dir, with the last step sent),
-and the steps it recomputes after its checkpoint, sent already, are not sent again. A run that may go back
-to its checkpoint with other values (a PBT trial, where an exploit loads a donor's checkpoint in place)
-sends a step's records only once that step is committed (`hold_until_committed`): a tracker, which cannot
-take a value back, never gets a step of the branch an exploit abandons.
+and the steps it recomputes after its checkpoint, sent already, are not sent again. A running trainer that
+goes back to an earlier checkpoint (`Trainer.restore`: a PBT exploit of a donor behind it) rewinds its
+sinks: the steps after it are trained anew, with other values, and sent again. A PBT trial's loop decides
+at a step whose checkpoint has committed, before training on (`search.hooks.GateLoop`), so no record of a
+branch an exploit abandons is ever written, here or in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ class TrackingSink:
         # row, which may be sent already (one counter for both dropped a run's final eval under load).
         self.sent = {"train": 0, "eval": 0}
         self._buffer: list[dict[str, Any]] = []
-        self.hold = False  # hold_until_committed
-        self._held: list[dict[str, Any]] = []  # records of steps after the newest committed checkpoint
         self._rewinds: list[int] = []  # the steps the trainer went back to: a batch on its way then is counted anew
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -85,17 +84,11 @@ class TrackingSink:
             ]
         self._thread.start()
 
-    def hold_until_committed(self) -> None:
-        """From now on, a step's records go out once a checkpoint at or after it commits (its `checkpoint`
-        event): the steps after it may be abandoned (`rewind`)."""
-        self.hold = True
-
     def rewind(self, step: int) -> None:
-        """A running trainer went back to `step` (a PBT exploit loaded in place): the steps after it are
+        """A running trainer went back to `step` (`Trainer.restore`, a PBT exploit): the steps after it are
         trained anew, with new values, and are sent again (as a restarted run would send them)."""
         with self._lock:
             self._buffer = [r for r in self._buffer if r.get("step", 0) <= step]
-            self._held = [r for r in self._held if r.get("step", 0) <= step]
             self.sent = {kind: min(sent, step) for kind, sent in self.sent.items()}
             self._rewinds.append(step)
 
@@ -112,13 +105,6 @@ class TrackingSink:
         if self._sent_already(record):
             return  # recomputed after a resume: the tracker has this step already
         with self._lock:
-            if record.get("kind") == "event" and record.get("event") == "checkpoint":
-                committed = record.get("step", 0)
-                self._buffer += [r for r in self._held if r.get("step", 0) <= committed]
-                self._held = [r for r in self._held if r.get("step", 0) > committed]
-            elif self.hold:
-                self._held.append(record)
-                return
             self._buffer.append(record)
             if len(self._buffer) > _MAX_BUFFER:
                 del self._buffer[0]
@@ -128,10 +114,6 @@ class TrackingSink:
         """Send what is left and end the tracked run, waiting at most `close_timeout_s`."""
         if not self._thread.is_alive():
             return  # never started (the Trainer failed before its restore)
-        with self._lock:  # held steps: final unless the run stops to go on later (it trains them again)
-            if status != "KILLED":
-                self._buffer += self._held
-            self._held = []
         self._closing = status
         self._wake.set()
         self._thread.join(self.close_timeout_s)
