@@ -18,6 +18,8 @@ __all__ = [
     "actor_handle",
     "actors_of_this_job",
     "error_printer",
+    "experiment_tag",
+    "forget_trial_checkpoints",
     "kuberay_autoscaling_config",
     "local_ray_pids",
     "own_worker_address",
@@ -27,7 +29,7 @@ __all__ = [
     "set_error_printer",
     "torch_backend_with",
     "train_report_logger",
-    "training_result",
+    "trial_checkpoints",
     "worker_output_dispatcher",
 ]
 
@@ -183,9 +185,23 @@ def kuberay_autoscaling_config(cr: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- Tune
-# ray/train/_internal/session.py `_TrainingResult(checkpoint, metrics)`: what a Tune trial's checkpoint
-# manager records per saved checkpoint (search.schedulers points an exploited trial's at its donor's).
-def training_result(checkpoint: Any, metrics: dict[str, Any] | None) -> Any:
-    from ray.train._internal.session import _TrainingResult
+# ray/train/_internal/checkpoint_manager.py `_CheckpointManager._checkpoint_results`: a Tune trial's
+# registered checkpoints, oldest first (`trial.run_metadata.checkpoint_manager`). search.retention prunes
+# them itself: Tune's own `num_to_keep` deletes a checkpoint PBT has picked for a clone (ray #9036).
+def trial_checkpoints(trial: Any) -> list[str]:
+    """The paths of a Tune trial's registered checkpoints, oldest first."""
+    return [r.checkpoint.path for r in trial.run_metadata.checkpoint_manager._checkpoint_results]
 
-    return _TrainingResult(checkpoint=checkpoint, metrics=metrics or {})
+
+def forget_trial_checkpoints(trial: Any, paths: set[str]) -> None:
+    """Unregister `paths` from a Tune trial (their files are the caller's to delete)."""
+    manager = trial.run_metadata.checkpoint_manager
+    manager._checkpoint_results = [r for r in manager._checkpoint_results if r.checkpoint.path not in paths]
+
+
+# ray/tune/schedulers/pbt.py `_make_experiment_tag(orig_tag, config, mutations)`: the trial name's tag that
+# Ray's PBT gives an exploited trial (its new values), which search.schedulers.InPlace gives it as well.
+def experiment_tag(orig_tag: str, config: dict[str, Any], mutations: dict[str, Any]) -> str:
+    from ray.tune.schedulers.pbt import _make_experiment_tag
+
+    return _make_experiment_tag(orig_tag, config, mutations)

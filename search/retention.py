@@ -19,6 +19,7 @@ from typing import Any
 
 from ray import tune
 
+from raytrain_ext import ray_compat
 from trainers.storage import location, location_on, remove_tree
 
 __all__ = ["ProtectedRetention", "to_delete"]
@@ -46,14 +47,12 @@ class ProtectedRetention(tune.Callback):
         if protected is None:  # a donor's save is still pending: decide at the next checkpoint
             return
         for t in trials:
-            manager = t.run_metadata.checkpoint_manager
-            results = list(manager._checkpoint_results)
             # Tune calls this before it registers `checkpoint`, the trial's newest: it counts towards `keep`.
             kept = self.keep - 1 if t is trial else self.keep
-            doomed = set(to_delete([r.checkpoint.path for r in results], kept, protected))
+            doomed = set(to_delete(ray_compat.trial_checkpoints(t), kept, protected))
             if not doomed:
                 continue
-            manager._checkpoint_results = [r for r in results if r.checkpoint.path not in doomed]
+            ray_compat.forget_trial_checkpoints(t, doomed)
             for path in doomed:
                 _delete(self.fs, path)
         self._prune_pins(trials, protected | {checkpoint.path})
@@ -62,9 +61,7 @@ class ProtectedRetention(tune.Callback):
         """A pin goes once no Tune checkpoint left points at it, nothing protects it, and it is not among
         its trial's newest `keep` (the newest may be about to be saved)."""
         needed = {_pin_of(self.fs, p) for p in protected} | {
-            _pin_of(self.fs, r.checkpoint.path)
-            for t in trials
-            for r in t.run_metadata.checkpoint_manager._checkpoint_results
+            _pin_of(self.fs, path) for t in trials for path in ray_compat.trial_checkpoints(t)
         }
         roots = {str(location(p).parent): location(p).parent for p in needed if p is not None}
         for root in roots.values():
@@ -79,8 +76,9 @@ class ProtectedRetention(tune.Callback):
             latest = t.run_metadata.checkpoint_manager.latest_checkpoint_result
             if latest is not None and latest.checkpoint is not None:
                 paths.add(latest.checkpoint.path)
-        for state in getattr(self.scheduler, "_trial_state", {}).values():  # PBT/PB2 donor candidates
-            path = _donor_path(state.last_checkpoint)
+        donors = getattr(self.scheduler, "donor_candidates", list)  # PBT/PB2 (search.schedulers)
+        for candidate in donors():
+            path = _donor_path(candidate)
             if path is _PENDING:
                 return None
             if path is not None:

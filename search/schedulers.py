@@ -229,6 +229,11 @@ class _Resumable:
             for name, value in saved.items():
                 setattr(self._trial_state[trial], name, value)
 
+    def donor_candidates(self) -> list[Any]:
+        """Each trial's donor checkpoint, if it has one (a Checkpoint, or the future of a save): what an
+        exploit may still clone (search.retention keeps them)."""
+        return [state.last_checkpoint for state in self._trial_state.values()]
+
     def summary(self) -> dict[str, Any]:
         return {
             "perturbations": self._num_perturbations,
@@ -261,8 +266,7 @@ def _settle_donor_checkpoint(state: Any) -> None:
 # in step with Tune's; the trial actor still owns its run, so Ctrl-C, --resume and failures work as
 # before. The decision reaches the trial through a `DecisionBoard` actor; the trial loads the donor's checkpoint
 # into its live run (search/trial.py). What this relies on in Ray 2.60's PBT (its fields and helpers
-# named below, `_TrainingResult`, the checkpoint manager's `_latest_checkpoint_result`) is pinned by
-# tests/unit/test_search_schedulers.py.
+# named below) is pinned by tests/unit/test_search_schedulers.py.
 
 
 @ray.remote(num_cpus=0)
@@ -420,20 +424,16 @@ class InPlace:
 
     def _exploit_in_place(self, trial: Any, donor: Any) -> dict[str, Any]:
         """Ray's `_exploit` without the pause: the trial's config and tag change now (Tune's table shows
-        them), its checkpoint to restore from is the donor's (a restart or --resume before its next save
-        restores the exploit), and the order goes to the trial."""
-        from ray.tune.schedulers.pbt import _make_experiment_tag
-
+        them), and the order goes to the trial. Tune's save of this report, which follows this decision
+        (`checkpoint_frequency=1`), is the donor's (`TrialRun.save_checkpoint` finds the order on the board):
+        a restart or --resume before the trial's next save restores the exploit."""
         state, donor_state = self._trial_state[trial], self._trial_state[donor]
         step = donor_state.last_train_time
         old = {k: trial.config.get(k) for k in self._explored_keys(trial.config)}
         new_config, _ = self._get_new_config(trial, donor)
-        trial.set_experiment_tag(_make_experiment_tag(state.orig_tag, new_config, self._hyperparam_mutations))
+        trial.set_experiment_tag(ray_compat.experiment_tag(state.orig_tag, new_config, self._hyperparam_mutations))
         trial.set_config(new_config)
         checkpoint = donor_state.last_checkpoint
-        trial.run_metadata.checkpoint_manager._latest_checkpoint_result = ray_compat.training_result(
-            checkpoint, donor_state.last_result
-        )
         self._num_perturbations += 1
         state.last_perturbation_time = donor_state.last_perturbation_time
         state.last_train_time = donor_state.last_train_time
@@ -447,9 +447,11 @@ class InPlace:
         return [k for k in config if k not in (MEMBER, EXPLOIT_ID)]
 
     def _post(self, trial: Any, step: int, decision: Any) -> None:
+        """On the board before Tune goes on: the save of this report that Tune asks of the trial next looks
+        the decision up there."""
         if self.__dict__.get("_board") is None:
             self._board = ray.get_actor(self.board)
-        self._board.post.remote(trial.trial_id, int(step), decision)
+        ray.get(self._board.post.remote(trial.trial_id, int(step), decision))
 
 
 REF = "ref"  # in a pin (search.trial): its metadata alone, what the Tune checkpoint of a donor points at

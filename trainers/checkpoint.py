@@ -287,7 +287,7 @@ class DCPBackend:
         # DCP's own StateDictStager, held for the process, not its DefaultStager wrapper: on torch < 2.13 that
         # closes the stager after each stage, so its next save fails (KeyError: <class 'type'>) and the
         # pinned buffers are freed and pinned again at every save.
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+        from trainers.torch_compat import StateDictStager
 
         cuda = torch.cuda.is_available()
         if self._stager is None:
@@ -302,7 +302,7 @@ class DCPBackend:
         planner = DefaultSavePlanner(enable_plan_caching=True)
         local = local_path(path)
         if local is None:  # each rank writes its shards straight to the store
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+            from trainers.torch_compat import FsspecWriter
 
             writer = FsspecWriter(str(path), thread_count=threads, **path.storage_options)
         else:
@@ -315,7 +315,7 @@ class DCPBackend:
     def load(self, path: Path, state: dict[str, Stateful], threads: int = 1) -> None:
         local = local_path(path)
         if local is None:  # each rank reads the byte ranges of its shards
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+            from trainers.torch_compat import FsspecReader
 
             dcp.load(state, storage_reader=FsspecReader(str(path), **path.storage_options))
         else:

@@ -22,6 +22,7 @@ from pydantic import PositiveInt
 
 from trainers._base import StrictModel
 from trainers.run_dir import PROFILE
+from trainers.torch_compat import dump_memory_snapshot, record_memory_history, stop_memory_history
 
 __all__ = ["ProfileConfig", "StepProfiler", "build_profiler", "span"]
 
@@ -65,7 +66,7 @@ class _TorchStepProfiler(StepProfiler):
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self.memory and self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(max_entries=100_000)
         self._prof = torch.profiler.profile(activities=activities)
         self._prof.__enter__()
         self.started = self.stepped = step
@@ -105,8 +106,8 @@ class _TorchStepProfiler(StepProfiler):
                 )
             return f"skipped: needs CUDA (device {self.device.type})"
         path = self.out_dir / f"rank{self.rank}-memory.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        dump_memory_snapshot(str(path))
+        stop_memory_history()
         return str(path)
 
 

@@ -58,7 +58,25 @@ def test_the_gcs_and_core_worker_accessors_are_there():
     assert callable(JobID.from_hex) and callable(ActorID.from_hex)
 
 
-def test_a_training_result_holds_its_checkpoint_and_metrics():
-    result = ray_compat.training_result("a checkpoint", {"val_loss": 1.5})
-    assert (result.checkpoint, result.metrics) == ("a checkpoint", {"val_loss": 1.5})
-    assert ray_compat.training_result(None, None).metrics == {}
+def test_a_tune_trials_checkpoints_are_read_and_forgotten_through_its_manager():
+    from ray.train._internal.checkpoint_manager import _CheckpointManager
+    from ray.train._internal.session import _TrainingResult
+    from ray.tune import Checkpoint
+
+    class _Trial:  # a Tune trial's checkpoint manager, where Tune keeps it
+        class run_metadata:  # noqa: N801
+            checkpoint_manager = _CheckpointManager(None)
+
+    trial = _Trial()
+    for path in ("/exp/a", "/exp/b", "/exp/c"):
+        trial.run_metadata.checkpoint_manager.register_checkpoint(
+            _TrainingResult(checkpoint=Checkpoint(path), metrics={})
+        )
+    assert ray_compat.trial_checkpoints(trial) == ["/exp/a", "/exp/b", "/exp/c"], "oldest first"
+    ray_compat.forget_trial_checkpoints(trial, {"/exp/a", "/exp/c"})
+    assert ray_compat.trial_checkpoints(trial) == ["/exp/b"]
+
+
+def test_the_experiment_tag_names_the_new_values():
+    tag = ray_compat.experiment_tag("0_lr=0.1", {"lr": 0.25, "member": 0}, {"lr": [0.1, 0.25]})
+    assert tag.startswith("0_") and "lr=0.25" in tag

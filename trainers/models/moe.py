@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainers.models.config import ModelConfig
+from trainers.torch_compat import current_graph_task_id, grouped_mm
 
 __all__ = [
     "GroupedExperts",
@@ -157,8 +158,8 @@ def _grouped(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: T
     if not dropless:
         inside = (torch.arange(len(x), device=x.device) < offsets[-1])[:, None]
         x = torch.where(inside, x, 0)
-    h = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
-    out = torch._grouped_mm(h, w2.mT, offs=offsets)
+    h = F.silu(grouped_mm(x, w1.mT, offs=offsets)) * grouped_mm(x, w3.mT, offs=offsets)
+    out = grouped_mm(h, w2.mT, offs=offsets)
     return out if dropless else torch.where(inside, out, 0)
 
 
@@ -274,7 +275,7 @@ class MoE(nn.Module):
         checkpointing inside backward (a graph task is running) is the same forward again: not counted.
         Compiled, the recomputation is part of the backward graph and never re-runs this (nor can the graph
         task id be traced: asking for it would break the graph)."""
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if not torch.compiler.is_compiling() and current_graph_task_id() != -1:
             return
         one = balance.new_ones(1)
         row = torch.cat([requested.float(), kept.float(), balance.detach()[None], z_loss.detach()[None], one])

@@ -8,8 +8,9 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from trainers.torch_compat import HOP_WRAP_LOGGER, checkpoint_wrapper
 
 __all__ = ["SAC_UNDER_COMPILE_WARNING", "apply_activation_checkpointing", "selective_policy"]
 
@@ -26,7 +27,7 @@ class _DropSacUnderCompile(logging.Filter):
         return SAC_UNDER_COMPILE_WARNING not in record.getMessage()
 
 
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropSacUnderCompile())
+logging.getLogger(HOP_WRAP_LOGGER).addFilter(_DropSacUnderCompile())
 
 # Outputs kept by selective checkpointing: the matmuls and attention (their FLOPs are the step's FLOPs);
 # norms, SwiGLU's activation and products, RoPE, residual adds and casts are recomputed.

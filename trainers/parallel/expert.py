@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from trainers.models.moe import GroupedExperts, moe_layers, run_experts
+from trainers.torch_compat import all_to_all_single_autograd
 
 __all__ = ["ExpertParallel", "apply_expert_parallel", "expert_params", "sync_expert_grads"]
 

@@ -33,6 +33,7 @@ from trainers.parallel.engine import Engine
 from trainers.parallel.expert import sync_expert_grads
 from trainers.parallel.parallelize import apply_fsdp, parallelize
 from trainers.precision import Precision
+from trainers.torch_compat import flatten_mesh
 
 __all__ = ["DDPEngine", "FSDPEngine", "ShardedPrecision", "apply_fsdp", "on_meta"]
 
@@ -256,5 +257,5 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     for g in grads:
         replicas = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
         square += g.to_local().float().square().sum() / replicas
-    dist.all_reduce(square, group=mesh._flatten().get_group())
+    dist.all_reduce(square, group=flatten_mesh(mesh).get_group())
     return square.sqrt()

@@ -38,7 +38,6 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -57,6 +56,7 @@ from trainers.layout import ParallelLayout
 from trainers.models import Transformer
 from trainers.parallel.ac import apply_activation_checkpointing
 from trainers.parallel.expert import apply_expert_parallel, expert_params
+from trainers.torch_compat import skip_side_effects_in_checkpoint_backward
 
 if TYPE_CHECKING:
     from trainers.config import RunConfig
@@ -106,9 +106,8 @@ def compile_blocks(part: nn.Module, backend: str = "inductor") -> None:
     it: without that, each MoE block under AC + compile breaks its graph at the checkpoint, which then runs
     outside the graph. Not replaying is what the statistics want (eager AC's recomputation already skips
     `_record`, and `last_stats` would be set to the same values), so the flag is set, as torchtitan's
-    `apply_compile` does (a process-wide dynamo setting, in torch 2.11 and 2.13 alike; `torch._dynamo` is
-    loaded here, as `compile` would, not on import)."""
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    `apply_compile` does (`torch_compat.skip_side_effects_in_checkpoint_backward`)."""
+    skip_side_effects_in_checkpoint_backward()
     embed = getattr(part, "embed_tokens", None)
     if embed is not None and isinstance(embed.weight, DTensor):  # tensor parallel (`_settled`)
         embed.register_forward_hook(_settled)

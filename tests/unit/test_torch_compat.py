@@ -1,0 +1,79 @@
+"""trainers.torch_compat holds every private name of torch that trainers/ uses. These tests fail when the
+installed torch moved one or changed its shape (torch 2.11 on the GPU machine, 2.13 here), and when a module
+of ours names a private part of torch outside it."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainers import torch_compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_installed_torch_is_one_the_names_were_read_from():
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert version in torch_compat.TORCH_VERSIONS, (
+        f"torch {torch.__version__}: trainers/torch_compat.py was read from {torch_compat.TORCH_VERSIONS}; check "
+        "each entry there against the new version, then add it"
+    )
+
+
+def test_each_lazily_imported_name_is_there():
+    for name in torch_compat._LAZY:
+        assert getattr(torch_compat, name) is not None, name
+    assert inspect.isclass(torch_compat.TorchDispatchMode) and inspect.isclass(torch_compat.StateDictStager)
+    assert {"pin_memory", "share_memory"} <= set(inspect.signature(torch_compat.StateDictStager).parameters)
+    assert "thread_count" in inspect.signature(torch_compat.FsspecWriter).parameters
+    # (tensor, output splits, input splits, group), as parallel/expert.py calls it
+    assert list(inspect.signature(torch_compat.all_to_all_single_autograd).parameters)[1:4] == [
+        "output_split_sizes",
+        "input_split_sizes",
+        "group",
+    ]
+
+
+def test_grouped_mm_equals_a_matmul_per_group():
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 4), torch.randn(3, 5, 4)  # 3 experts: rows [0, 2), [2, 3), [3, 7)
+    offsets = torch.tensor([2, 3, 7], dtype=torch.int32)
+    out = torch_compat.grouped_mm(x, w.mT, offs=offsets)
+    expected = torch.cat([F.linear(x[a:b], w[e]) for e, (a, b) in enumerate(((0, 2), (2, 3), (3, 7)))])
+    torch.testing.assert_close(out, expected)
+
+
+def test_the_graph_task_id_tells_a_backward_from_a_forward():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = (x * 2).sum()
+    x.register_hook(lambda grad: seen.append(torch_compat.current_graph_task_id()))
+    assert torch_compat.current_graph_task_id() == -1, "outside a backward"
+    y.backward()
+    assert seen and seen[0] != -1, "inside autograd's backward"
+
+
+def test_the_dynamo_flag_and_the_logger_exist():
+    import torch._dynamo
+
+    assert hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    assert Path(inspect.getsourcefile(torch._higher_order_ops.wrap)).stem == "wrap"
+    assert torch_compat.HOP_WRAP_LOGGER == torch._higher_order_ops.wrap.__name__
+    assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
+
+
+def test_no_other_module_of_trainers_names_a_private_part_of_torch():
+    private = re.compile(r"\btorch(\.\w+)*\._(?!_)\w+")  # not a dunder (`torch.__version__`)
+    found = []
+    for path in sorted((ROOT / "trainers").rglob("*.py")):
+        if path.name == "torch_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if private.search(code) and "`" not in code:  # names in docstrings are quoted
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == [], "\n".join(found)
