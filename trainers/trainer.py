@@ -188,7 +188,9 @@ class Trainer:
         self.engine.apply_hparams(cfg.optimizer)
         self.lr_schedule = LRSchedule(self.engine.param_groups, cfg.schedule, cfg.train.steps)
 
-    def restore(self, path: Path, hparams: dict[str, Any] | None = None, event: str = "restore", **fields: Any) -> None:
+    def restore(
+        self, path: Path, hparams: dict[str, Any] | None = None, event: str = "restore", **fields: Any
+    ) -> None:
         """Collective, between `fit` calls: load the committed checkpoint `path` (weights, optimizer state,
         data position, RNG and step) into this trainer, with the hyperparameters `hparams` (dotted keys,
         `set_hparams`) applied over its optimizer state and schedule: exactly a new run resumed from `path`
@@ -202,7 +204,8 @@ class Trainer:
             )
         values = dict(hparams or {})
         check_hparam_keys(values)
-        self.cfg = with_values(self.cfg, values) if values else self.cfg  # applied by the restore, over the checkpoint's optimizer state
+        # applied by the restore, over the checkpoint's optimizer state
+        self.cfg = with_values(self.cfg, values) if values else self.cfg
         self._restore(location(path), [], event=event, **fields)
 
     def request_stop(self, reason: str) -> None:
