@@ -186,12 +186,16 @@ def _compare(ref: dict, got: dict, loss_rtol: float, norm_rtol: float) -> None:
 # --------------------------------------------------------------------------------------------- parity
 
 
+# The runs of these three (96 s on 2 cores) are the slow tier's; the default tier keeps DeepSpeed on two Ray
+# workers against torchrun (tests/ray/test_train_on_ray.py) and the one-process and refusal tests below.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_two_processes_match_one_in_fp32(runs, name):
     _compare(runs["ref"], runs[name], FP32_RTOL, FP32_RTOL)
     assert _same_windows(runs[name], runs["ref"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BF16))
 def test_bf16_within_documented_bound(runs, name):
     _compare(runs["ref-bf16"], runs[name], BF16_LOSS_RTOL, BF16_NORM_RTOL)
@@ -200,6 +204,7 @@ def test_bf16_within_documented_bound(runs, name):
 # ------------------------------------------------------------------------------------------- resharding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_checkpoint_resumes_at_another_world_size(runs, name):
     saved_at, resumed_at, _ = RESHARD[name]

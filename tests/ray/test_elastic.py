@@ -40,6 +40,7 @@ def cluster():
             cluster.shutdown()
 
 
+@pytest.mark.slow  # 60 s on 2 cores; the default tier keeps a worker killed and resumed (test_train_on_ray.py)
 def test_grow_then_shrink_keeps_data_order_and_loss(cluster, corpus_dir, tmp_path):
     run_dir = tmp_path / "elastic"
     run = _write_run(
