@@ -118,6 +118,7 @@ class Trainer:
         self.train_loss: float | None = None  # the latest finite training loss and validation loss
         self.val_loss: float | None = None
         self._fitting = False  # inside fit(): restore() is refused (a callback cannot move the step)
+        self._fit_started = False  # on_fit_start has run (at the first fit call)
         self._ended = False  # the run reached train.steps, stopped or failed: its log is closed
         self._restore(*resume)
         if resume[0] is None:
@@ -273,7 +274,7 @@ class Trainer:
         """Train up to step `until` (default, and at most, `train.steps`). Returns at that step boundary with
         its checkpoint committed (saved there if the schedule had none), or earlier where a callback asked
         to stop (`request_stop`); call it again to go on. The run ends (its log closed, its trackers told)
-        when it reaches `train.steps`, stops, or fails; `on_fit_start` runs at each call."""
+        when it reaches `train.steps`, stops, or fails. Callbacks' `on_fit_start` runs at the first call."""
         cfg = self.cfg
         end = cfg.train.steps if until is None else min(int(until), cfg.train.steps)
         if self._ended:
@@ -281,8 +282,10 @@ class Trainer:
         ensure_folder(self.run_dir)
         if self.engine.is_main:
             RunDir(self.run_dir).write_config(cfg.to_yaml())
-        for cb in self.callbacks:
-            cb.on_fit_start(self)
+        if not self._fit_started:  # once per run: a loop's later fit(until=...) calls go on with it
+            self._fit_started = True
+            for cb in self.callbacks:
+                cb.on_fit_start(self)
         bar = self._progress_bar()
         status = "KILLED"  # for trackers: stopped (Ctrl-C, a lost worker, a Tune trial's end), may go on
         hold_freed_heap()  # on CPU, glibc would hand each step's activations back and fault them in again

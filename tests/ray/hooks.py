@@ -264,12 +264,13 @@ class KillMeMidSave(TrainerCallback):
 
 
 class SlowWrites(TrainerCallback):
-    """A slow disk for asynchronous saves: each background write waits until training has gone `steps` steps
-    past the step it holds (the run's last save is not held: nothing trains after it). Forces the order the
-    tests check (training goes on while a checkpoint is written; reports come at its commit)."""
+    """A slow disk for asynchronous saves: each background write of a step up to `upto` waits until training
+    has gone `steps` steps past the step it holds (the run's last save is not held: nothing trains after
+    it; nor one a loop waits for before it trains on, a PBT decision's: give `upto` below it). Forces the
+    order the tests check (training goes on while a checkpoint is written; reports come at its commit)."""
 
-    def __init__(self, steps: int = 2) -> None:
-        self.steps = steps
+    def __init__(self, steps: int = 2, upto: int | None = None) -> None:
+        self.steps, self.upto = steps, upto
         self.trained = threading.Condition()
         self.step = 0
 
@@ -278,7 +279,7 @@ class SlowWrites(TrainerCallback):
 
         def save(path, state, **kwargs):
             step = _step_of(path)
-            if step < trainer.cfg.train.steps:
+            if step < trainer.cfg.train.steps and (self.upto is None or step <= self.upto):
                 with self.trained:
                     if not self.trained.wait_for(lambda: self.step >= step + self.steps, HOLD_TIMEOUT_S):
                         raise TimeoutError(f"training never reached step {step + self.steps}")

@@ -20,7 +20,10 @@ STEPS, EVERY, NEW_LR = 20, 10, 3e-3
 
 class _RestoreFromCallback(TrainerCallback):
     def __init__(self, donor):
-        self.donor, self.error = donor, None
+        self.donor, self.error, self.starts = donor, None, 0
+
+    def on_fit_start(self, trainer):
+        self.starts += 1
 
     def after_checkpoint(self, trainer, path):
         try:
@@ -105,6 +108,7 @@ def test_fit_until_saves_at_its_step_and_a_callback_cannot_move_the_step(tiny_co
     assert isinstance(hook.error, RuntimeError) and "between fit() calls" in str(hook.error)
     assert trainer.step == 3, "the refused restore moved nothing"
     assert trainer.fit().step == 8
+    assert hook.starts == 1, "on_fit_start once per run, not per fit call"
     assert [r["step"] for r in _rows(cfg.out_dir)] == list(range(1, 9))
 
 
