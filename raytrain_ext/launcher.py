@@ -6,9 +6,9 @@ newest one. Each invocation is a Ray Train run of its own, in `run_dir/ray/<invo
 `storage_path` and run `name`): Ray keeps its state there and a pointer to each of our checkpoints
 (`raytrain_ext.worker.POINTER`); a controller restart within the invocation continues that Ray run, a new
 invocation starts a new one (and removes the old one's folder), so Ray never reads a record of checkpoints
-that our retention has deleted since. On a multi-node cluster `run_dir` and `data.path` are URIs of a bucket (`s3://...`,
-`gs://...`: `trainers.storage`; Ray gets the same fsspec file system as its `storage_filesystem`), or
-folders on a filesystem every node mounts at the same path (NFS, EFS).
+that our retention has deleted since. On a multi-node cluster `run_dir` and `data.path` are URIs of a bucket
+(`s3://...`, `gs://...`: `trainers.storage`; Ray gets the same fsspec file system as its
+`storage_filesystem`), or folders on a filesystem every node mounts at the same path (NFS, EFS).
 """
 
 from __future__ import annotations
@@ -202,9 +202,10 @@ def build_trainer(
     loop: str | None = None,
     ray_run: str = "run",
 ):
-    """The TorchTrainer for this run (not started), as Ray run `ray_run` (in `RunDir.ray_runs`). `callbacks`: TrainerCallback specs ("module:Name")
-    built inside every worker; `loop`: the spec of a loop that drives each worker's Trainer (a TrainerCallback
-    with `run(trainer)`: `raytrain_ext.worker.train_fn`), else `fit()`; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
+    """The TorchTrainer for this run (not started), as Ray run `ray_run` (in `RunDir.ray_runs`).
+    `callbacks`: TrainerCallback specs ("module:Name") built inside every worker; `loop`: the spec of a loop
+    that drives each worker's Trainer (a TrainerCallback with `run(trainer)`: `raytrain_ext.worker.train_fn`),
+    else `fit()`; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
     `ray_log_level`: of Ray Train's own `ray.train` console lines (INFO: every report and checkpoint)."""
     import ray.train
     from ray.train.torch import TorchTrainer

@@ -189,14 +189,14 @@ def train_fn(config: dict[str, Any]) -> None:
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": resume})})
     had_checkpoint = given is not None or _has_checkpoint(cfg)
     try:
-        callbacks = [ReportToRay(), *(load_callback(spec) for spec in config.get("callbacks", []))]
+        users = [load_callback(spec) for spec in config.get("callbacks", [])]
         # A loop that drives the Trainer from outside (a PBT trial's): it is a callback too, right after the
         # report to Ray (it posts each commit's report to its trial before a user's callback runs), and runs
         # the fit calls.
         loop = load_callback(config["loop"]) if config.get("loop") else None
         run_local(
             cfg,
-            callbacks=[callbacks[0], *([loop] if loop is not None else []), *callbacks[1:]],
+            callbacks=[ReportToRay(), *([loop] if loop is not None else []), *users],
             progress=False,
             hold_lock=False,
             loop=getattr(loop, "run", None),
