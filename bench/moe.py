@@ -3,6 +3,8 @@
     .venv/bin/python bench/moe.py --data data/stdlib      (CPU: tiny-moe, wide-moe; `make bench`)
     python bench/moe.py --device cuda                     (GPU: gpu-moe, the Mixtral-form model; a corpus of the
                                                           standard library is made under bench/_work if no --data)
+    python bench/moe.py --device cuda --dry-run           (the GPU run's path on the CPU: gpu-moe's form made tiny,
+                                                          bf16 and fused AdamW, compile off; moe-dry-run.json)
 
 Each model runs as loop/grouped pairs of fresh Trainer processes in lockstep (bench/measure.py's
 `run_lockstep`: step k of one, then step k of the other, who goes first alternating), so drift of a busy
@@ -52,6 +54,10 @@ MODELS: dict[str, tuple[dict[str, Any], int, int, float]] = {
                  "moe": {"num_experts": 8, "top_k": 2}}, 8, 2048, 2e-2),
 }
 GPU_SETTINGS = {"precision": {"dtype": "bf16"}, "optimizer": {"fused": True}, "train": {"compile": True}}
+# --dry-run: each model's form made tiny (same experts and top-k), the GPU settings less compile (inductor on
+# two CPU cores takes minutes; bench/gpu.py's dry run compiles already), 1 warm-up and 2 timed steps
+TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 512}
+DRY_GPU_SETTINGS = {**GPU_SETTINGS, "train": {"compile": False}}
 LOSS_STEPS = 3  # the first losses compared (later ones drift apart by rounding, fastest in bf16)
 
 
@@ -62,11 +68,17 @@ def _flat(prefix: str, values: dict[str, Any]) -> list[str]:
     return out
 
 
-def overrides(name: str, impl: str, device: str, peak_tflops: float) -> list[str]:
-    model, batch, seq, _ = MODELS[name]
+def model_shape(name: str, dry_run: bool = False) -> tuple[dict[str, Any], int, int, float]:
+    """MODELS[name], or (--dry-run) its form at a tiny size: batch 4, sequence 32."""
+    model, batch, seq, rtol = MODELS[name]
+    return ({**model, **TINY}, 4, 32, max(rtol, 2e-2)) if dry_run else (model, batch, seq, rtol)
+
+
+def overrides(name: str, impl: str, device: str, peak_tflops: float, dry_run: bool = False) -> list[str]:
+    model, batch, seq, _ = model_shape(name, dry_run)
     sets = _flat("model.", {**model, "max_seq_len": seq}) + [f"model.moe.impl={impl}",
                                                               f"train.peak_tflops={peak_tflops}"]
-    return sets + (_flat("", GPU_SETTINGS) if device == "cuda" else [])
+    return sets + (_flat("", DRY_GPU_SETTINGS if dry_run else GPU_SETTINGS) if device == "cuda" else [])
 
 
 def cpu_peak_tflops(n: int = 1024, repeats: int = 5) -> float:
@@ -84,23 +96,25 @@ def _timed(fn) -> float:
 
 
 def measure_model(name: str, args: argparse.Namespace, peak_tflops: float) -> dict[str, Any]:
-    model, batch, seq, rtol = MODELS[name]
+    model, batch, seq, rtol = model_shape(name, args.dry_run)
     vocab = model.get("vocab_size", 257)
     shape = (batch, seq, args.warmup, args.measured)
     before, runs = machine_cpu(), []
     for i in range(args.pairs):
         specs = [dict(name=f"{name}-{impl}-r{i}", variant="trainer", data=args.data, shape=shape, lean=True,
                       threads=args.threads, vocab=vocab, work=WORK,
-                      overrides=overrides(name, impl, args.device, peak_tflops)) for impl in IMPLS]
+                      overrides=overrides(name, impl, args.device, peak_tflops, args.dry_run)) for impl in IMPLS]
         pair = run_lockstep(specs if i % 2 == 0 else specs[::-1])
         runs.append({impl: next(r for r in pair if r["name"].startswith(f"{name}-{impl}")) for impl in IMPLS})
     speedups = [statistics.median(a / b for a, b in zip(p["loop"]["step_times_s"], p["grouped"]["step_times_s"]))
                 for p in runs]
     worst = max(_rel(p["grouped"]["losses"][:LOSS_STEPS], p["loop"]["losses"][:LOSS_STEPS]) for p in runs)
     cfg = reference_config(args.data, batch, seq, 1, "off", str(WORK / "cfg"), False, vocab,
-                           overrides(name, "auto", args.device, peak_tflops))
+                           overrides(name, "auto", args.device, peak_tflops, args.dry_run))
     rows = [_row(name, impl, [p[impl] for p in runs], batch * seq, flops_per_token(cfg.model, seq), peak_tflops,
                  args.device, worst <= rtol) for impl in IMPLS]
+    if args.dry_run:
+        rows = [dict(r, ran_on="cpu", dry_run=True) for r in rows]
     return {
         "rows": rows,
         "speedup_grouped_over_loop": statistics.median(speedups),
@@ -177,17 +191,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads in the runs (0 = torch's default)")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="per-device peak for MFU (0: CPU = its measured fp32 matmul rate, CUDA = 989, H100 bf16)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the device's models made tiny, on the CPU, 1 + 2 steps (with --device cuda: the GPU run's "
+                        "path, compile off); writes moe-dry-run.json")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.dry_run:
+        args.warmup, args.measured = 1, 2
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit("--device cuda: torch sees no CUDA device here; fix: run on a GPU machine")
     args.data = str(prepared(args.data, WORK / "corpus", 8_000_000))
     args.pairs = args.pairs or (2 if args.device == "cuda" else 4)
     names = args.models or (["gpu-moe"] if args.device == "cuda" else ["tiny-moe", "wide-moe"])
-    peak = args.peak_tflops or (989.0 if args.device == "cuda" else cpu_peak_tflops())
+    peak = args.peak_tflops or (989.0 if args.device == "cuda" else 1.0 if args.dry_run else cpu_peak_tflops())
     env = dict(environment(args), targets=TARGETS, peak_tflops=peak,
                peak_tflops_source="--peak-tflops" if args.peak_tflops else
                ("H100 SXM bf16 dense" if args.device == "cuda" else "this CPU's measured fp32 1024^3 matmul rate"))
@@ -196,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     busy = max(m["other_processes_cpu_share"] for m in models.values())
     result = {
         "device": args.device,
+        "dry_run": args.dry_run,
         "environment": env,
         "models": models,
         "rows": [row for m in models.values() for row in m["rows"]],
@@ -210,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "moe.json").write_text(json.dumps(merged(out / "moe.json", result, args.device), indent=1))
-    plot(result, out / ("moe.png" if args.device == "cpu" else "moe-gpu.png"))
+    name = "moe-dry-run" if args.dry_run else "moe"
+    (out / f"{name}.json").write_text(json.dumps(merged(out / f"{name}.json", result, args.device), indent=1))
+    plot(result, out / (f"{name}.png" if args.device == "cpu" else f"{name}-gpu.png"))
     for name, m in models.items():
         cells = ", ".join(f"{r['path']} {r['median_step_s']:.3f} s/step {r['tokens_per_s']:.0f} tok/s "
                           f"MFU {100 * r['mfu']:.1f}% peak {r['peak_bytes'] / 2**20:.0f} MiB" for r in m["rows"])
