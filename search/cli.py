@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ext.worker_logs import quiet_logger
+from search.space import EXPLORE_RULES
 
 if TYPE_CHECKING:
     from search.config import ExperimentConfig
@@ -37,6 +38,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="population-based training (PBT, PB2, ASHA) of a run YAML; report and replay",
         usage=USAGE,
         description=__doc__.split("\n\n")[0],
+        epilog=EXPLORE_RULES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tune.add_argument("target", metavar="EXP.yaml|report|replay", help="an experiment YAML, or a subcommand")
     tune.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -51,7 +54,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raytrain tune", usage=USAGE)
+    p = argparse.ArgumentParser(
+        prog="raytrain tune", usage=USAGE, epilog=EXPLORE_RULES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("experiment", help="experiment YAML (see examples/pbt-*.yaml)")
     p.add_argument(
         "--set",

@@ -1,8 +1,9 @@
 """Tune schedulers from the experiment's `scheduler:` section (thin adapters over Ray's own), and the
 population's starting configs as a Tune param space.
 
-PBT keeps Ray's exploit but explores with `SearchSpace.explore` (bounded, neighbours for lists, seeded);
-PB2 gets the space's bounds; ASHA stops on the same report steps; `random` is Tune's FIFO.
+PBT keeps Ray's exploit but explores with `SearchSpace.explore` (by kind of parameter, reflected at the bounds,
+neighbours for lists, seeded: `search.space.EXPLORE_RULES`); PB2 searches the space on its search scale (the
+log of a log range); ASHA stops on the same report steps; `random` is Tune's FIFO.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ _ONLY_FOR = {  # settings that only one kind of scheduler reads: an error elsewh
     "quantile_fraction": ("pbt", "pb2"),
     "resample_probability": ("pbt",),
     "perturbation_factors": ("pbt",),
+    "linear_step": ("pbt",),
     "synch": ("pbt",),
     "sync_timeout_s": ("pbt",),
     "grace_period": ("asha",),
@@ -80,7 +82,8 @@ class SchedulerConfig(StrictModel):
     burn_in: NonNegativeInt = 0  # pbt: steps before the first decision
     quantile_fraction: float = Field(0.25, gt=0, le=0.5)  # pbt, pb2: bottom fraction copies the top one
     resample_probability: float = Field(0.25, ge=0, le=1)  # pbt: chance a value is drawn afresh
-    perturbation_factors: tuple[PositiveFloat, PositiveFloat] = (1.2, 0.8)  # pbt
+    perturbation_factors: tuple[PositiveFloat, PositiveFloat] = (2.0, 0.5)  # pbt: log ranges are multiplied by one
+    linear_step: float = Field(0.15, gt=0, le=0.5)  # pbt: linear ranges move by this x their width
     synch: bool = False  # pbt: decide for the whole population at once (waits for the slowest)
     sync_timeout_s: PositiveFloat = 900.0  # pbt synch: decide without members not there this long after the first
     grace_period: PositiveInt | None = None  # asha: steps before the first stop (None = interval)
@@ -113,11 +116,18 @@ class BoundedExplore:
     REDRAWS = 32
     avoid: list[dict[str, Any]] = []  # a class default: schedulers pickled before it existed
 
+    step = 0.15  # a class default: schedulers pickled before linear steps existed
+
     def __init__(
-        self, space: SearchSpace, seed: int, resample_probability: float, factors: tuple[float, ...]
+        self,
+        space: SearchSpace,
+        seed: int,
+        resample_probability: float,
+        factors: tuple[float, ...],
+        step: float = 0.15,
     ):
         self.space, self.rng = space, random.Random(seed)
-        self.resample_probability, self.factors = resample_probability, tuple(factors)
+        self.resample_probability, self.factors, self.step = resample_probability, tuple(factors), step
 
     def __call__(self, config: dict[str, Any]) -> dict[str, Any]:
         taken = [self._key(c) for c in self.avoid]
@@ -125,7 +135,7 @@ class BoundedExplore:
         for attempt in range(self.REDRAWS):
             # after a few collisions perturbation alone is stuck (a value at a bound): resample more often
             p = self.resample_probability if attempt < 4 else max(self.resample_probability, 0.5)
-            new, _ = self.space.explore(config, self.rng, p, self.factors)
+            new, _ = self.space.explore(config, self.rng, p, self.factors, self.step)
             if self._key(new) not in taken:
                 break
         self.avoid = []  # one exploit's context
@@ -146,7 +156,9 @@ def build_scheduler(
             burn_in_period=cfg.burn_in,
             hyperparam_mutations={},
             quantile_fraction=cfg.quantile_fraction,
-            custom_explore_fn=BoundedExplore(space, seed, cfg.resample_probability, cfg.perturbation_factors),
+            custom_explore_fn=BoundedExplore(
+                space, seed, cfg.resample_probability, cfg.perturbation_factors, cfg.linear_step
+            ),
             synch=cfg.synch,
             sync_timeout_s=cfg.sync_timeout_s,
         )
@@ -154,8 +166,9 @@ def build_scheduler(
         return _resumable_pb2()(
             time_attr=TIME_ATTR,
             perturbation_interval=cfg.interval,
-            hyperparam_bounds={k: list(b) for k, b in space.bounds().items()},
+            hyperparam_bounds={k: list(b) for k, b in space.search_bounds().items()},
             quantile_fraction=cfg.quantile_fraction,
+            space=space,
         )
     if cfg.name == "asha":
         return ASHAScheduler(
@@ -485,12 +498,50 @@ class ResumablePBT(InPlace, _Resumable, PopulationBasedTraining):
         self._sync_timeout_s = sync_timeout_s
 
 
+class _SearchScale:
+    """PB2 on the space's search scale (`SearchSpace.to_search`): Ray's PB2 normalises each bound linearly,
+    so over a log-uniform learning rate in [3e-4, 3e-2] its GP proposed half its values in the top decade
+    (bench/results/pbt_quality.json before this). Its bounds are the search scale's (`build_scheduler`), the
+    values it records of a trial are mapped to it, the donor it explores from is shown on it, and its
+    proposal comes back to the space's own values (ints rounded, clipped)."""
+
+    def __init__(self, *args: Any, space: SearchSpace, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._space = space
+
+    def _save_trial_state(self, state: Any, time: int, result: dict[str, Any], trial: Any) -> Any:
+        first = len(self.data)
+        score = super()._save_trial_state(state, time, result, trial)
+        new = self.data.index >= first  # the row just recorded holds the trial's own values
+        for key in self._hyperparam_bounds_flat:
+            column = self.data[key].astype(float)
+            column[new] = [self._space[key].to_search(v) for v in self.data.loc[new, key]]
+            self.data[key] = column
+        return score
+
+    def _get_new_config(self, trial: Any, trial_to_clone: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        donor = _OnSearchScale(trial_to_clone, self._space.to_search(trial_to_clone.config))
+        config, operations = super()._get_new_config(trial, donor)
+        return self._space.from_search(config), operations
+
+
+class _OnSearchScale:
+    """A trial as PB2's explore reads it: its name, and its config on the search scale."""
+
+    def __init__(self, trial: Any, config: dict[str, Any]) -> None:
+        self.trial, self.config = trial, config
+
+    def __str__(self) -> str:
+        return str(self.trial)
+
+
 def _resumable_pb2() -> type:
     """Built on first use: importing PB2 imports scikit-learn, which trials should not pay for."""
     if "ResumablePB2" not in globals():
         from ray.tune.schedulers.pb2 import PB2
 
-        globals()["ResumablePB2"] = type("ResumablePB2", (InPlace, _Resumable, PB2), {"__module__": __name__})
+        bases = (InPlace, _Resumable, _SearchScale, PB2)
+        globals()["ResumablePB2"] = type("ResumablePB2", bases, {"__module__": __name__})
     return globals()["ResumablePB2"]
 
 

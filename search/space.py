@@ -8,10 +8,11 @@ A space maps a dotted run-config key to one parameter:
     schedule.name: [warmup_cosine, warmup_linear]      # categorical (also {choice: [...]}): moves to neighbours
     optimizer.grad_clip: 1.0                           # fixed value
 
-Ray's own explore multiplies a value by 0.8/1.2 without looking at its bounds (ray #5035) and treats
-`tune.choice` as continuous; `explore` here is the pure function the schedulers call instead. A perturbation
-factor f multiplies log ranges (lr * 1.2), shifts linear ranges by (f - 1) x their width (so that a
-weight decay at 0 can move), moves lists to a neighbour, and every result is clipped to the bounds.
+Ray's own explore multiplies every value by 0.8/1.2 without looking at its bounds (ray #5035) and treats
+`tune.choice` as continuous; `explore` here is the pure function the schedulers call instead, by the
+rules of `EXPLORE_RULES` (also in `raytrain tune --help`). PB2 searches the space's *search scale*
+(`SearchSpace.to_search`/`from_search`: the log of a log range), since Ray's PB2 normalises its bounds
+linearly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,38 @@ from typing import Any
 
 from trainers._base import ConfigError
 
-__all__ = ["DISTRIBUTIONS", "Choice", "Fixed", "IntRange", "Param", "Range", "SearchSpace", "parse_space"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "EXPLORE_RULES",
+    "Choice",
+    "Fixed",
+    "IntRange",
+    "Param",
+    "Range",
+    "SearchSpace",
+    "parse_space",
+]
+
+EXPLORE_RULES = """\
+PBT's explore, at each exploit, from the donor's values (search/space.py):
+  loguniform, logint  multiplied by one of scheduler.perturbation_factors (default 2 and 0.5)
+  uniform, int        shifted up or down by scheduler.linear_step x the range's width (default 0.15;
+                      an int by at least 1)
+  a list              moved to a neighbour in the list
+  any of them         drawn afresh from its distribution instead, with scheduler.resample_probability
+                      (default 0.25)
+A move past a bound is reflected back inside, so a value at a bound moves inward, never stays there; a
+recipient never gets the configuration another member holds (drawn again)."""
+
+
+def _reflect(x: float, low: float, high: float) -> float:
+    """`x` folded back into [low, high] at the bound it passed (a move of more than the width ends at
+    the far bound)."""
+    if x > high:
+        x = 2 * high - x
+    elif x < low:
+        x = 2 * low - x
+    return min(max(x, low), high)
 
 
 @dataclass(frozen=True)
@@ -40,13 +72,16 @@ class Range:
             return math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
         return rng.uniform(self.low, self.high)
 
-    def perturb(self, value: float, rng: random.Random, factors: tuple[float, ...]) -> tuple[float, str]:
-        factor = rng.choice(factors)
+    def perturb(
+        self, value: float, rng: random.Random, factors: tuple[float, ...], step: float
+    ) -> tuple[float, str]:
         if self.log:
-            return self.clip(float(value) * factor), f"* {factor}"
-        # a linear range moves by a fraction of its width: a value at 0 must be able to move
-        shift = (factor - 1) * (self.high - self.low)
-        return self.clip(float(value) + shift), f"{shift:+.4g}"
+            factor = rng.choice(factors)
+            lo, hi = self.search_bounds
+            x = _reflect(math.log(max(float(value), self.low)) + math.log(factor), lo, hi)
+            return self.clip(math.exp(x)), f"* {factor}"
+        shift = rng.choice((1, -1)) * step * (self.high - self.low)
+        return _reflect(float(value) + shift, self.low, self.high), f"{shift:+.4g}"
 
     def clip(self, value: float) -> float:
         return min(max(value, self.low), self.high)
@@ -54,6 +89,17 @@ class Range:
     @property
     def bounds(self) -> tuple[float, float]:
         return (self.low, self.high)
+
+    @property
+    def search_bounds(self) -> tuple[float, float]:
+        """The bounds on the search scale: the log of a log range's."""
+        return (math.log(self.low), math.log(self.high)) if self.log else self.bounds
+
+    def to_search(self, value: float) -> float:
+        return math.log(value) if self.log else float(value)
+
+    def from_search(self, x: float) -> float:
+        return self.clip(math.exp(x) if self.log else x)
 
 
 @dataclass(frozen=True)
@@ -71,12 +117,17 @@ class IntRange:
         x = math.exp(rng.uniform(math.log(self.low), math.log(self.high + 1)))
         return self.clip(math.floor(x))
 
-    def perturb(self, value: int, rng: random.Random, factors: tuple[float, ...]) -> tuple[int, str]:
-        factor = rng.choice(factors)
-        new = round(int(value) * factor) if self.log else round(value + (factor - 1) * (self.high - self.low))
-        if new == value and factor != 1:  # a small change would never move an integer under rounding
-            new = value + (1 if factor > 1 else -1)
-        return self.clip(new), f"{new - value:+d}"
+    def perturb(self, value: int, rng: random.Random, factors: tuple[float, ...], step: float) -> tuple[int, str]:
+        value = int(value)
+        if self.log:
+            factor = rng.choice(factors)
+            new = round(value * factor)
+            if new == value and factor != 1:  # rounding would never move a small integer
+                new = value + (1 if factor > 1 else -1)
+        else:
+            new = value + rng.choice((1, -1)) * max(1, round(step * (self.high - self.low)))
+        new = int(_reflect(new, self.low, self.high))
+        return new, f"{new - value:+d}"
 
     def clip(self, value: float) -> int:
         return int(min(max(round(value), self.low), self.high))
@@ -84,6 +135,17 @@ class IntRange:
     @property
     def bounds(self) -> tuple[float, float]:
         return (float(self.low), float(self.high))
+
+    @property
+    def search_bounds(self) -> tuple[float, float]:
+        """The bounds on the search scale: the log of [low, high + 1) for a log range (as `sample` draws)."""
+        return (math.log(self.low), math.log(self.high + 1)) if self.log else self.bounds
+
+    def to_search(self, value: int) -> float:
+        return math.log(value + 0.5) if self.log else float(value)
+
+    def from_search(self, x: float) -> int:
+        return self.clip(math.floor(math.exp(x)) if self.log else x)
 
 
 @dataclass(frozen=True)
@@ -95,7 +157,7 @@ class Choice:
     def sample(self, rng: random.Random) -> Any:
         return rng.choice(self.values)
 
-    def perturb(self, value: Any, rng: random.Random, factors: tuple[float, ...]) -> tuple[Any, str]:
+    def perturb(self, value: Any, rng: random.Random, factors: tuple[float, ...], step: float) -> tuple[Any, str]:
         if value not in self.values:
             return self.sample(rng), "resample"
         i = self.values.index(value)
@@ -146,17 +208,18 @@ class SearchSpace(Mapping):
         config: Mapping[str, Any],
         rng: random.Random,
         resample_probability: float = 0.25,
-        factors: tuple[float, ...] = (1.2, 0.8),
+        factors: tuple[float, ...] = (2.0, 0.5),
+        step: float = 0.15,
     ) -> tuple[dict[str, Any], dict[str, str]]:
-        """PBT's explore step on the donor's `config`: each mutable key is resampled with
-        `resample_probability`, else perturbed (ranges by a factor then clipped to their bounds,
-        categorical lists to a neighbour). Returns (new config, key -> operation)."""
+        """PBT's explore step on the donor's `config`, by `EXPLORE_RULES`: each mutable key is resampled with
+        `resample_probability`, else perturbed (log ranges by one of `factors`, linear ones by `step` x their
+        width, reflected at a bound; lists to a neighbour). Returns (new config, key -> operation)."""
         new, ops = dict(config), {}
         for key, p in self.mutable.items():
             if key not in config or rng.random() < resample_probability:
                 new[key], ops[key] = p.sample(rng), "resample"
             else:
-                new[key], ops[key] = p.perturb(config[key], rng, factors)
+                new[key], ops[key] = p.perturb(config[key], rng, factors, step)
         return new, ops
 
     def contains(self, key: str, value: Any) -> bool:
@@ -181,6 +244,22 @@ class SearchSpace(Mapping):
     def bounds(self) -> dict[str, tuple[float, float]]:
         """Continuous bounds of every mutable key (PB2 searches boxes only)."""
         return {k: p.bounds for k, p in self.mutable.items() if isinstance(p, (Range, IntRange))}
+
+    def search_bounds(self) -> dict[str, tuple[float, float]]:
+        """`bounds` on the search scale (the box PB2 searches: the log of a log range's bounds)."""
+        return {k: p.search_bounds for k, p in self.mutable.items() if isinstance(p, (Range, IntRange))}
+
+    def to_search(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A config with its ranges' values on the search scale (floats); other keys as they are."""
+        return {k: self._range(k).to_search(v) if self._range(k) else v for k, v in config.items()}
+
+    def from_search(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """`to_search` undone: values on the search scale back to the ranges' own (clipped, ints rounded)."""
+        return {k: self._range(k).from_search(v) if self._range(k) else v for k, v in config.items()}
+
+    def _range(self, key: str) -> Range | IntRange | None:
+        p = self.params.get(key)
+        return p if isinstance(p, (Range, IntRange)) else None
 
 
 # ------------------------------------------------------------------------------------------- parsing

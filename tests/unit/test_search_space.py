@@ -61,23 +61,42 @@ def test_explore_never_leaves_the_bounds(resample):
             assert config["optimizer.grad_clip"] == 1.0 and "optimizer.grad_clip" not in ops
 
 
-def test_explore_multiplies_log_ranges_and_shifts_linear_ones():
+def test_explore_multiplies_log_ranges_and_shifts_linear_ones_by_a_step_of_their_width():
     space = parse_space({"lr": {"loguniform": [1e-4, 1.0]}, "wd": {"uniform": [0.0, 0.5]}})
     seen = set()
     for seed in range(40):
-        new, ops = space.explore({"lr": 0.5, "wd": 0.0}, random.Random(seed), resample_probability=0.0)
+        new, ops = space.explore({"lr": 0.1, "wd": 0.25}, random.Random(seed), resample_probability=0.0)
         seen.add((round(new["lr"], 9), round(new["wd"], 9)))
-    # lr * 1.2 or * 0.8; wd at 0 moves by +0.2 x width (0.1) or stays clipped at 0
-    assert {lr for lr, _ in seen} == {0.6, 0.4} and {wd for _, wd in seen} == {0.1, 0.0}
-    new, _ = space.explore({"lr": 0.95, "wd": 0.45}, random.Random(3), 0.0, factors=(1.2,))
-    assert (new["lr"], new["wd"]) == (1.0, 0.5)  # 1.14 and 0.55 clipped to the upper bounds
+    # lr x 2 or x 0.5 (the default factors); wd +- 0.15 x its width of 0.5, whatever the lr's factor was
+    assert {lr for lr, _ in seen} == {0.2, 0.05} and {wd for _, wd in seen} == {0.175, 0.325}
+    assert len(seen) == 4  # the two moves are independent
+    new, _ = space.explore({"lr": 0.1, "wd": 0.25}, random.Random(3), 0.0, factors=(1.2,), step=0.1)
+    assert new["lr"] == pytest.approx(0.12) and new["wd"] in (pytest.approx(0.2), pytest.approx(0.3))
+
+
+def test_explore_moves_a_value_off_its_bound():
+    """A move past a bound is reflected: a weight decay at 0 moves up, never stays at 0 (before: the
+    learning-rate rule, (factor - 1) x the width, clipped a decay at 0 to 0 under every factor below 1, and
+    with factors 2/0.5 sent it from one bound to the other); the same for a log range and an int."""
+    space = parse_space({"lr": {"loguniform": [1e-4, 1e-2]}, "wd": {"uniform": [0.0, 0.2]}, "n": {"int": [1, 8]}})
+    for seed in range(50):
+        rng = random.Random(seed)
+        low, _ = space.explore({"lr": 1e-4, "wd": 0.0, "n": 1}, rng, 0.0)
+        high, _ = space.explore({"lr": 1e-2, "wd": 0.2, "n": 8}, rng, 0.0)
+        assert low["wd"] == pytest.approx(0.03) and high["wd"] == pytest.approx(0.17)
+        assert low["lr"] == pytest.approx(2e-4) and high["lr"] == pytest.approx(5e-3)
+        assert (low["n"], high["n"]) == (2, 7)
+    near, _ = space.explore({"lr": 8e-3, "wd": 0.19, "n": 7}, random.Random(0), 0.0, factors=(2.0,), step=0.15)
+    assert near["lr"] == pytest.approx(1e-2 ** 2 / 1.6e-2)  # 1.6e-2 folded back at the bound 1e-2: 6.25e-3
+    assert near["wd"] in (pytest.approx(0.16), pytest.approx(0.18))  # 0.19 - 0.03, or 0.22 folded to 0.18
 
 
 def test_small_integers_still_move():
-    space = parse_space({"train.micro_batch_size": {"int": [1, 8]}})
-    up, _ = space.explore({"train.micro_batch_size": 2}, random.Random(0), 0.0, factors=(1.2,))
-    down, _ = space.explore({"train.micro_batch_size": 2}, random.Random(0), 0.0, factors=(0.8,))
-    assert (up["train.micro_batch_size"], down["train.micro_batch_size"]) == (3, 1)
+    space = parse_space({"a": {"int": [1, 8]}, "b": {"logint": [1, 64]}})
+    for seed in range(20):
+        new, _ = space.explore({"a": 2, "b": 2}, random.Random(seed), 0.0, factors=(1.2, 0.8))
+        assert new["a"] in (1, 3)  # +- max(1, round(0.15 x 7))
+        assert new["b"] in (1, 3)  # 2 x 1.2 and 2 x 0.8 round back to 2: one step, in the factor's direction
 
 
 def test_categorical_moves_to_a_neighbour_only():
