@@ -342,6 +342,8 @@ def merged(path: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main_1b(args: argparse.Namespace) -> int:
+    if args.dry_run:  # with the GPU run's flags too (bench/gpu_check.sh --dry-run): the CPU, a tiny model
+        args.device = "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/checkpoint.py --device cuda: no CUDA device here; fix: run it on a GPU, or pass --dry-run",
               file=sys.stderr)
@@ -363,7 +365,7 @@ def main_1b(args: argparse.Namespace) -> int:
         result["checks"], result["parts_done"] = checks_1b(result["rows"]), [*result.get("parts_done", []), part]
         path.write_text(json.dumps(merged(path, result), indent=1, default=str) + "\n")
 
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-1b-", dir=os.environ.get("BENCH_WORK")))
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-1b-", dir=os.environ.get("BENCH_WORK"))).resolve()
     try:
         data = prepared(args.data, work / "corpus", 4_000_000)
         start = time.perf_counter()

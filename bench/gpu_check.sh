@@ -1,47 +1,110 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 26 and 27 in one unattended call, for a lent machine with a short lease (a bare
-# Python 3.12 with torch+CUDA and transformers; pydantic from .whl/, made here by ../shared/gpu/wheels.sh):
+# Every open GPU figure in one unattended call (issue 44; the targets of issues 24, 26 and 27), for a lent
+# machine with a short lease (a bare Python 3.12 with torch+CUDA and transformers; pydantic from .whl/, made
+# here by ../shared/gpu/wheels.sh):
 #
-#   BUDGET_S=590 BENCH_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh      (writes under $OUT)
+#   BUDGET_S=540 BENCH_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh      (writes under $OUT)
+#   bash bench/gpu_check.sh --dry-run     every part on the CPU at tiny sizes, into a temporary $OUT (PYTHON=
+#                                         picks the interpreter; tests/unit/test_bench_gpu_check.py, slow tier)
 #
-# In order of what the issues' targets need, each part capped so the whole stays within BUDGET_S seconds:
-# the gpu test tier; bench/chunk_calls.py (the chunked loss alone: eager, compiled a chunk a call, 8 a call);
-# bench/gpu.py's 8 target rows, then the seed shape's one-chunk-a-call row (what 8 chunks a call pays in a
-# step); bench/moe.py's loop/grouped pair. Earlier results in bench/results/ are copied into
-# $OUT first: bench/gpu.py keeps an earlier row it does not re-measure when the device is the same.
-# Prints a summary; logs and JSON stay under $OUT (log.txt, tests.txt, gpu.json, moe.json, *.png).
+# Most telling first, each part capped so the whole stays within BUDGET_S seconds (default 540), each writing
+# its JSON as soon as it ends: (1) bench/checkpoint.py --shape 1b: the 1.1B model's async and sync save
+# blocking, the stage/write/checksum split, throughput saving every 100 steps, a resume to its first step in
+# a fresh process (checkpoint.json: `1b` rows and checks beside the CPU rows; rewritten after each of its
+# parts); (2) bench/gpu.py's seed-shape rows: the naive fp32 loop, all techniques at 8 chunks a call and at 1;
+# (3) bench/moe.py's loop/grouped pair (moe.json, under `gpu`); (4) bench/gpu.py's 1.1B compile and
+# transformers-peer rows; (5) the gpu test tier (tests.txt; --dry-run only collects it). Earlier results in
+# bench/results/ are copied into $OUT first: bench/gpu.py keeps an earlier row it does not re-measure when the
+# device is the same, and checkpoint.json / moe.json keep the CPU's rows. The dry run writes the same files
+# under their dry-run names (checkpoint_dry_run.json, gpu-dry-run.json, moe-dry-run.json).
+# Prints a summary (each JSON's checks, the log's tail); logs and JSON stay under $OUT (log.txt, tests.txt).
 set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
-BUDGET_S=${BUDGET_S:-590}
-OUT=${OUT:-bench/_work/gpu/check}
+DRY=""
+[[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
+BUDGET_S=${BUDGET_S:-540}
+PY=${PYTHON:-python3}
+if [[ -n $DRY ]]; then
+  OUT=${OUT:-$(mktemp -d -t gpu-check-dry-XXXXXX)}
+  CORPUS=bench/_work/gpu/corpus-tiny CORPUS_BYTES=300000 CKPT=checkpoint_dry_run GPU=gpu-dry-run MOE=moe-dry-run
+else
+  OUT=${OUT:-bench/_work/gpu/check}
+  CORPUS=bench/_work/gpu/corpus CORPUS_BYTES=8000000 CKPT=checkpoint GPU=gpu MOE=moe
+fi
 mkdir -p "$OUT"
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
+mark() { echo "== $1 rc=$2 at $(( $(date +%s) - START )) s" >>"${3:-$LOG}"; }
+if [[ -z $DRY ]] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+export BENCH_WORK=$PWD/bench/_work/gpu/ckpt  # the checkpoints on this machine's disk (not a tmpfs /tmp)
+mkdir -p "$BENCH_WORK"
 LOG=$OUT/log.txt
-cp bench/results/gpu.json bench/results/moe.json bench/results/chunk_calls.json "$OUT"/ 2>/dev/null
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$LOG" 2>&1
+cp bench/results/checkpoint.json "$OUT/$CKPT.json" 2>/dev/null
+cp bench/results/moe.json "$OUT/$MOE.json" 2>/dev/null
+[[ -z $DRY ]] && cp bench/results/gpu.json "$OUT/" 2>/dev/null
+if [[ -n $DRY ]]; then
+  echo "dry run on the CPU of $(uname -n): tiny sizes, no GPU" >"$LOG"
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$LOG" 2>&1
+fi
 
-timeout -k 5 "$(cap 120)" python3 -m pytest -v -m gpu tests/gpu -p no:cacheprovider -rs --durations=0 \
-  >"$OUT/tests.txt" 2>&1
-echo "== tests rc=$? at $(( $(date +%s) - START )) s" >>"$OUT/tests.txt"
+# the corpus every part reads (bench/gpu.py's own, made once here)
+$PY -c "import sys; from pathlib import Path; sys.path[:0] = ['bench', '.']; from corpus import prepared; \
+prepared(None, Path('$CORPUS'), $CORPUS_BYTES, val_fraction=0.2)" >>"$LOG" 2>&1
+mark corpus $?
 
-timeout -k 5 "$(cap 35)" python3 bench/chunk_calls.py --out "$OUT" >>"$LOG" 2>&1
-echo "== chunk_calls.py rc=$? at $(( $(date +%s) - START )) s" >>"$LOG"
-
-timeout -k 5 "$(cap 320)" python3 bench/gpu.py --out "$OUT" --row-timeout 90 --targets >>"$LOG" 2>&1
-echo "== gpu.py --targets rc=$? at $(( $(date +%s) - START )) s" >>"$LOG"
-timeout -k 5 "$(cap 35)" python3 bench/gpu.py --out "$OUT" --row-timeout 30 --rows seed/all-chunk-a-call >>"$LOG" 2>&1
-echo "== gpu.py seed/all-chunk-a-call rc=$? at $(( $(date +%s) - START )) s" >>"$LOG"
-
-timeout -k 5 "$(cap 80)" python3 bench/moe.py --device cuda --pairs 1 --data bench/_work/gpu/corpus --out "$OUT" \
+# (1) checkpoints of the 1.1B model: blocking <= 1 s, resume's first step <= 15 s, throughput >= 0.97
+timeout -k 5 "$(cap 240)" $PY bench/checkpoint.py --device cuda --shape 1b --data "$CORPUS" --out "$OUT" $DRY \
   >>"$LOG" 2>&1
-echo "== moe.py rc=$? at $(( $(date +%s) - START )) s" >>"$LOG"
+mark "checkpoint.py --shape 1b" $?
 
-grep -E "PASS|FAIL|ERROR|passed|failed|== " "$OUT/tests.txt" | tail -30
+# (2) the seed shape: naive fp32 loop against all techniques (8 chunks a compiled call, and 1): >= 2x
+timeout -k 5 "$(cap 150)" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 60 \
+  --rows seed/naive-fp32,seed/all,seed/all-chunk-a-call $DRY >>"$LOG" 2>&1
+mark "gpu.py seed rows" $?
+
+# (3) MoE, loop/grouped pair: grouped MFU >= 35%
+timeout -k 5 "$(cap 90)" $PY bench/moe.py --device cuda --pairs 1 --data "$CORPUS" --out "$OUT" $DRY >>"$LOG" 2>&1
+mark "moe.py" $?
+
+# (4) the 1.1B model compiled (MFU >= 50%) and the transformers peer
+timeout -k 5 "$(cap 190)" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 90 \
+  --rows big/bf16-compile,big/peer-hf-compile $DRY >>"$LOG" 2>&1
+mark "gpu.py 1.1B compile and peer rows" $?
+
+# (5) the gpu test tier, with what is left
+if [[ -n $DRY ]]; then
+  timeout -k 5 "$(cap 120)" $PY -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider >"$OUT/tests.txt" 2>&1
+else
+  timeout -k 5 "$(cap 120)" $PY -m pytest -v -m gpu tests/gpu -p no:cacheprovider -rs --durations=0 \
+    >"$OUT/tests.txt" 2>&1
+fi
+mark tests $? "$OUT/tests.txt"
+
+grep -E "PASS|FAIL|ERROR|passed|failed|collected|== " "$OUT/tests.txt" | tail -30
 grep -vE "^\s*$|Warning|warn\(" "$LOG" | tail -40
+$PY - "$OUT" "$CKPT" "$GPU" "$MOE" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out, ckpt, gpu, moe = Path(sys.argv[1]), *sys.argv[2:]
+def load(name):
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"{name}.json: {type(e).__name__}")
+        return {}
+c, g, m = load(ckpt), load(gpu), load(moe).get("gpu", {})
+for label, checks in (("checkpoint 1b", c.get("1b", {}).get("checks", {})), ("gpu.py", g.get("checks", {}))):
+    for key, v in checks.items():
+        print(f"{label} {key}: {v['value']:.3f} (target {v.get('target', '-')}): {'met' if v['met'] else 'NOT met'}")
+for r in m.get("rows", []):
+    print(f"moe {r['name']} {r['path']}: MFU {r['mfu']:.1%}, {r['median_step_s'] * 1e3:.1f} ms a step")
+print(f"moe targets met: {m.get('targets_met')}; device: {c.get('1b', {}).get('device_name')} / {g.get('device_name')}")
+EOF
+echo "== done in $(( $(date +%s) - START )) s of BUDGET_S=$BUDGET_S; results under $OUT"

@@ -1,0 +1,86 @@
+"""bench/gpu_check.sh, the one call a short GPU lease gets (issue 44): its --dry-run runs every part on the CPU
+at tiny sizes, so a typo fails here and not on the lease, and each part's JSON holds the fields its checks
+read. bench/checkpoint.py's 1b rows merge beside the CPU rows of checkpoint.json (and the CPU run keeps them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import checkpoint  # noqa: E402
+
+PARTS = ("corpus", "checkpoint.py --shape 1b", "gpu.py seed rows", "moe.py", "gpu.py 1.1B compile and peer rows")
+
+
+def _row(shape: str, mode: str, **more) -> dict:
+    return {"device": "cuda" if shape == "1b" else "cpu", "shape": shape, "mode": mode, **more}
+
+
+def test_1b_rows_merge_beside_the_cpu_rows(tmp_path):
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps({"rows": [_row("cpu", "sync"), _row("cpu", "async")], "verdicts": {"met": True}}))
+    for tag in ("first", "second"):  # a later 1b run replaces the earlier one's rows
+        result = {"rows": [_row("1b", "async", tag=tag), _row("1b", "sync", tag=tag)], "checks": {}, "every": 100}
+        path.write_text(json.dumps(checkpoint.merged(path, result)))
+    data = json.loads(path.read_text())
+    assert [(r["shape"], r["mode"], r.get("tag")) for r in data["rows"]] == [
+        ("cpu", "sync", None), ("cpu", "async", None), ("1b", "async", "second"), ("1b", "sync", "second")]
+    assert data["verdicts"] == {"met": True} and data["1b"] == {"checks": {}, "every": 100}
+
+
+def test_the_1b_checks_read_the_three_targets():
+    spread = {"median": 0.4, "p90": 0.6, "max": 0.6, "n": 2}
+    run = _row("1b", "async", blocking_s=spread, first_blocking_s=2.0, resume_first_step_s=16.0,
+               throughput_ratio=0.98, every=100)
+    checks = checkpoint.checks_1b([run, _row("1b", "sync", blocking_s=spread)])
+    assert {k: (v["value"], v["met"]) for k, v in checks.items()} == {
+        "blocking_s": (0.6, True), "resume_first_step_s": (16.0, False), "throughput_ratio": (0.98, True)}
+    assert "resume_first_step_s" not in checkpoint.checks_1b([dict(run, resume_first_step_s=None)])  # not measured
+    assert checkpoint.checks_1b([]) == {}
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_part_and_writes_what_the_checks_read(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "BUDGET_S": "540"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "log.txt").read_text()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for part in PARTS:
+        assert f"== {part} rc=0 " in log, (part, log[-3000:])
+    assert "== tests rc=0 " in (tmp_path / "tests.txt").read_text()
+    assert "checkpoint 1b throughput_ratio:" in proc.stdout and "== done in" in proc.stdout  # the summary
+
+    ckpt = json.loads((tmp_path / "checkpoint_dry_run.json").read_text())
+    rows = {r["mode"]: r for r in ckpt["rows"] if r["shape"] == "1b"}
+    assert set(rows) == {"async", "sync"} and {r["device"] for r in rows.values()} == {"cpu"}
+    run = rows["async"]
+    assert run["resume_first_step_s"] > 0 and run["throughput_ratio"] > 0 and run["every"] == 4, run
+    assert run["resume_split_s"]["build_restore_verify"] > 0 and run["restore_s"] > 0
+    for r in rows.values():
+        assert r["blocking_s"]["max"] > 0 and r["first_blocking_s"] > 0
+        assert {"stage_s", "write_s", "checksum_s", "commit_s", "state_bytes"} <= set(r)
+    assert set(ckpt["1b"]["checks"]) == {"blocking_s", "resume_first_step_s", "throughput_ratio"}
+    assert ckpt["1b"]["parts_done"] == ["async", "resume", "sync"]
+    assert {r["shape"] for r in ckpt["rows"]} >= {"cpu", "cpu-lm"}  # bench/results' CPU rows kept
+
+    gpu = json.loads((tmp_path / "gpu-dry-run.json").read_text())
+    by_name = {r["name"]: r for r in gpu["rows"]}
+    assert {"seed/naive-fp32", "seed/all", "seed/all-chunk-a-call", "big/bf16-compile", "big/peer-hf-compile"} <= set(
+        by_name)
+    for name in ("seed/naive-fp32", "seed/all", "seed/all-chunk-a-call", "big/bf16-compile"):
+        assert "error" not in by_name[name] and by_name[name]["median_step_s"] > 0, by_name[name]
+    assert by_name["seed/all-chunk-a-call"]["env"] == {"RAYTRAIN_LOSS_CHUNKS_PER_CALL": "1"}
+    assert {"seed_all_speed_ratio", "seed_all_memory_ratio"} <= set(gpu["checks"])
+
+    moe = json.loads((tmp_path / "moe-dry-run.json").read_text())["gpu"]
+    assert moe["dry_run"] and "gpu-moe_mfu" in moe["targets_met"]
+    assert sorted(r["path"] for r in moe["rows"]) == ["grouped", "loop"]
+    assert all(r["name"] == "gpu-moe" and r["median_step_s"] > 0 and "mfu" in r for r in moe["rows"])
