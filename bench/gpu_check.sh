@@ -62,6 +62,7 @@ mark corpus $?
 timeout -k 5 "$(cap 240)" $PY bench/checkpoint.py --device cuda --shape 1b --data "$CORPUS" --out "$OUT" $DRY \
   >>"$LOG" 2>&1
 mark "checkpoint.py --shape 1b" $?
+rm -rf "$BENCH_WORK"  # a part stopped by its cap leaves its checkpoints (13.2 GB each) behind
 
 # (2) the seed shape: naive fp32 loop against all techniques (8 chunks a compiled call, and 1): >= 2x
 timeout -k 5 "$(cap 150)" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 60 \
@@ -100,6 +101,7 @@ def load(name):
         print(f"{name}.json: {type(e).__name__}")
         return {}
 c, g, m = load(ckpt), load(gpu), load(moe).get("gpu", {})
+print(f"checkpoint 1b parts done: {c.get('1b', {}).get('parts_done')}")
 for label, checks in (("checkpoint 1b", c.get("1b", {}).get("checks", {})), ("gpu.py", g.get("checks", {}))):
     for key, v in checks.items():
         print(f"{label} {key}: {v['value']:.3f} (target {v.get('target', '-')}): {'met' if v['met'] else 'NOT met'}")
