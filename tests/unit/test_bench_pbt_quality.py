@@ -19,44 +19,60 @@ import pbt_quality  # noqa: E402
 CONTRACT = ("best_val_loss", "total_steps", "wall_s")
 
 
-def _fake_experiment(work: Path, method: str, seed: int, losses: list[float]) -> None:
-    """A trial log as the trainable writes it: two trials, two reports each."""
-    d = work / f"{method}-s{seed}"
+def _fake_experiment(work: Path, method: str, population: int, seed: int, losses: list[float]) -> None:
+    """A trial log as the trainable writes it: two trials, two reports each; the second trial's state at
+    step 100 came from the first's at step 50 (an exploit: its lineage holds the donor's hyperparameters)."""
+    d = work / pbt_quality.experiment_name(method, population, seed)
     d.mkdir(parents=True)
     rows = []
     for t, loss in enumerate(losses):
         for step, val in ((50, loss + 0.1), (100, loss)):
+            lineage = [[0, 1e-3 * (t + 1), 0.1]] + ([[50, 5e-4, 0.1]] if t == 1 and step == 100 else [])
             rows.append({"trial": f"t{t}", "step": step, "val_loss": val, "trained": 50, "lr": 1e-3 * (t + 1),
-                         "wd": 0.1, "restored_at": None, "interval_s": 1.0, "time": float(step + t)})
+                         "wd": 0.1, "restored_at": None, "interval_s": 1.0, "time": float(step + t),
+                         "lineage": lineage})
     (d / pbt_quality.LOG).write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = pbt_quality.summarize_experiment(d, 12.5, method, seed)
+    if method in pbt_quality.REPLAYED:  # what run_one adds: the replay of the best lineage
+        summary["replay"] = {"step": 100, "val_loss": summary["best_val_loss"] + 0.001 * (-1) ** seed,
+                             "reported": summary["best_val_loss"], "lineage": summary["best_lineage"]}
     (d / pbt_quality.SUMMARY).write_text(json.dumps(summary))
 
 
 def test_summarize_only_writes_the_contract_and_computes_the_verdict(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
-    base = {"pbt": 1.80, "pbt_sync": 1.81, "pb2": 1.85, "asha": 1.95, "random": 1.97, "grid": 1.82}
+    base = {"pbt": 1.84, "pbt_sync": 1.80, "pb2": 1.95, "asha": 1.95, "random": 1.97, "grid": 1.82}
     seeds = 5
-    for method, loss in base.items():
-        for seed in range(1 if method == "grid" else seeds):
-            _fake_experiment(work, method, seed, [loss + 0.002 * seed, loss + 0.3])
+    for population, shift in ((8, 0.0), (4, 0.05)):
+        for method, loss in base.items():
+            if method == "grid" and population == 4:
+                continue  # one grid, shown beside every population
+            for seed in range(1 if method == "grid" else seeds):
+                _fake_experiment(work, method, population, seed, [loss + shift + 0.002 * seed, loss + 0.3])
     pbt_quality.main(["--summarize-only", "--work", str(work), "--out", str(out), "--seeds", str(seeds),
-                      "--data", str(tmp_path)])
+                      "--populations", "8", "4", "--data", str(tmp_path)])
     result = json.loads((out / "pbt_quality.json").read_text())
-    assert set(result["methods"]) == set(pbt_quality.ALL)
+    assert set(result["methods"]) == set(pbt_quality.ALL) and result["setup"]["population"] == 8
     for method, m in result["methods"].items():
         n = 1 if method == "grid" else seeds
         for key in CONTRACT:
             assert len(m[key]) == n, (method, key)
         assert m["best_val_loss"] == pytest.approx([base[method] + 0.002 * s for s in range(n)])
         assert m["total_steps"] == [200] * n  # every report's own steps, summed
+    assert result["methods"]["pbt"]["best_lineage"][0] == [[0, 1e-3, 0.1]]
     for key in ("task", "harness", "command", "git_commit", "date", "cpus", "loadavg_before", "loadavg_after"):
         assert result[key] is not None, key
     assert {"what", "why"} <= set(result["task"])
     done = result["done_when"]
-    assert done["beats_random"]["holds"] and done["beats_asha"]["holds"] and done["near_grid"]["holds"]
+    assert done["pbt_method"] == "pbt_sync"  # the better of the two PBTs
+    assert done["beats_random"]["holds"] and done["beats_asha"]["holds"] and done["pb2_no_worse_than_random"]["holds"]
     assert done["holds"] is True
     assert done["beats_random"]["margin"] == pytest.approx(0.17)
+    replay = result["replay"]
+    assert replay["holds"] and replay["pbt_sync"]["gaps"] == pytest.approx([0.001 * (-1) ** s for s in range(5)])
+    four = result["by_population"]["4"]
+    assert four["methods"]["pbt"]["best_val_loss"] == pytest.approx([1.89 + 0.002 * s for s in range(5)])
+    assert four["methods"]["grid"]["best_val_loss"] == pytest.approx([1.82])  # the same grid
     assert (out / "pbt_quality.png").stat().st_size > 0
 
 
@@ -64,11 +80,21 @@ def test_the_verdict_fails_where_the_margin_is_within_the_noise():
     def m(values):
         return {"stats": pbt_quality._stats(values)}
 
-    methods = {"pbt": m([1.80, 1.90, 1.85, 1.82, 1.88]), "random": m([1.86, 1.87, 1.85, 1.90, 1.84]),
-               "asha": m([2.0] * 5), "grid": m([1.50])}
+    methods = {"pbt": m([1.80, 1.90, 1.85, 1.82, 1.88]), "pbt_sync": m([1.90] * 5),
+               "random": m([1.86, 1.87, 1.85, 1.90, 1.84]), "asha": m([2.0] * 5), "pb2": m([1.86] * 5)}
     done = pbt_quality.verdict(methods)
+    assert done["pbt_method"] == "pbt"
     assert not done["beats_random"]["holds"] and done["beats_asha"]["holds"]
-    assert not done["near_grid"]["holds"] and done["holds"] is False
+    assert done["pb2_no_worse_than_random"]["holds"] and done["holds"] is False
+    methods["pb2"] = m([1.95, 1.96, 1.94, 1.95, 1.95])  # worse than random by more than twice its spread
+    assert not pbt_quality.verdict(methods)["pb2_no_worse_than_random"]["holds"]
+
+
+def test_replay_check_fails_where_a_replay_misses_by_more_than_the_seed_spread():
+    methods = {"pbt": {"stats": pbt_quality._stats([1.80, 1.81, 1.82, 1.80, 1.81]),
+                       "replay": [{"val_loss": 1.80, "reported": 1.80}, {"val_loss": 1.90, "reported": 1.81}]}}
+    check = pbt_quality.replay_check(methods)
+    assert check["pbt"]["gaps"] == pytest.approx([0.0, 0.09]) and check["holds"] is False
 
 
 def test_dry_run_refuses_the_real_results_folder():
@@ -92,4 +118,8 @@ def test_dry_run_of_the_real_harness(corpus_dir, tmp_path):
     assert len(pbt["best_val_loss"]) == 2 and all(v > 0 for v in pbt["best_val_loss"])
     assert all(t >= 16 for t in pbt["total_steps"])  # population 2 x 8 steps (more if a restore goes back)
     assert sum(pbt["restores"]) > 0  # synchronous PBT pauses every member at each report: restores
+    # the replay of each seed's best lineage, from scratch in one run, lands on the reported loss (CPU: exactly)
+    for replay in pbt["replay"]:
+        assert replay["val_loss"] == pytest.approx(replay["reported"], abs=1e-4), replay
     assert len(result["methods"]["grid"]["best_val_loss"]) == 1
+    assert set(result["by_population"]["3"]["methods"]) == {"pbt_sync", "grid"}
