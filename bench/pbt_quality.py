@@ -275,7 +275,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int, population: int) -
     stop = _budget_stop(budget) if method == "asha" else {TIME_ATTR: exp.steps}
     save = method in ("pbt", "pbt_sync", "pb2")  # only these restore (an exploit); the others never do
     concurrent = args.concurrent or population  # every member at once: no time-sharing pauses
-    cpus = args.cpus_per_trial or 2 / concurrent
+    cpus = args.cpus_per_trial or math.floor(200 / concurrent) / 100  # 3 x 0.67 would not fit in 2 CPUs
     trainable = tune.with_resources(
         tune.with_parameters(quality_trial, exp=exp, save=save, log=str(log)), {"cpu": cpus}
     )
