@@ -118,7 +118,7 @@ def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_we
     assert (event["donor"], event["step"]) == (strong, INTERVAL)
     assert event["old_hparams"] == {"optimizer.lr": 1e-4} and event["donor_hparams"] == {"optimizer.lr": 1e-2}
     new_lr = event["new_hparams"]["optimizer.lr"]
-    assert new_lr == pytest.approx(1e-2 * 1.2) or new_lr == pytest.approx(1e-2 * 0.8)
+    assert new_lr == pytest.approx(5e-3)  # the donor's 1e-2 x 0.5, or x 2 reflected at the bound 1e-2
 
     # In place: one Train run per trial, the exploit loaded into the weak trial's live run.
     assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
@@ -215,9 +215,7 @@ def test_nan_trial_is_replaced_through_exploit(nan_resumed):
     # replaced, not dropped: it trained on from the donor and finished the budget with a finite loss
     assert bad_reports[-1]["step"] == STEPS and not bad_reports[-1]["failed"]
     assert math.isfinite(bad_reports[-1]["metric"])
-    assert bad_reports[-1]["hparams"]["optimizer.lr"] == pytest.approx(0.5 * 1.2) or bad_reports[-1][
-        "hparams"
-    ]["optimizer.lr"] == pytest.approx(0.5 * 0.8)
+    assert bad_reports[-1]["hparams"]["optimizer.lr"] in (pytest.approx(0.5 * 2), pytest.approx(0.5 * 0.5))
 
 
 def test_interrupted_driver_resumes_with_scheduler_state(nan_resumed):
