@@ -258,7 +258,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int, population: int) -
 
     from search.schedulers import TIME_ATTR, build_scheduler, population_space
 
-    samples = args.asha_samples if method == "asha" else population
+    samples = (args.asha_samples or 8 * population) if method == "asha" else population
     exp = experiment(args, "random" if method == "grid" else method, seed, samples)
     name = experiment_name(method, population, seed)
     exp_dir = Path(args.work) / name
@@ -482,7 +482,7 @@ def write_results(
             "population": main_pop,
             "other_populations": others,
             "equal_total_steps": main_pop * args.steps,
-            "asha": {"max_samples": args.asha_samples, "grace_period": args.asha_grace or args.interval,
+            "asha": {"max_samples": args.asha_samples or 8 * main_pop, "grace_period": args.asha_grace or args.interval,
                      "reduction_factor": 3, "stopped_at_total_steps": "population x budget_steps_per_trial"},
             "pbt": {"burn_in": args.burn_in, "quantile_fraction": args.quantile,
                     "resample_probability": args.resample, "perturbation_factors": list(args.factors),
@@ -586,7 +586,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=int, default=100, help="steps between reports (PBT/PB2 decisions)")
     ap.add_argument("--populations", type=int, nargs="+", default=[8, 4],
                     help="PBT/PB2 population, random search's samples: the first is the result, the others beside it")
-    ap.add_argument("--asha-samples", type=int, default=32, help="ASHA: most configurations sampled")
+    ap.add_argument("--asha-samples", type=int, default=None,
+                    help="ASHA: most configurations sampled (default 8 x the population: 32 at population 8 ran out "
+                         "at 8,000 of its 12,800 steps)")
     ap.add_argument("--asha-grace", type=int, default=None, help="ASHA: steps before the first stop (interval)")
     ap.add_argument("--quantile", type=float, default=DEFAULTS.quantile_fraction,
                     help="PBT/PB2: bottom fraction copies the top")
