@@ -119,9 +119,10 @@ class IntRange:
 
     def perturb(self, value: int, rng: random.Random, factors: tuple[float, ...], step: float) -> tuple[int, str]:
         value = int(value)
-        if self.log:
+        if self.log:  # reflected in log space: 64 x 2 in [1, 64] is 32, not the far bound
             factor = rng.choice(factors)
-            new = round(value * factor)
+            lo, hi = math.log(self.low), math.log(self.high)
+            new = round(math.exp(_reflect(math.log(value) + math.log(factor), lo, hi)))
             if new == value and factor != 1:  # rounding would never move a small integer
                 new = value + (1 if factor > 1 else -1)
         else:

@@ -97,6 +97,10 @@ def test_small_integers_still_move():
         new, _ = space.explore({"a": 2, "b": 2}, random.Random(seed), 0.0, factors=(1.2, 0.8))
         assert new["a"] in (1, 3)  # +- max(1, round(0.15 x 7))
         assert new["b"] in (1, 3)  # 2 x 1.2 and 2 x 0.8 round back to 2: one step, in the factor's direction
+    # a log int at a bound is reflected on its own scale: 64 x 2 -> 32 and 1 x 0.5 -> 2, not the far bound
+    top, _ = space.explore({"a": 8, "b": 64}, random.Random(0), 0.0, factors=(2.0,))
+    bottom, _ = space.explore({"a": 1, "b": 1}, random.Random(0), 0.0, factors=(0.5,))
+    assert (top["b"], bottom["b"]) == (32, 2) and top["a"] == 7 and bottom["a"] == 2
 
 
 def test_categorical_moves_to_a_neighbour_only():
