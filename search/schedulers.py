@@ -24,7 +24,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
 
 from raytrain_ext import ray_compat
-from search.space import SearchSpace
+from search.space import FACTORS, LINEAR_STEP, SearchSpace
 from trainers._base import StrictModel
 from trainers.storage import location, location_on, pyarrow_fs, write_json_atomic
 
@@ -82,8 +82,8 @@ class SchedulerConfig(StrictModel):
     burn_in: NonNegativeInt = 0  # pbt: steps before the first decision
     quantile_fraction: float = Field(0.25, gt=0, le=0.5)  # pbt, pb2: bottom fraction copies the top one
     resample_probability: float = Field(0.25, ge=0, le=1)  # pbt: chance a value is drawn afresh
-    perturbation_factors: tuple[PositiveFloat, PositiveFloat] = (2.0, 0.5)  # pbt: log ranges are multiplied by one
-    linear_step: float = Field(0.15, gt=0, le=0.5)  # pbt: linear ranges move by this x their width
+    perturbation_factors: tuple[PositiveFloat, PositiveFloat] = FACTORS  # pbt: log ranges are multiplied by one
+    linear_step: float = Field(LINEAR_STEP, gt=0, le=0.5)  # pbt: linear ranges move by this x their width
     synch: bool = False  # pbt: decide for the whole population at once (waits for the slowest)
     sync_timeout_s: PositiveFloat = 900.0  # pbt synch: decide without members not there this long after the first
     grace_period: PositiveInt | None = None  # asha: steps before the first stop (None = interval)
@@ -116,7 +116,7 @@ class BoundedExplore:
     REDRAWS = 32
     avoid: list[dict[str, Any]] = []  # a class default: schedulers pickled before it existed
 
-    step = 0.15  # a class default: schedulers pickled before linear steps existed
+    step = LINEAR_STEP  # a class default: schedulers pickled before linear steps existed
 
     def __init__(
         self,
@@ -124,7 +124,7 @@ class BoundedExplore:
         seed: int,
         resample_probability: float,
         factors: tuple[float, ...],
-        step: float = 0.15,
+        step: float = LINEAR_STEP,
     ):
         self.space, self.rng = space, random.Random(seed)
         self.resample_probability, self.factors, self.step = resample_probability, tuple(factors), step

@@ -49,6 +49,10 @@ A move past a bound is reflected back inside, so a value at a bound moves inward
 recipient never gets the configuration another member holds (drawn again)."""
 
 
+FACTORS = (2.0, 0.5)  # log ranges: multiplied by one (scheduler.perturbation_factors' default)
+LINEAR_STEP = 0.15  # linear ranges: moved by this x their width (scheduler.linear_step's default)
+
+
 def _reflect(x: float, low: float, high: float) -> float:
     """`x` folded back into [low, high] at the bound it passed (a move of more than the width ends at
     the far bound)."""
@@ -209,8 +213,8 @@ class SearchSpace(Mapping):
         config: Mapping[str, Any],
         rng: random.Random,
         resample_probability: float = 0.25,
-        factors: tuple[float, ...] = (2.0, 0.5),
-        step: float = 0.15,
+        factors: tuple[float, ...] = FACTORS,
+        step: float = LINEAR_STEP,
     ) -> tuple[dict[str, Any], dict[str, str]]:
         """PBT's explore step on the donor's `config`, by `EXPLORE_RULES`: each mutable key is resampled with
         `resample_probability`, else perturbed (log ranges by one of `factors`, linear ones by `step` x their
@@ -242,12 +246,9 @@ class SearchSpace(Mapping):
                 out[key] = p.clip(value)
         return out
 
-    def bounds(self) -> dict[str, tuple[float, float]]:
-        """Continuous bounds of every mutable key (PB2 searches boxes only)."""
-        return {k: p.bounds for k, p in self.mutable.items() if isinstance(p, (Range, IntRange))}
-
     def search_bounds(self) -> dict[str, tuple[float, float]]:
-        """`bounds` on the search scale (the box PB2 searches: the log of a log range's bounds)."""
+        """Continuous bounds of every mutable range on the search scale (the box PB2 searches: the log of a
+        log range's bounds)."""
         return {k: p.search_bounds for k, p in self.mutable.items() if isinstance(p, (Range, IntRange))}
 
     def to_search(self, config: Mapping[str, Any]) -> dict[str, Any]:
