@@ -592,7 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--asha-grace", type=int, default=None, help="ASHA: steps before the first stop (interval)")
     ap.add_argument("--quantile", type=float, default=DEFAULTS.quantile_fraction,
                     help="PBT/PB2: bottom fraction copies the top")
-    ap.add_argument("--burn-in", type=int, default=DEFAULTS.burn_in, help="PBT: steps before the first exploit")
+    ap.add_argument("--burn-in", default=str(DEFAULTS.burn_in),
+                    help="PBT: steps before the first exploit, or a share of the budget (50%%)")
     ap.add_argument("--resample", type=float, default=DEFAULTS.resample_probability, help="PBT: resample probability")
     ap.add_argument("--factors", type=float, nargs=2, default=DEFAULTS.perturbation_factors,
                     help="PBT: perturbation factors of log ranges")

@@ -363,9 +363,10 @@ def _check_budget(exp: ExperimentConfig) -> None:
             f">= 2 or scheduler.name=random"
         )
     if sched.name in ("pbt", "pb2"):
-        first = max(1, math.ceil(sched.burn_in / sched.interval)) * sched.interval  # PBT's first decision
+        burn_in_steps = sched.burn_in_steps(steps)
+        first = max(1, math.ceil(burn_in_steps / sched.interval)) * sched.interval  # PBT's first decision
         if first >= steps:
-            burn_in = f" and burn_in={sched.burn_in}" if sched.burn_in else ""
+            burn_in = f" and burn_in={sched.burn_in}" if burn_in_steps else ""
             raise ConfigError(
                 f"scheduler.interval={sched.interval}{burn_in} leave{'' if burn_in else 's'} {sched.name} no decision before the end of "
                 f"{budget} (the first would be at step {first}); fix: a smaller scheduler.interval"

@@ -229,7 +229,7 @@ class TrialRun(tune.Trainable):
         """Whether the scheduler may change this trial at its report of `step` (PBT/PB2 past burn-in), so
         that its next interval waits for the decision."""
         sched = self.exp.scheduler
-        return sched.name in ("pbt", "pb2") and step >= sched.burn_in and self.exp.trial_runs == "live"
+        return sched.name in ("pbt", "pb2") and step >= sched.burn_in_steps(self.exp.steps) and self.exp.trial_runs == "live"
 
     def _follow_decision(self, step: int) -> None:
         """Before the next interval: the scheduler's decision on the report of `step` ("go", or an
@@ -452,7 +452,7 @@ class _LiveRun:
         cfg = _run_config(exp, hparams, run_dir, resume, keep=2)
         # Where the workers wait for the trial's answer: from PBT's first decision on; never where no
         # scheduler decision can change the run (ASHA, random search: a stop is looked up without waiting).
-        self.wait_from = exp.scheduler.burn_in if exp.scheduler.name in ("pbt", "pb2") else None
+        self.wait_from = exp.scheduler.burn_in_steps(exp.steps) if exp.scheduler.name in ("pbt", "pb2") else None
         if board is None and self.wait_from is not None:
             self.wait_from = 0  # PBT without in-place exploits (time-sharing): a pause must find the run waiting
         self.error: BaseException | None = None

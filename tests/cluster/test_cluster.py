@@ -145,7 +145,7 @@ def test_pbt_over_hosts_survives_a_lost_host(tier):
         "name": name, "base": f"{name}-base.yaml", "storage": "s3://tier/tune",
         "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
         "initial": [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
-        "scheduler": {"name": "pbt", "interval": interval, "quantile_fraction": 0.5, "synch": True,
+        "scheduler": {"name": "pbt", "interval": interval, "burn_in": 0, "quantile_fraction": 0.5, "synch": True,
                       "resample_probability": 0.0},
         "population": 2, "budget": {"steps": steps}, "resources": {"workers": 1, "cpus_per_worker": 1},
     }

@@ -56,6 +56,7 @@ def _experiment(
         "scheduler": {
             "name": "pbt",
             "interval": INTERVAL,
+            "burn_in": 0,  # decisions from the first report on (the default waits for half the budget)
             "quantile_fraction": 0.5,
             "synch": True,
             "resample_probability": 0.0,

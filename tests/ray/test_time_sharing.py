@@ -45,6 +45,7 @@ def _time_shared(tmp: Path, corpus: Path, synch: bool):
         scheduler={
             "name": "pbt",
             "interval": INTERVAL,
+            "burn_in": 0,  # decisions from the first report on (the default waits for half the budget)
             "quantile_fraction": 0.5 if not synch else 0.25,
             "synch": synch,
             "resample_probability": 0.0,

@@ -153,7 +153,7 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
         [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
         budget={"steps": steps},
         # asynchronous: a trial pauses only to be exploited (synchronous PBT restarts every run each interval)
-        scheduler={"name": "pbt", "interval": 10, "quantile_fraction": 0.5, "resample_probability": 0.0},
+        scheduler={"name": "pbt", "interval": 10, "burn_in": 0, "quantile_fraction": 0.5, "resample_probability": 0.0},
     )
     exp_dir = load_experiment(path).exp_dir
     drivers: list[_Driver] = []
@@ -274,7 +274,7 @@ def test_scheduler_summary_is_tunes_last_save_across_resumes(ray_pbt, tmp_path):
     # copies the better at every interval, so exploits go on after each resume
     steps, interval = 40, 4
     scheduler = build_scheduler(
-        SchedulerConfig(name="pbt", interval=interval, quantile_fraction=0.5, synch=True), TOY_SPACE, steps
+        SchedulerConfig(name="pbt", interval=interval, burn_in=0, quantile_fraction=0.5, synch=True), TOY_SPACE, steps
     )
     tuner = tune.Tuner(
         toy_trainable,

@@ -165,7 +165,9 @@ class _Controller:
 
 
 def _in_place(synch: bool, timeout: float = 900.0):
-    cfg = SchedulerConfig(name="pbt", interval=10, quantile_fraction=0.34, synch=synch, sync_timeout_s=timeout)
+    cfg = SchedulerConfig(
+        name="pbt", interval=10, burn_in=0, quantile_fraction=0.34, synch=synch, sync_timeout_s=timeout
+    )
     pbt = build_scheduler(cfg, SPACE, 40)
     pbt.set_search_properties("val_loss", "min")
     pbt.attach("board")
@@ -249,3 +251,16 @@ def test_the_status_line_counts_the_exploits_decided_as_the_console_lists_them()
     restored = _pbt()
     restored.import_state(pbt.export_state())
     assert restored.debug_string() == "PBT: 2 exploits"
+
+
+def test_pbt_burn_in_is_half_the_budget_by_default_or_steps_or_a_share():
+    """bench/results/pbt_quality.json chose the default: no exploit before half of each trial's steps."""
+    cfg = SchedulerConfig(name="pbt", interval=10)
+    assert cfg.burn_in_steps(1600) == 800
+    assert build_scheduler(cfg, SPACE, 40)._burn_in_period == 20
+    assert SchedulerConfig(name="pbt", burn_in="25%").burn_in_steps(1600) == 400
+    assert SchedulerConfig(name="pbt", burn_in=30).burn_in_steps(1600) == 30
+    assert SchedulerConfig(name="pb2", interval=10).burn_in_steps(1600) == 0  # pb2 decides from its first report
+    for bad in ("half", "100%", "-5%"):
+        with pytest.raises(ValueError, match="neither a step count nor a share"):
+            SchedulerConfig(name="pbt", burn_in=bad)

@@ -232,7 +232,11 @@ def test_relative_paths_are_fixed_where_the_driver_runs(tmp_path, corpus_dir, mo
         ),
         ({"budget": {}, "overrides__train.steps": "many"}, "train.steps='many' is not a positive integer"),
         ({"population": 1}, "population=1: pbt compares trials with each other; fix: set population >= 2"),
-        ({"scheduler__interval": 40}, "scheduler.interval=40 leaves pbt no decision before the end of budget.steps=40"),
+        (
+            {"scheduler__interval": 40},  # the default burn-in, half of the 40 steps, is named with it
+            "scheduler.interval=40 and burn_in=50% leave pbt no decision before the end of budget.steps=40",
+        ),
+        ({"scheduler__burn_in": "half"}, "scheduler.burn_in='half' is neither a step count nor a share of the budget; fix:"),
         (
             {"scheduler__burn_in": 35},
             "scheduler.interval=10 and burn_in=35 leave pbt no decision before the end of budget.steps=40 "
