@@ -50,7 +50,7 @@ SCHEDULER_FILE = "scheduler_state.json"  # in the experiment folder: a summary o
 # PBT's default burn-in, a share of each trial's budget: no exploit before half of it is trained. Without
 # one, PBT copies whoever did best over the last interval, where a smaller learning rate always wins, and
 # anneals too early (bench/results/pbt_quality.json, population 8, 5 seeds, best val_loss: asynchronous
-# 1.8845 +- 0.0138 with none, 1.8714 +- 0.0174 with half, 1.8773 +- 0.0261 with 75%; synchronous 1.9100 ->
+# 1.8845 +- 0.0138 with none, 1.8714 +- 0.0174 with half (1.8773 re-run), 1.8773 with 75%; synchronous 1.9100 ->
 # 1.8818; bench/README.md)
 BURN_IN = "50%"
 
