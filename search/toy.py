@@ -58,7 +58,7 @@ def run_toy(
     """One experiment of the two workers; `pbt=False` is the grid (fixed h, no exploit or explore).
     Returns the best final Q of the population and each worker's Q curve."""
     name = f"toy-{'pbt' if pbt else 'grid'}-{seed}"
-    if pbt:  # with two workers, quantile 0.5: the worse one copies the better one, from the first report (the paper's)
+    if pbt:  # two workers, quantile 0.5: the worse one copies the better one, from the first report (the paper's)
         sched = SchedulerConfig(name="pbt", interval=interval, burn_in=0, quantile_fraction=0.5, synch=synch)
     else:
         sched = SchedulerConfig(name="random", interval=interval)

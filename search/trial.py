@@ -228,8 +228,8 @@ class TrialRun(tune.Trainable):
     def _decides_at(self, step: int) -> bool:
         """Whether the scheduler may change this trial at its report of `step` (PBT/PB2 past burn-in), so
         that its next interval waits for the decision."""
-        sched = self.exp.scheduler
-        return sched.name in ("pbt", "pb2") and step >= sched.burn_in_steps(self.exp.steps) and self.exp.trial_runs == "live"
+        sched, live = self.exp.scheduler, self.exp.trial_runs == "live"
+        return sched.name in ("pbt", "pb2") and step >= sched.burn_in_steps(self.exp.steps) and live
 
     def _follow_decision(self, step: int) -> None:
         """Before the next interval: the scheduler's decision on the report of `step` ("go", or an
