@@ -263,7 +263,9 @@ def _read(path: Any, json_columns: tuple[str, ...]) -> list[dict[str, Any]]:
     data = read_bytes(path)
     if data is None:
         return []
-    rows = pq.read_table(pa.BufferReader(data)).to_pylist()
+    # One thread: these tables are small, and Arrow's thread pool, once started, can abort the process at
+    # exit (`terminate called without an active exception`, apache/arrow#34314) after a command has printed.
+    rows = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
     for r in rows:
         for c in json_columns:
             r[c] = json.loads(r[c]) if r[c] is not None else None
