@@ -582,6 +582,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(ROOT / "data" / "stdlib"))
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="the search seeds are first-seed .. first-seed + seeds - 1 (settings are chosen on seeds "
+                         "other than the reported 0-4)")
     ap.add_argument("--steps", type=int, default=1600, help="optimizer steps per trial (the budget)")
     ap.add_argument("--interval", type=int, default=100, help="steps between reports (PBT/PB2 decisions)")
     ap.add_argument("--populations", type=int, nargs="+", default=[8, 4],
@@ -623,11 +626,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _seeds(args: argparse.Namespace) -> range:
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
 def _load_summaries(args: argparse.Namespace, runs: dict[int, dict[str, list]], methods: tuple[str, ...]) -> None:
     """Earlier experiments' summaries in --work, for `methods` (every population)."""
     for pop in args.populations:
         for m in methods:
-            for s in range(args.grid_seeds if m == "grid" else args.seeds):
+            for s in range(args.grid_seeds) if m == "grid" else _seeds(args):
                 f = Path(args.work) / experiment_name(m, pop, s) / SUMMARY
                 if f.is_file():
                     runs[pop][m].append(json.loads(f.read_text()))
@@ -647,7 +654,7 @@ def main(argv: list[str] | None = None) -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         # every method and population in turn for each seed: a slow hour of the machine falls on all alike
-        for seed in range(args.seeds):
+        for seed in _seeds(args):
             for pop in args.populations:
                 for m in args.only:
                     if m == "grid" and (pop != args.populations[0] or seed >= args.grid_seeds):
