@@ -622,7 +622,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.populations, args.asha_samples, args.grid_lrs, args.grid_wds = [2, 3][: len(args.populations)], 4, 2, 1
         if args.out == str(RESULTS) or args.work == str(WORK):
             ap.error("--dry-run needs its own --out and --work (never over the real results)")
-    args.data = str(Path(args.data).resolve())
+    args.data, args.work = str(Path(args.data).resolve()), str(Path(args.work).resolve())  # Tune takes no relative path
     return args
 
 
