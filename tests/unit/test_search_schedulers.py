@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -127,6 +128,18 @@ def test_pb2_searches_a_log_uniform_range_in_log_space(best, decade):
         assert decade[0] <= new["optimizer.lr"] < decade[1], (best, new)
         assert isinstance(new["train.accum"], int) and 1 <= new["train.accum"] <= 64
         assert new["member"] in (0, 1, 2, 3, 4, 5)
+
+
+def test_pb2_decides_without_scikit_learns_convergence_warnings():
+    """Its GP, fit on a few noisy points, hits a kernel bound at most decisions: each one printed a
+    ConvergenceWarning on the console of `raytrain tune` that a user cannot act on."""
+    from sklearn.exceptions import ConvergenceWarning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ConvergenceWarning)
+        proposals = _pb2_proposals({"optimizer.lr": {"loguniform": [3e-4, 3e-2]}}, -2.5)
+    assert len(proposals) == 4
+    assert not [w for w in seen if issubclass(w.category, ConvergenceWarning)], [str(w.message) for w in seen]
 
 
 # ----------------------------------------------------------------------------------- in place
