@@ -59,8 +59,9 @@ def tiny_config(corpus_dir, tmp_path):
 
 
 # Set by a library, once per process, not by a test: inductor's first CUDA compile points Triton at CUDA's ptxas;
-# its first compile anywhere records how to read a tensor's data pointer.
-LIBRARY_SET_ENV = {"TRITON_PTXAS_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+# its first compile anywhere records how to read a tensor's data pointer; Ray's first import sets
+# RAY_CLIENT_MODE=0 (ray/_private/client_mode_hook.py: a test run alone that imports Ray was reported as leaking it).
+LIBRARY_SET_ENV = {"TRITON_PTXAS_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "RAY_CLIENT_MODE"}
 
 
 @pytest.fixture(autouse=True)

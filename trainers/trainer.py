@@ -101,10 +101,12 @@ class Trainer:
         )
         resume = self._resume_path()  # before the model: a resume wins over model.init_from
         pretrained = cfg.model.init_from if resume[0] is None else None
-        self.engine.setup(self._build_model(pretrained), cfg)
-        if pretrained is not None and self.engine.shards_meta_models:
+        loaded = resume[0] is not None or pretrained is not None  # the weights come from files: no init
+        self.engine.setup(self._build_model(pretrained, loaded), cfg)
+        if loaded and self.engine.shards_meta_models:
             self.engine.materialize()  # this rank's shards only, then each reads its part
-            load_pretrained(self.engine.model, pretrained)
+            if pretrained is not None:
+                load_pretrained(self.engine.model, pretrained)
         self.model = self.engine.model
         self.log = MetricsLog(
             self.run_dir,
@@ -132,17 +134,20 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ build
 
-    def _build_model(self, pretrained: Path | None) -> torch.nn.Module:
+    def _build_model(self, pretrained: Path | None, loaded: bool) -> torch.nn.Module:
         # Same seed, same init, whatever the world size; parallelism is applied from outside, by the engine's
         # setup (trainers/parallel/parallelize.py: TP -> activation checkpointing -> EP -> FSDP).
         torch.manual_seed(self.cfg.seed)
         chunk = self.cfg.memory.loss_chunk
-        if pretrained is None:
-            model = build_model(self.cfg.model, loss_chunk=chunk)
-        else:  # meta first: an engine that shards allocates only its shards (see trainers/hf/pretrained.py)
-            model = build_model(self.cfg.model, device="meta", loss_chunk=chunk)
-            if not self.engine.shards_meta_models:
-                materialize([model], torch.get_default_device())
+        if not loaded:
+            return build_model(self.cfg.model, loss_chunk=chunk)
+        # Weights from a checkpoint or a Hugging Face folder: meta first, no init (6 s of a 1.1B resume's
+        # build on the CPU, bench/results/resume_profile_gpu.txt); an engine that shards allocates only its
+        # shards (see trainers/hf/pretrained.py), the others the whole model here.
+        model = build_model(self.cfg.model, device="meta", loss_chunk=chunk)
+        if not self.engine.shards_meta_models:
+            materialize([model], torch.get_default_device())
+            if pretrained is not None:
                 load_pretrained(model, pretrained)
         return model
 

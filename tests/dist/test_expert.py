@@ -71,8 +71,8 @@ class _FixedRouter:
 
 
 class _FixedRoutingTrainer(Trainer):
-    def _build_model(self, pretrained) -> nn.Module:
-        model = super()._build_model(pretrained)
+    def _build_model(self, *args) -> nn.Module:
+        model = super()._build_model(*args)
         for moe in moe_layers(model):
             moe.gate.register_forward_hook(_FixedRouter())
         return model

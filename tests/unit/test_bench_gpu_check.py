@@ -84,3 +84,21 @@ def test_dry_run_runs_every_part_and_writes_what_the_checks_read(tmp_path):
     assert moe["dry_run"] and "gpu-moe_mfu" in moe["targets_met"]
     assert sorted(r["path"] for r in moe["rows"]) == ["grouped", "loop"]
     assert all(r["name"] == "gpu-moe" and r["median_step_s"] > 0 and "mfu" in r for r in moe["rows"])
+
+
+def test_resume_profile_dry_run_splits_a_resume_into_its_parts(tmp_path, corpus_dir):
+    """bench/resume_profile.py (where a resume's 30 s went on the H200) on the CPU, tiny: a checkpoint, then a
+    fresh process that resumes it; its parts add up to the time from that process's start to its first step."""
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "bench/resume_profile.py"), "--dry-run", "--data", str(corpus_dir),
+                    "--work", str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    result = json.loads((out / "resume_profile.json").read_text())
+    split = result["split_s"]
+    assert list(split) == ["python_started->torch_imported", "torch_imported->cuda_ready",
+                           "cuda_ready->trainers_imported", "trainers_imported->built", "built->first_step"]
+    assert all(v >= 0 for v in split.values())
+    total = result["process_start_to_python"] + sum(split.values())
+    assert total == pytest.approx(result["first_step_after_start_s"], abs=1e-6)
+    assert any(r["module"] == "torch" for r in result["imports_top"])
+    assert "trainers/trainer.py" in (out / "build_profile.txt").read_text()  # the Trainer's build was profiled

@@ -51,6 +51,29 @@ def test_resume_equals_uninterrupted(tiny_config, moe):
     assert len(events) == 1 and events[0]["step"] == 20
 
 
+def test_a_resume_does_not_initialise_weights_it_then_overwrites(tiny_config, monkeypatch):
+    """The restore writes every weight: a resume builds the model uninitialised (meta, then zeroed storage),
+    not a random init first (~6 s of a 1.1B resume's build, bench/results/resume_profile_gpu.txt)."""
+    from trainers.models import Transformer
+
+    cfg = tiny_config("run", train={"steps": 10}, checkpoint={"every": 10})
+    first = Trainer(cfg, progress=False)
+    first.fit()
+    longer = cfg.model_copy(deep=True)
+    longer.train.steps = 12
+
+    def refuse(self):
+        raise AssertionError("init_weights ran on a resume")
+
+    monkeypatch.setattr(Transformer, "init_weights", refuse)
+    resumed = Trainer(longer, progress=False)
+    assert resumed.step == 10
+    for p, q in zip(first.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    resumed.fit()
+    assert resumed.step == 12 and all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
 def test_changed_learning_rate_takes_effect_on_resume(tiny_config):
     cfg = tiny_config(
         "a", schedule={"name": "constant", "warmup_steps": 0}, train={"steps": 10}, checkpoint={"every": 10}
