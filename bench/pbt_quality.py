@@ -311,9 +311,10 @@ def run_one(args: argparse.Namespace, method: str, seed: int, population: int) -
     return summary
 
 
-def replay_lineage(exp: Any, lineage: list[list[float]], step: int, run_dir: str) -> float:
+def replay_lineage(exp: Any, lineage: list[list[float]], step: int, run_dir: str, every: int = 0) -> Any:
     """The replay check: a lineage's hyperparameters (from step s on: lr, wd) re-trained from scratch as one
-    run of the product's Trainer, `set_hparams` at each change; its val_loss at `step`."""
+    run of the product's Trainer, `set_hparams` at each change; its val_loss at `step` (with `every`: the
+    val_loss every `every` steps up to `step`, as a trial reports it)."""
     import torch
 
     from trainers.trainer import Trainer
@@ -326,17 +327,66 @@ def replay_lineage(exp: Any, lineage: list[list[float]], step: int, run_dir: str
         run_dir=run_dir,
         **{"checkpoint.resume": "none", "checkpoint.mode": "sync", "checkpoint.keep": 1},
     )
-    trainer = Trainer(cfg, progress=False)
+    trainer, reports = Trainer(cfg, progress=False), []
     try:
         while trainer.step < step:
             if trainer.step in changes:
                 lr, wd = changes[trainer.step]
                 trainer.set_hparams({"optimizer.lr": lr, "optimizer.weight_decay": wd})
             trainer.train_step()
-        return trainer.evaluate()
+            if every and trainer.step % every == 0:
+                reports.append(trainer.evaluate())
+        return reports if every else trainer.evaluate()
     finally:
         trainer.log.close("FINISHED")
         trainer.engine.close()
+
+
+def hand_schedules(args: argparse.Namespace) -> dict[str, list[list[float]]]:
+    """What a schedule is worth on this task, measured the way the searches are (best val_loss over the
+    reports, training seed `--run-seed`): lineages written by hand around the grid's best fixed learning rate."""
+    lrs, _ = grid_values(args)
+    lr, end = lrs[len(lrs) // 2], args.steps
+    at = lambda share: int(end * share) // args.interval * args.interval  # noqa: E731
+
+    def cascade(factor: float) -> list[list[float]]:  # PBT's greedy path: the factor at every decision
+        out, rate = [[0, lr, 0.0]], lr
+        for step in range(at(0.5) + args.interval, end, args.interval):
+            rate = max(SPACE["optimizer.lr"]["loguniform"][0], rate * factor)
+            out.append([step, rate, 0.0])
+        return out
+
+    return {
+        "constant (the grid's best learning rate, weight decay 0)": [[0, lr, 0.0]],
+        "x0.5 at 13/16 of the run": [[0, lr, 0.0], [at(13 / 16), lr * 0.5, 0.0]],
+        "x0.3 at 7/8": [[0, lr, 0.0], [at(7 / 8), lr * 0.3, 0.0]],
+        "x0.1 at 15/16": [[0, lr, 0.0], [at(15 / 16), lr * 0.1, 0.0]],
+        "x0.3 at 7/8, weight decay 0.1": [[0, lr, 0.1], [at(7 / 8), lr * 0.3, 0.1]],
+        "x0.5 at every decision after half the run (factors 2, 0.5)": cascade(0.5),
+        "x0.8 at every decision after half the run (factors 1.25, 0.8)": cascade(0.8),
+        "2x the rate, then x0.1 at 3/4 (the task's first pilot)": [[0, 2 * lr, 0.0], [at(0.75), 0.2 * lr, 0.0]],
+    }
+
+
+def run_hand_schedules(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    exp = experiment(args, "grid", 0, args.populations[0])
+    schedules = hand_schedules(args)
+    train = ray.remote(num_cpus=1)(replay_lineage)
+    started = time.time()
+    refs = {name: train.remote(exp, lineage, args.steps, str(Path(args.work) / "hand" / f"s{i}"), args.interval)
+            for i, (name, lineage) in enumerate(schedules.items())}
+    rows = []
+    for name, ref in refs.items():
+        reports = ray.get(ref)
+        rows.append({"schedule": name, "lineage": schedules[name], "best_val_loss": min(reports),
+                     "val_loss_every_interval": reports})
+        print(f"hand schedule {name}: best val_loss {min(reports):.4f}", flush=True)
+    return {"what": hand_schedules.__doc__.split("\n")[0] + " " + " ".join(
+                line.strip() for line in hand_schedules.__doc__.split("\n")[1:]),
+            "run_seed": args.run_seed, "steps": args.steps, "interval": args.interval,
+            "wall_s": time.time() - started, "load_avg_end": os.getloadavg(), "rows": rows}
 
 
 def summarize_experiment(exp_dir: Path, wall: float, method: str, seed: int) -> dict[str, Any]:
@@ -504,6 +554,9 @@ def write_results(
         out["by_population"][str(pop)] = {"methods": other, "done_when": verdict(other)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    earlier = _earlier(out_dir)
+    if "hand_schedules" in earlier:  # measured by --hand-schedules, apart from the searches
+        out["hand_schedules"] = earlier["hand_schedules"]
     (out_dir / "pbt_quality.json").write_text(json.dumps(out, indent=1))
     plot(out, out_dir / "pbt_quality.png")
     table = {
@@ -514,6 +567,13 @@ def write_results(
     }
     print(json.dumps({"methods": table, "done_when": out["done_when"], "replay": out["replay"]}, indent=1))
     return out
+
+
+def _earlier(out_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out_dir / "pbt_quality.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -612,6 +672,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", choices=ALL, default=list(ALL))
     ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--hand-schedules", action="store_true",
+                    help="only train the hand-written schedules (what a schedule is worth on the task) into the JSON")
     ap.add_argument("--summarize-only", action="store_true",
                     help="run nothing: rewrite the results from the experiments' summaries in --work")
     ap.add_argument("--dry-run", action="store_true",
@@ -652,6 +714,16 @@ def main(argv: list[str] | None = None) -> None:
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if args.hand_schedules:
+        try:
+            measured = run_hand_schedules(args)
+        finally:
+            ray.shutdown()
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out = {**_earlier(out_dir), "hand_schedules": measured}
+        (out_dir / "pbt_quality.json").write_text(json.dumps(out, indent=1))
+        return
     try:
         # every method and population in turn for each seed: a slow hour of the machine falls on all alike
         for seed in _seeds(args):

@@ -123,3 +123,24 @@ def test_dry_run_of_the_real_harness(corpus_dir, tmp_path):
         assert replay["val_loss"] == pytest.approx(replay["reported"], abs=1e-4), replay
     assert len(result["methods"]["grid"]["best_val_loss"]) == 1
     assert set(result["by_population"]["3"]["methods"]) == {"pbt_sync", "grid"}
+
+
+def test_hand_schedules_start_at_the_grids_best_rate_and_change_on_report_steps():
+    """--hand-schedules (what a schedule is worth on the task): every lineage starts at the grid's middle
+    learning rate, changes only on a report step inside the run, and the cascades decay by their factor at every
+    decision after half the run, never below the space's lower bound."""
+    args = pbt_quality.parse_args(["--work", "/tmp/x", "--out", "/tmp/y"])
+    lrs, _ = pbt_quality.grid_values(args)
+    schedules = pbt_quality.hand_schedules(args)
+    low = pbt_quality.SPACE["optimizer.lr"]["loguniform"][0]
+    assert len(schedules) == 8
+    for name, lineage in schedules.items():
+        assert lineage[0][0] == 0 and lineage[0][1] in (lrs[4], 2 * lrs[4]), name
+        steps = [s for s, _, _ in lineage]
+        assert steps == sorted(steps) and all(0 < s < args.steps and s % args.interval == 0 for s in steps[1:])
+    for factor, name in ((0.5, "factors 2, 0.5"), (0.8, "factors 1.25, 0.8")):
+        (cascade,) = [v for k, v in schedules.items() if name in k]
+        assert [s for s, _, _ in cascade[1:]] == list(range(900, 1600, 100))
+        rates = [lr for _, lr, _ in cascade]
+        assert all(b == pytest.approx(max(low, a * factor)) for a, b in zip(rates, rates[1:]))
+    assert min(lr for _, lr, _ in schedules[[k for k in schedules if "2, 0.5" in k][0]]) == low
