@@ -203,9 +203,9 @@ class _BaselinedTrainer(Trainer):
         self.probe = probe
         super().__init__(cfg, **kwargs)
 
-    def _build_model(self, pretrained) -> nn.Module:
+    def _build_model(self, *args: Any) -> nn.Module:
         self.probe.baseline()
-        return super()._build_model(pretrained)
+        return super()._build_model(*args)
 
 
 # ------------------------------------------------------------------- from another script: fresh processes

@@ -265,8 +265,8 @@ class Census(TrainerCallback):
 
 
 class _CountingTrainer(_BaselinedTrainer):
-    def _build_model(self, pretrained) -> torch.nn.Module:
-        model = super()._build_model(pretrained)
+    def _build_model(self, *args: Any) -> torch.nn.Module:
+        model = super()._build_model(*args)
         self.n_params = sum(p.numel() for p in model.parameters())  # before any engine shards it
         return model
 
