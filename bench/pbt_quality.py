@@ -384,9 +384,7 @@ def run_hand_schedules(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"schedule": name, "lineage": schedules[name], "best_val_loss": min(reports),
                      "val_loss_every_interval": reports})
         print(f"hand schedule {name}: best val_loss {min(reports):.4f}", flush=True)
-    return {"what": hand_schedules.__doc__.split("\n")[0] + " " + " ".join(
-                line.strip() for line in hand_schedules.__doc__.split("\n")[1:]),
-            "run_seed": args.run_seed, "steps": args.steps, "interval": args.interval,
+    return {"what": " ".join(hand_schedules.__doc__.split()), "run_seed": args.run_seed, "steps": args.steps, "interval": args.interval,
             "wall_s": time.time() - started, "load_avg_end": os.getloadavg(), "rows": rows}
 
 

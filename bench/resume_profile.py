@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import subprocess
 import sys
@@ -76,9 +77,11 @@ def main() -> None:
         ap.error("--data, --work and --out are required")
     sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
     from checkpoint import SHAPES, TINY_1B, run_config
+    from run import environment  # bench/run.py's: command, commit, load average, versions
 
     from trainers.trainer import Trainer
 
+    env = environment(args)
     out, run_dir = Path(args.out), Path(args.work) / "resume-profile"
     out.mkdir(parents=True, exist_ok=True)
     shape = TINY_1B if args.dry_run else SHAPES[args.shape]
@@ -104,11 +107,11 @@ def main() -> None:
     marks = json.loads((out / "marks.json").read_text())
     order = ["python_started", "torch_imported", "cuda_ready", "trainers_imported", "built", "first_step"]
     split = {f"{a}->{b}": marks[b] - marks[a] for a, b in zip(order, order[1:])}
-    result = {"device": args.device, "shape": args.shape, "dry_run": args.dry_run, "save_run_s": saved,
+    result = {"environment": env, "loadavg_at_end": os.getloadavg(), "device": args.device, "shape": args.shape, "dry_run": args.dry_run, "save_run_s": saved,
               "process_start_to_python": marks["python_started"] - start,
               "first_step_after_start_s": marks["first_step"] - start, "split_s": split, "imports_top": top}
     (out / "resume_profile.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "imports_top"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("imports_top", "environment")}, indent=1))
     print("\n".join(f"{r['cumulative_us'] / 1e6:7.2f} s {r['module']}" for r in top[:15]))
     print("\n".join((out / "build_profile.txt").read_text().splitlines()[:70]))
 
