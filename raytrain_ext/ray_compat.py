@@ -99,6 +99,21 @@ def set_error_printer(printer: Callable[..., None]) -> None:
     worker.print_to_stdstream = printer
 
 
+# ray/tune/execution/experiment_state.py: each save of Tune's experiment state writes into the driver's
+# staging folder (the searcher's state through ray/tune/utils/util.py `_atomic_save`: ".<uuid>-tmp-<name>",
+# then a rename) while the upload that the previous save launched may still be copying that folder to
+# storage. That upload then fails on the renamed temp file, and the next save logs it at ERROR with its
+# traceback ("Saving experiment state to storage ... failed") before launching its own upload of the whole
+# folder: nothing is lost, nothing to act on (seen on a Ctrl-C's final save, CI of stop 49).
+EXPERIMENT_STATE_LOGGER = "ray.tune.execution.experiment_state"
+
+
+def is_staging_temp_race(record: Any) -> bool:
+    """Whether a log record of EXPERIMENT_STATE_LOGGER is that upload's failure on a vanished temp file."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return isinstance(exc, FileNotFoundError) and "-tmp-" in str(exc)
+
+
 # ray/_private/authentication/authentication_token_setup.py: the logger of `ray.init`'s line about the
 # cluster's token (raytrain_ext.launcher quiets it for a local Ray, which needs none).
 TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"

@@ -12,6 +12,7 @@ config as it trains with it: `search.trial.TrialRun.step`.)
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 import ray
 from ray import tune
 
+from raytrain_ext import ray_compat
 from search.trial import RUN_DIR
 from trainers.metrics import MetricsTail
 from trainers.run_dir import METRICS
@@ -30,14 +32,25 @@ __all__ = ["ExperimentReporter", "quiet_warnings", "training_now"]
 
 @contextlib.contextmanager
 def quiet_warnings() -> Iterator[None]:
-    """While Tune runs the population: warnings a user watching the console cannot act on, left out."""
-    with warnings.catch_warnings():
-        # Ray's advice for PBT (reuse actors, reset_config) is for restarting trials; ours stay live.
-        warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
-        # PB2's GP, fit on a few noisy points, hits a kernel bound at most decisions: scikit-learn's
-        # ConvergenceWarning each time.
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"sklearn\.gaussian_process")
-        yield
+    """While Tune runs the population: warnings a user watching the console cannot act on, left out; and
+    Tune's traceback for an upload of its experiment state that raced a save (`ray_compat.
+    is_staging_temp_race`: the save's own upload follows and copies everything)."""
+    experiment_state = logging.getLogger(ray_compat.EXPERIMENT_STATE_LOGGER)
+    experiment_state.addFilter(_not_a_staging_race)
+    try:
+        with warnings.catch_warnings():
+            # Ray's advice for PBT (reuse actors, reset_config) is for restarting trials; ours stay live.
+            warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+            # PB2's GP, fit on a few noisy points, hits a kernel bound at most decisions: scikit-learn's
+            # ConvergenceWarning each time.
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"sklearn\.gaussian_process")
+            yield
+    finally:
+        experiment_state.removeFilter(_not_a_staging_race)
+
+
+def _not_a_staging_race(record: logging.LogRecord) -> bool:
+    return not ray_compat.is_staging_temp_race(record)
 
 
 class ExperimentReporter(tune.CLIReporter):

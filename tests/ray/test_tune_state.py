@@ -239,7 +239,7 @@ def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: 
     third.wait_for(lambda: reported_since(since, before=steps), "a report of the resumed run before its last step")
     assert third.kill(signal.SIGINT) == 130
     err = third.err.read_text().splitlines()
-    assert not [line for line in err if line.startswith("Traceback")]
+    assert not [line for line in err if line.startswith("Traceback")], "\n".join(err[-80:])
     assert f"raytrain: interrupted; resume with: raytrain tune {path} --address local --resume" in err
     # 4. resumed to the end
     last = start("--resume")

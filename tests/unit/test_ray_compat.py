@@ -24,6 +24,15 @@ def test_the_installed_ray_is_the_one_the_names_were_read_from():
     )
 
 
+def test_tunes_experiment_state_logs_its_upload_failures_where_the_console_filters_them():
+    from ray.tune.execution import experiment_state
+    from ray.tune.utils import util
+
+    assert experiment_state.logger.name == ray_compat.EXPERIMENT_STATE_LOGGER
+    assert "Saving experiment state to storage" in inspect.getsource(experiment_state)
+    assert '-{tmp_file_name}' in inspect.getsource(util._atomic_save)  # ".<uuid>-tmp-<name>" at its callers
+
+
 def test_the_driver_console_hooks_are_there():
     dispatcher = ray_compat.worker_output_dispatcher()
     assert callable(dispatcher.add_handler) and callable(dispatcher.remove_handler)
