@@ -5,6 +5,8 @@ Each entry says what it is for and what to look at when Ray moves. Written again
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -100,18 +102,22 @@ def set_error_printer(printer: Callable[..., None]) -> None:
 
 
 # ray/tune/execution/experiment_state.py: each save of Tune's experiment state writes into the driver's
-# staging folder (the searcher's state through ray/tune/utils/util.py `_atomic_save`: ".<uuid>-tmp-<name>",
+# staging folder (the searcher's state through ray/tune/utils/util.py `_atomic_save`, ".<uuid>-tmp-<name>"
+# then a rename; the scheduler's summary through trainers.storage.write_bytes_atomic, ".<name>.<pid>.<hex>"
 # then a rename) while the upload that the previous save launched may still be copying that folder to
 # storage. That upload then fails on the renamed temp file, and the next save logs it at ERROR with its
 # traceback ("Saving experiment state to storage ... failed") before launching its own upload of the whole
 # folder: nothing is lost, nothing to act on (seen on a Ctrl-C's final save, CI of stop 49).
 EXPERIMENT_STATE_LOGGER = "ray.tune.execution.experiment_state"
+_MISSING_LOCAL_FILE = re.compile(r"Failed to open local file '([^']+)'")  # pyarrow's copy_files
 
 
 def is_staging_temp_race(record: Any) -> bool:
-    """Whether a log record of EXPERIMENT_STATE_LOGGER is that upload's failure on a vanished temp file."""
+    """Whether a log record of EXPERIMENT_STATE_LOGGER is that upload's failure on a vanished temp file (a
+    hidden file: both writers name their temp files with a leading dot)."""
     exc = record.exc_info[1] if record.exc_info else None
-    return isinstance(exc, FileNotFoundError) and "-tmp-" in str(exc)
+    missing = _MISSING_LOCAL_FILE.search(str(exc)) if isinstance(exc, FileNotFoundError) else None
+    return missing is not None and os.path.basename(missing.group(1)).startswith(".")
 
 
 # ray/_private/authentication/authentication_token_setup.py: the logger of `ray.init`'s line about the

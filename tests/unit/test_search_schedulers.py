@@ -163,14 +163,17 @@ def test_tunes_upload_that_raced_a_save_of_its_state_prints_no_traceback(tmp_pat
         except FileNotFoundError:
             log.error("Saving experiment state to storage at '%s' failed with exception: ", tmp_path, exc_info=True)
 
-    temp, state = ".d7514445-tmp-basic-variant-state-2026-11-27_23-00-34.json", "experiment_state.json"
+    rays = ".d7514445-tmp-basic-variant-state-2026-11-27_23-00-34.json"  # ray/tune/utils/util.py _atomic_save
+    ours = ".scheduler_state.json.15524.a1b2c3"  # SchedulerState's summary, trainers.storage.write_bytes_atomic
+    state = "experiment_state-2026-11-27_23-00-34.json"
     with caplog.at_level(logging.ERROR, logger=ray_compat.EXPERIMENT_STATE_LOGGER):
         with quiet_warnings():
-            upload_fails_on(temp)
+            upload_fails_on(rays)
+            upload_fails_on(ours)
             upload_fails_on(state)
-        upload_fails_on(temp)  # outside it, Ray's logging as it was
+        upload_fails_on(rays)  # outside it, Ray's logging as it was
     shown = [str(r.exc_info[1]) for r in caplog.records]
-    assert len(shown) == 2 and state in shown[0] and temp in shown[1], shown
+    assert len(shown) == 2 and state in shown[0] and rays in shown[1], shown
     assert not log.filters
 
 
