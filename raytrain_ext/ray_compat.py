@@ -101,6 +101,19 @@ def set_error_printer(printer: Callable[..., None]) -> None:
     worker.print_to_stdstream = printer
 
 
+# ray/tune/schedulers/pbt.py and pb2.py: search.schedulers subclasses Ray's PopulationBasedTraining and PB2
+# (deciding in place, state that survives Tuner.restore, PB2 on the search scale) and reads or sets these
+# of their private attributes and methods, and these fields of a trial's `_PBTTrialState` (`_trial_state`'s
+# values). `_quantiles()` returns (lower, upper); `_get_new_config(trial, donor)` returns (config, operations).
+PBT_PRIVATE = (
+    "_trial_state", "_quantiles", "_save_trial_state", "_get_new_config", "_custom_explore_fn",
+    "_hyperparam_mutations", "_num_perturbations", "_num_checkpoints", "_next_perturbation_sync", "_synch",
+    "_perturbation_interval", "_burn_in_period", "_metric",
+)  # fmt: skip
+PB2_PRIVATE = ("data", "last_exploration_time", "current", "_hyperparam_bounds_flat")
+PBT_TRIAL_STATE = ("orig_tag", "last_score", "last_checkpoint", "last_perturbation_time", "last_train_time", "last_result")
+
+
 # ray/tune/execution/experiment_state.py: each save of Tune's experiment state writes into the driver's
 # staging folder (the searcher's state through ray/tune/utils/util.py `_atomic_save`, ".<uuid>-tmp-<name>"
 # then a rename; the scheduler's summary through trainers.storage.write_bytes_atomic, ".<name>.<pid>.<hex>"

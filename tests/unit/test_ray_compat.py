@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.tune.schedulers.pb2 import PB2  # scikit-learn sets KMP_* variables on import: at collection
 
 from raytrain_ext import ray_compat
 
@@ -89,3 +90,34 @@ def test_a_tune_trials_checkpoints_are_read_and_forgotten_through_its_manager():
 def test_the_experiment_tag_names_the_new_values():
     tag = ray_compat.experiment_tag("0_lr=0.1", {"lr": 0.25, "member": 0}, {"lr": [0.1, 0.25]})
     assert tag.startswith("0_") and "lr=0.25" in tag
+
+
+def test_the_pbt_and_pb2_internals_the_schedulers_subclass_are_there():
+    """search.schedulers' classes over Ray's PBT and PB2 use exactly what ray_compat lists."""
+    import re
+
+    from ray.tune.schedulers import PopulationBasedTraining
+    from ray.tune.schedulers.pbt import _PBTTrialState
+
+    import search.schedulers
+
+    pbt = PopulationBasedTraining(time_attr="step", hyperparam_mutations={"lr": [0.1, 0.2]})
+    pb2 = PB2(time_attr="step", hyperparam_bounds={"lr": [0.1, 0.2]})
+    assert [name for name in ray_compat.PBT_PRIVATE if not hasattr(pbt, name)] == []
+    assert [name for name in ray_compat.PB2_PRIVATE if not hasattr(pb2, name)] == []
+
+    class _Trial:
+        experiment_tag = "0"
+
+    assert sorted(vars(_PBTTrialState(_Trial()))) == sorted(ray_compat.PBT_TRIAL_STATE)
+    assert list(inspect.signature(PopulationBasedTraining._get_new_config).parameters) == [
+        "self", "trial", "trial_to_clone",
+    ]  # fmt: skip
+    source = inspect.getsource(search.schedulers)  # what the schedulers reach of Ray's: listed there
+    ours = {name for cls in vars(search.schedulers).values() if isinstance(cls, type) for name in vars(cls)}
+    ours |= {"_restored", "_decided", "_applied", "_board", "_controller", "_waiting", "_first_wait", "_space"}
+    ours |= {"_sync_timeout_s"}
+    used = set(re.findall(r"self\.(_[a-z][a-z_]*)", source)) - ours
+    assert used <= set(ray_compat.PBT_PRIVATE) | set(ray_compat.PB2_PRIVATE), used - set(ray_compat.PBT_PRIVATE)
+    fields = set(re.findall(r"\bstate\.([a-z][a-z_]*)", source)) - {"pop", "json"}
+    assert fields <= set(ray_compat.PBT_TRIAL_STATE), fields
