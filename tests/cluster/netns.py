@@ -49,6 +49,12 @@ def can_make_hosts() -> str | None:
         return "test hosts need Linux network namespaces"
     if os.geteuid() != 0:
         return "test hosts need root (ip netns, unshare, mount)"
+    under_tmp = [p for p in (Path(sys.executable).absolute(), Path(__file__).absolute()) if p.is_relative_to("/tmp")]
+    if under_tmp:  # each host mounts a tmpfs of its own on /tmp (its own /tmp/ray): this checkout is not there
+        return (
+            f"test hosts mount their own /tmp, where {under_tmp[0]} is not; run the tier from a checkout and "
+            f"virtualenv outside /tmp (e.g. /var/tmp or a home folder)"
+        )
     for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"test hosts need `{tool}` (Debian: apt-get install iproute2 util-linux)"
