@@ -459,10 +459,33 @@ def verdict(methods: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["pb2_no_worse_than_random"] = None
     if "grid" in methods:
         out["vs_grid_best"] = {"gap": p["mean"] - methods["grid"]["stats"]["mean"]}
+    out["paired"] = {other: paired(methods[pbt], methods[other]) for other in ("random", "asha") if other in methods}
     seeds_ok = all(m["stats"]["n"] >= 5 for k, m in methods.items() if k != "grid")
     out["seeds_at_least_5"] = seeds_ok
     out["holds"] = len(checks) == 3 and all(checks) and seeds_ok
     return out
+
+
+def paired(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any] | None:
+    """Beside the rule above (it is the issue's, and compares the methods' means against their spreads over
+    seeds): the same seeds compared one by one. Both searches of one seed start from the same members, so
+    most of a seed's luck is shared and cancels in its difference; `wins` counts the seeds where `low` is
+    below `high`, `t` is the mean difference over its standard error (paired t statistic, n - 1 degrees of
+    freedom). None without at least two common seeds."""
+    by_seed = dict(zip(high.get("seeds", []), high.get("best_val_loss", [])))
+    common = [(s, v) for s, v in zip(low.get("seeds", []), low.get("best_val_loss", [])) if s in by_seed]
+    if len(common) < 2:
+        return None
+    diffs = [by_seed[s] - v for s, v in common]
+    mean, std = statistics.fmean(diffs), statistics.stdev(diffs)
+    return {
+        "seeds": [s for s, _ in common],
+        "differences": diffs,
+        "wins": sum(d > 0 for d in diffs),
+        "mean": mean,
+        "std": std,
+        "t": mean / (std / math.sqrt(len(diffs))) if std > 0 else None,  # None: every difference the same
+    }
 
 
 def replay_check(methods: dict[str, dict[str, Any]]) -> dict[str, Any]:

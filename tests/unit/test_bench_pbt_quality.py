@@ -68,6 +68,7 @@ def test_summarize_only_writes_the_contract_and_computes_the_verdict(tmp_path):
     assert done["beats_random"]["holds"] and done["beats_asha"]["holds"] and done["pb2_no_worse_than_random"]["holds"]
     assert done["holds"] is True
     assert done["beats_random"]["margin"] == pytest.approx(0.17)
+    assert done["paired"]["random"]["wins"] == 5 and done["paired"]["random"]["t"] is None  # 0.17 at every seed
     replay = result["replay"]
     assert replay["holds"] and replay["pbt_sync"]["gaps"] == pytest.approx([0.001 * (-1) ** s for s in range(5)])
     four = result["by_population"]["4"]
@@ -88,6 +89,27 @@ def test_the_verdict_fails_where_the_margin_is_within_the_noise():
     assert done["pb2_no_worse_than_random"]["holds"] and done["holds"] is False
     methods["pb2"] = m([1.95, 1.96, 1.94, 1.95, 1.95])  # worse than random by more than twice its spread
     assert not pbt_quality.verdict(methods)["pb2_no_worse_than_random"]["holds"]
+
+
+def test_the_paired_comparison_counts_seed_by_seed_wins_beside_the_unpaired_rule():
+    def m(values, seeds=range(5)):
+        return {"seeds": list(seeds), "best_val_loss": values, "stats": pbt_quality._stats(values)}
+
+    # each seed's luck moves both searches alike: the means differ by less than twice the spread, yet PBT is
+    # below random search on every seed, by 0.03 +- 0.01
+    random = [1.90, 1.95, 1.86, 1.99, 1.92]
+    pbt = [r - d for r, d in zip(random, (0.02, 0.03, 0.04, 0.03, 0.03))]
+    done = pbt_quality.verdict({"pbt": m(pbt), "random": m(random), "asha": m([1.9, 1.9, 1.9, 1.9, 2.0])})
+    assert not done["beats_random"]["holds"]  # the rule, unchanged
+    pair = done["paired"]["random"]
+    assert pair["wins"] == 5 and pair["differences"] == pytest.approx([0.02, 0.03, 0.04, 0.03, 0.03])
+    assert pair["mean"] == pytest.approx(0.03) and pair["std"] == pytest.approx(0.00707, abs=1e-5)
+    assert pair["t"] == pytest.approx(0.03 / (0.0070711 / 5**0.5), rel=1e-4)
+    assert done["paired"]["asha"]["wins"] == 3  # PBT 1.88 1.92 1.82 1.96 1.89: above ASHA at seeds 1 and 3
+    # only the seeds both ran are paired; fewer than two: no comparison
+    assert pbt_quality.paired(m(pbt[:1], seeds=[3]), m(random)) is None
+    mixed = pbt_quality.paired(m(pbt[:3], seeds=[0, 1, 7]), m(random))
+    assert mixed["seeds"] == [0, 1] and mixed["differences"] == pytest.approx([0.02, 0.03])
 
 
 def test_replay_check_fails_where_a_replay_misses_by_more_than_the_seed_spread():
