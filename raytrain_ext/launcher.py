@@ -438,11 +438,14 @@ def _as_error(failed: dict[str, Any]) -> Exception:
 
 class _ProgressWatcher:
     """A progress bar in the driver, fed by the run's own metrics.jsonl (rank 0 of whichever attempt
-    is running writes it): step, loss, tokens/s and the current world size."""
+    is running writes it): step, loss, tokens/s and the current world size. Made before the invocation's
+    workers start (under the run dir's lock): the events its log already holds are earlier invocations'
+    and are not told again (a run resumed a third time showed the second's "resumed from" line too)."""
 
     def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5, bar: bool = True):
         self.path, self.total, self.name, self.bar = path, total, name, bar
         self.interval_s = poll_interval(path, interval_s)
+        self._earlier = {_event_key(row) for row in MetricsTail(path).rows() if row.get("kind") == "event"}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
 
@@ -456,13 +459,13 @@ class _ProgressWatcher:
     def _run(self) -> None:
         bar = progress_bar(self.total, self.name) if self.bar else LineProgress(self.total, self.name, show=False)
         tail, last, val = MetricsTail(self.path), None, None
-        told: set[tuple[Any, ...]] = set()  # events already written (a rewound log is read again)
+        told = set(self._earlier)  # events already written (a rewound log is read again)
         try:
             while True:
                 stopping = self._stop.wait(self.interval_s)
                 rows = tail.rows()
                 for row in rows:
-                    key = (row.get("event"), row.get("step"), row.get("time"))
+                    key = _event_key(row)
                     if row.get("kind") == "event" and key in told:
                         continue
                     told.add(key)
@@ -484,6 +487,10 @@ class _ProgressWatcher:
                     return
         finally:
             bar.close()
+
+
+def _event_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row.get("event"), row.get("step"), row.get("time"))
 
 
 def event_line(row: dict[str, Any]) -> str | None:

@@ -169,3 +169,29 @@ def test_a_failure_is_recorded_by_its_kind_and_raised_again_as_itself(tmp_path):
         again = _as_error(_read_failed(tmp_path))
         assert type(again) is raised and str(error) in str(again)
     assert "ZeroDivisionError: division by zero" in str(again) and "before the first checkpoint" in str(again)
+
+
+def test_the_console_tells_this_invocations_events_not_those_of_earlier_ones(tmp_path, capsys):
+    """A run resumed again: its metrics.jsonl already holds the last invocation's resume; the watcher (made
+    before the workers start) tells only the resume and resize that this invocation writes, each once,
+    also after a restart rewrites the log."""
+    from raytrain_ext.launcher import _ProgressWatcher
+
+    log = tmp_path / "metrics.jsonl"
+
+    def event(name, step, t, **extra):
+        return json.dumps({"kind": "event", "event": name, "step": step, "time": t, **extra}) + "\n"
+
+    earlier = event("resume", 6, 100.0, world_size=2)
+    log.write_text(event("start", 0, 50.0) + earlier)
+    watcher = _ProgressWatcher(log, total=30, name="t", bar=False)
+    now = event("resume", 12, 200.0, world_size=2) + event("resize", 12, 201.0, old_world_size=2,
+                                                            new_world_size=1, accumulation=4)
+    log.write_text(event("start", 0, 50.0) + earlier + now)  # a rewrite (a restore rewinds the log) ...
+    with log.open("a") as f:
+        f.write(json.dumps({"kind": "train", "step": 13, "loss": 2.0, "tokens_per_s": 10.0, "world_size": 1}) + "\n")
+    watcher.start()
+    watcher.stop()  # its last pass reads what is there
+    err = capsys.readouterr().err
+    assert "resumed from step 6" not in err
+    assert err.count("resumed from step 12 on 2 workers") == 1 and err.count("resized 2 -> 1 workers") == 1
