@@ -22,7 +22,9 @@ from tests.conftest import tiny_raw
 from tests.dist.harness import free_port
 from trainers.metrics import read_metrics
 
-pytestmark = pytest.mark.ray
+# the slow tier (~45 s on 2 cores: a Ray head in its own processes and a job); the cluster tier submits a job from
+# a client host too
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 
