@@ -264,11 +264,11 @@ class Census(TrainerCallback):
         tracker.peak = max(tracker.peak, tracker.current)
 
 
-class _CountingTrainer(_BaselinedTrainer):
-    def _build_model(self, *args: Any) -> torch.nn.Module:
-        model = super()._build_model(*args)
-        self.n_params = sum(p.numel() for p in model.parameters())  # before any engine shards it
-        return model
+class _ParamCount(TrainerCallback):
+    n = 0
+
+    def on_model_built(self, trainer: Trainer, model: torch.nn.Module) -> None:
+        self.n = sum(p.numel() for p in model.parameters())  # before any engine shards it
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -277,14 +277,15 @@ def worker(args: argparse.Namespace) -> None:
     rank = torch.distributed.get_rank()
     cfg = bench_config(args, args.worker, WORK / args.worker / "run")
     probe = Probe(args.warmup, args.measured)
-    trainer = _CountingTrainer(cfg, probe, progress=False)
+    count = _ParamCount()
+    trainer = _BaselinedTrainer(cfg, probe, callbacks=[count], progress=False)
     census = Census(trainer, probe)
     trainer.callbacks += [census, _ProbeCallback(probe)]  # census registers before the Probe's tracker starts
     trainer.fit()
     result = dict(
         probe.summary(),
         rank=rank,
-        n_params=trainer.n_params,
+        n_params=count.n,
         moments=census.moments,
         unaccounted_largest=census.unaccounted,
         deepspeed_layout=census.layout,

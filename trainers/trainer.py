@@ -49,6 +49,10 @@ class TrainerCallback:
     `checkpoint.mode: async` that is a few steps after the step it holds (`checkpoint_step(path)`), while
     `trainer.step` has moved on."""
 
+    # The whole model as built, on every rank, before the engine parallelizes, shards or wraps it (and before
+    # the optimizer exists): freeze parameters, add forward hooks. Its parameters hold their initial values,
+    # or none yet (the meta device) when they come from a checkpoint or a Hugging Face folder.
+    def on_model_built(self, trainer: Trainer, model: torch.nn.Module) -> None: ...
     def on_fit_start(self, trainer: Trainer) -> None: ...
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
     # `record` ({"val_loss": ...}) may be given the callback's own values (numbers, e.g. an accuracy it
@@ -102,7 +106,10 @@ class Trainer:
         resume = self._resume_path()  # before the model: a resume wins over model.init_from
         pretrained = cfg.model.init_from if resume[0] is None else None
         loaded = resume[0] is not None or pretrained is not None  # the weights come from files: no init
-        self.engine.setup(self._build_model(pretrained, loaded), cfg)
+        model = self._build_model(pretrained, loaded)
+        for cb in self.callbacks:
+            cb.on_model_built(self, model)
+        self.engine.setup(model, cfg)
         if loaded and self.engine.shards_meta_models:
             self.engine.materialize()  # this rank's shards only, then each reads its part
             if pretrained is not None:

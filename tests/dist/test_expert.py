@@ -31,7 +31,7 @@ from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline import STEPS, _raw
 from trainers.config import parse_config
 from trainers.models import moe_layers
-from trainers.trainer import Trainer
+from trainers.trainer import Trainer, TrainerCallback
 
 pytestmark = pytest.mark.dist
 
@@ -70,17 +70,15 @@ class _FixedRouter:
         return out + self.logits.repeat(out.shape[0] // SEQ, 1).to(out.dtype)
 
 
-class _FixedRoutingTrainer(Trainer):
-    def _build_model(self, *args) -> nn.Module:
-        model = super()._build_model(*args)
+class _FixedRouting(TrainerCallback):
+    def on_model_built(self, trainer: Trainer, model: nn.Module) -> None:
         for moe in moe_layers(model):
             moe.gate.register_forward_hook(_FixedRouter())
-        return model
 
 
 def _train_fixed(rank: int, world: int, raws: dict[str, dict]) -> None:
     for raw in raws.values():
-        _FixedRoutingTrainer(parse_config(raw), progress=False).fit()
+        Trainer(parse_config(raw), callbacks=[_FixedRouting()], progress=False).fit()
 
 
 def _expected(moe: dict) -> dict:
