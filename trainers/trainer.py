@@ -50,8 +50,8 @@ class TrainerCallback:
     `trainer.step` has moved on."""
 
     # The whole model as built, on every rank, before the engine parallelizes, shards or wraps it (and before
-    # the optimizer exists): freeze parameters, add forward hooks. Its parameters hold their initial values,
-    # or none yet (the meta device) when they come from a checkpoint or a Hugging Face folder.
+    # the optimizer exists): freeze parameters, add forward hooks. Its parameters hold their initial values;
+    # when they come from a checkpoint or a Hugging Face folder they may not be there yet (the meta device).
     def on_model_built(self, trainer: Trainer, model: torch.nn.Module) -> None: ...
     def on_fit_start(self, trainer: Trainer) -> None: ...
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
