@@ -445,7 +445,9 @@ class _ProgressWatcher:
     def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5, bar: bool = True):
         self.path, self.total, self.name, self.bar = path, total, name, bar
         self.interval_s = poll_interval(path, interval_s)
-        self._earlier = {_event_key(row) for row in MetricsTail(path).rows() if row.get("kind") == "event"}
+        self._tail = MetricsTail(path)
+        self._first = self._tail.rows()  # the log as earlier invocations left it: read once, told from at start
+        self._earlier = {_event_key(row) for row in self._first if row.get("kind") == "event"}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-progress", daemon=True)
 
@@ -458,12 +460,12 @@ class _ProgressWatcher:
 
     def _run(self) -> None:
         bar = progress_bar(self.total, self.name) if self.bar else LineProgress(self.total, self.name, show=False)
-        tail, last, val = MetricsTail(self.path), None, None
+        last, val = None, None
         told = set(self._earlier)  # events already written (a rewound log is read again)
         try:
             while True:
                 stopping = self._stop.wait(self.interval_s)
-                rows = tail.rows()
+                rows, self._first = self._first + self._tail.rows(), []
                 for row in rows:
                     key = _event_key(row)
                     if row.get("kind") == "event" and key in told:
