@@ -62,6 +62,21 @@ class TrainerCallback:
     def after_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
 
 
+_HOOKS = tuple(name for name in vars(TrainerCallback) if name.startswith(("on_", "after_")))
+
+
+def _check_callbacks(callbacks: list[Any]) -> None:
+    """A callback written without subclassing `TrainerCallback` is refused in one line naming the hooks it
+    lacks, at the Trainer's construction, not with an AttributeError at the first hook it misses."""
+    for cb in callbacks:
+        missing = [name for name in _HOOKS if not callable(getattr(cb, name, None))]
+        if missing:
+            raise TypeError(
+                f"callback {type(cb).__name__} has no {', '.join(missing)}; fix: subclass "
+                "trainers.TrainerCallback (every hook is a no-op there) and override the ones it needs"
+            )
+
+
 @dataclass
 class FitResult:
     run_dir: Path
@@ -87,6 +102,7 @@ class Trainer:
                 "trainers.autofit.resolve_fit(cfg)[0]"
             )
         self.cfg, self.callbacks, self.progress = cfg, list(callbacks), progress
+        _check_callbacks(self.callbacks)
         self.engine = engine or build_engine(cfg)
         self.device = self.engine.device
         self.run_dir = cfg.out_dir

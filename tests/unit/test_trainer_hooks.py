@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trainers.trainer import Trainer, TrainerCallback
@@ -37,3 +38,22 @@ def test_a_callback_freezes_parameters_before_the_optimizer_takes_them(tiny_conf
     after, moved = _embedding(frozen.model), _embedding(plain.model)
     assert all(torch.equal(after[n], start[n]) for n in start)  # frozen: unchanged by 8 steps
     assert all(not torch.equal(moved[n], start[n]) for n in start)  # trained without the hook
+
+
+class _DuckTyped:  # hooks by name, without TrainerCallback: on_model_built and after_eval are missing
+    def on_fit_start(self, trainer):
+        pass
+
+    def after_step(self, trainer, record):
+        pass
+
+    def after_checkpoint(self, trainer, path):
+        pass
+
+
+def test_a_callback_without_every_hook_is_refused_in_one_line_naming_them(tiny_config):
+    with pytest.raises(TypeError) as err:
+        Trainer(tiny_config("duck"), callbacks=[_DuckTyped()], progress=False)
+    message = str(err.value)
+    assert "\n" not in message and "_DuckTyped" in message and "subclass trainers.TrainerCallback" in message
+    assert "on_model_built" in message and "after_eval" in message and "after_step" not in message
