@@ -204,7 +204,7 @@ def experiment(args: argparse.Namespace, method: str, seed: int, population: int
     from search.config import load_experiment
 
     sched = _scheduler_yaml(args, method)
-    overrides = {**OVERRIDES, "data.path": args.data, "seed": args.run_seed}
+    overrides = {**task_overrides(args), "data.path": args.data, "seed": args.run_seed}
     if args.dry_run:
         overrides.update({"model.max_seq_len": 32, "data.seq_len": 32, "train.eval_batches": 2})
     return load_experiment(
@@ -221,6 +221,21 @@ def experiment(args: argparse.Namespace, method: str, seed: int, population: int
             "resources={workers: 1, cpus_per_worker: 1}",
         ],
     )
+
+
+def task_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The task's run overrides, with `--task-set KEY=VALUE` changes (a variant of the task: a value is read as
+    JSON where it parses, else kept as a string)."""
+    out = dict(OVERRIDES)
+    for item in args.task_set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--task-set {item!r}: expected KEY=VALUE, e.g. model.dim=16")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def _scheduler_yaml(args: argparse.Namespace, method: str) -> str:
@@ -538,7 +553,8 @@ def write_results(
     out = {
         **provenance(started, load_before),
         "dry_run": args.dry_run,
-        "task": {**TASK, "overrides": OVERRIDES, "space": SPACE, "data": args.data},
+        "task": {**TASK, "overrides": task_overrides(args), "space": SPACE, "data": args.data,
+                 **({"variant": args.task_set} if args.task_set else {})},
         "harness": (
             "each trial is a Tune function trainable running the product's trainers.Trainer in its own process "
             "(world size 1, parallel.engine none, 1 torch thread, no Ray Train), with the product's experiment "
@@ -691,6 +707,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpus-per-trial", type=float, default=None, help="default: 2 / concurrent")
     ap.add_argument("--concurrent", type=int, default=None,
                     help="trials of one experiment side by side (default: the population)")
+    ap.add_argument("--task-set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="a variant of the task: change its run overrides (e.g. model.dim=16)")
     ap.add_argument("--only", nargs="+", choices=ALL, default=list(ALL))
     ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--out", default=str(RESULTS))

@@ -166,3 +166,16 @@ def test_hand_schedules_start_at_the_grids_best_rate_and_change_on_report_steps(
         rates = [lr for _, lr, _ in cascade]
         assert all(b == pytest.approx(max(low, a * factor)) for a, b in zip(rates, rates[1:]))
     assert min(lr for _, lr, _ in schedules[[k for k in schedules if "2, 0.5" in k][0]]) == low
+
+
+def test_a_task_variant_changes_the_runs_overrides(corpus_dir, tmp_path):
+    common = ["--data", str(corpus_dir), "--work", str(tmp_path)]
+    args = pbt_quality.parse_args(["--task-set", "model.dim=16", "schedule.name=step", *common])
+    exp = pbt_quality.experiment(args, "random", 0, 4)
+    cfg = exp.run_config({"optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0}, name="t", run_dir=str(tmp_path / "r"))
+    assert cfg.model.dim == 16 and cfg.schedule.name == "step"  # the variant reaches the runs
+    assert cfg.model.n_layers == pbt_quality.OVERRIDES["model.n_layers"]  # the rest of the task stays
+    plain = pbt_quality.experiment(pbt_quality.parse_args(common), "random", 0, 4)
+    assert plain.run_config({}, name="t", run_dir=str(tmp_path / "p")).model.dim == pbt_quality.OVERRIDES["model.dim"]
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        pbt_quality.task_overrides(pbt_quality.parse_args(["--task-set", "model.dim"]))
