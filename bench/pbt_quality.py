@@ -66,6 +66,28 @@ ALL = (*METHODS, "grid")
 LOG = "trials.jsonl"  # in each experiment's folder: one line per report of every trial
 SUMMARY = "summary.json"
 LINEAGE = "lineage.json"  # in a trial's checkpoint: the hyperparameters its state was trained with, by step
+ORIGIN = "origin.json"  # beside it: the trial and step that wrote the checkpoint, and its weights' fingerprint
+
+
+def checkpoint_step_folder(folder: Path, origin: dict[str, Any] | None) -> Path:
+    """The Trainer checkpoint in a trial's Tune checkpoint: the one its `origin.json` names. Tune can persist
+    two reports of a trial into one checkpoint folder (after PBT pauses a trial, its restart may reuse the
+    index of the report before: Ray 2.60), which then holds two step folders beside the later report's
+    lineage and origin; the later one is the state Tune registered (found 2026-11-28, bench/README.md)."""
+    from trainers.checkpoint_files import checkpoint_step
+
+    steps = sorted(folder.glob("step_*"), key=checkpoint_step)
+    named = [p for p in steps if origin is not None and checkpoint_step(p) == origin["step"]]
+    return (named or steps)[-1]  # without an origin (an older checkpoint): the latest step
+
+
+def fingerprint(model: Any) -> list[float]:
+    """The weights' sum and sum of squares (float64): equal for equal states, checked at every restore."""
+    import torch
+
+    with torch.no_grad():
+        ps = [p.detach().double() for p in model.parameters()]
+        return [float(sum(p.sum() for p in ps)), float(sum((p * p).sum() for p in ps))]
 REPLAYED = ("pbt", "pbt_sync")  # methods whose best lineage is re-trained from scratch (the replay check)
 
 TASK = {
@@ -120,9 +142,10 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
     run_dir = Path(log).parent / "runs" / f"{trial}-{uuid.uuid4().hex[:6]}"
     checkpoint = tune.get_checkpoint()
     with checkpoint.as_directory() if checkpoint else contextlib.nullcontext(None) as d:
-        resume = next(Path(d).glob("step_*")) if d else None
         # the lineage: [step, lr, wd] from which each stretch trained; a restore continues the checkpoint's
         lineage = json.loads((Path(d) / LINEAGE).read_text()) if d and (Path(d) / LINEAGE).exists() else []
+        origin = json.loads((Path(d) / ORIGIN).read_text()) if d and (Path(d) / ORIGIN).exists() else None
+        resume = checkpoint_step_folder(Path(d), origin) if d else None
         cfg = exp.run_config(
             hparams,
             name=run_dir.name,
@@ -133,6 +156,9 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
         trainer = Trainer(cfg, progress=False)
     steps, interval = exp.steps, exp.scheduler.interval
     restored_at = trainer.step if resume else None
+    # a restore whose weights are not the ones saved with its lineage (the replay check would miss it)
+    mismatch = bool(origin) and (origin["step"] != trainer.step or origin["fingerprint"] != fingerprint(trainer.model))
+    restored_from = origin["trial"] if origin else None
     lineage = [seg for seg in lineage if seg[0] < trainer.step]
     if not lineage or lineage[-1][1:] != [cfg.optimizer.lr, cfg.optimizer.weight_decay]:
         lineage.append([trainer.step, cfg.optimizer.lr, cfg.optimizer.weight_decay])
@@ -152,6 +178,9 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
                 "lr": cfg.optimizer.lr,
                 "wd": cfg.optimizer.weight_decay,
                 "restored_at": restored_at,
+                "restored_from": restored_from,
+                "restored_path": checkpoint.path if restored_at is not None else None,
+                "restore_mismatch": mismatch if restored_at is not None else None,
                 "interval_s": time.perf_counter() - start,
                 "time": time.time(),
                 "lineage": lineage,
@@ -167,6 +196,8 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
             with tempfile.TemporaryDirectory(dir=run_dir) as tmp:  # Tune copies the step folder on report
                 link_tree(path, Path(tmp) / path.name)
                 (Path(tmp) / LINEAGE).write_text(json.dumps(lineage))
+                origin = {"trial": trial, "step": trainer.step, "fingerprint": fingerprint(trainer.model)}
+                (Path(tmp) / ORIGIN).write_text(json.dumps(origin))
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
     finally:
         trainer.log.close("FINISHED" if trainer.step >= steps else "KILLED")
@@ -416,6 +447,7 @@ def summarize_experiment(exp_dir: Path, wall: float, method: str, seed: int) -> 
         "wall_s": wall,
         "trials": len(trials),
         "restores": sum(1 for r in rows if r["restored_at"] is not None),
+        "restore_mismatches": sum(1 for r in rows if r.get("restore_mismatch")),
         "reports": len(rows),
     }
     # the schedule of the trial that reached the best: its (lr, wd) at each of its reports up to that one

@@ -179,3 +179,16 @@ def test_a_task_variant_changes_the_runs_overrides(corpus_dir, tmp_path):
     assert plain.run_config({}, name="t", run_dir=str(tmp_path / "p")).model.dim == pbt_quality.OVERRIDES["model.dim"]
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         pbt_quality.task_overrides(pbt_quality.parse_args(["--task-set", "model.dim"]))
+
+
+def test_a_restore_takes_the_step_folder_its_origin_names_where_tune_merged_two_reports(tmp_path):
+    # Ray can persist two reports of a trial into one checkpoint folder (a PBT restart reusing the index of
+    # the report before): the earlier report's step folder stays beside the later one's and its origin.json
+    for step in (1000, 900):
+        (tmp_path / f"step_{step:08d}").mkdir()
+    pick = pbt_quality.checkpoint_step_folder
+    assert pick(tmp_path, {"trial": "t", "step": 1000, "fingerprint": [0.0, 0.0]}).name == "step_00001000"
+    assert pick(tmp_path, {"trial": "t", "step": 900, "fingerprint": [0.0, 0.0]}).name == "step_00000900"
+    assert pick(tmp_path, None).name == "step_00001000"  # no origin: the latest, not the directory's order
+    (tmp_path / "step_00000080").mkdir()  # by step, not by name: 80 < 900 < 1000
+    assert pick(tmp_path, None).name == "step_00001000"
