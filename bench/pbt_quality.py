@@ -67,27 +67,6 @@ LOG = "trials.jsonl"  # in each experiment's folder: one line per report of ever
 SUMMARY = "summary.json"
 LINEAGE = "lineage.json"  # in a trial's checkpoint: the hyperparameters its state was trained with, by step
 ORIGIN = "origin.json"  # beside it: the trial and step that wrote the checkpoint, and its weights' fingerprint
-
-
-def checkpoint_step_folder(folder: Path, origin: dict[str, Any] | None) -> Path:
-    """The Trainer checkpoint in a trial's Tune checkpoint: the one its `origin.json` names. Tune can persist
-    two reports of a trial into one checkpoint folder (after PBT pauses a trial, its restart may reuse the
-    index of the report before: Ray 2.60), which then holds two step folders beside the later report's
-    lineage and origin; the later one is the state Tune registered (found 2026-11-28, bench/README.md)."""
-    from trainers.checkpoint_files import checkpoint_step
-
-    steps = sorted(folder.glob("step_*"), key=checkpoint_step)
-    named = [p for p in steps if origin is not None and checkpoint_step(p) == origin["step"]]
-    return (named or steps)[-1]  # without an origin (an older checkpoint): the latest step
-
-
-def fingerprint(model: Any) -> list[float]:
-    """The weights' sum and sum of squares (float64): equal for equal states, checked at every restore."""
-    import torch
-
-    with torch.no_grad():
-        ps = [p.detach().double() for p in model.parameters()]
-        return [float(sum(p.sum() for p in ps)), float(sum((p * p).sum() for p in ps))]
 REPLAYED = ("pbt", "pbt_sync")  # methods whose best lineage is re-trained from scratch (the replay check)
 
 TASK = {
@@ -124,6 +103,27 @@ SPACE = {
 
 
 # ------------------------------------------------------------------------------------------ trials
+
+
+def checkpoint_step_folder(folder: Path, origin: dict[str, Any] | None) -> Path:
+    """The Trainer checkpoint in a trial's Tune checkpoint: the one its `origin.json` names. Tune can persist
+    two reports of a trial into one checkpoint folder (after PBT pauses a trial, its restart may reuse the
+    index of the report before: Ray 2.60), which then holds two step folders beside the later report's
+    lineage and origin; the later one is the state Tune registered (found 2026-11-28, bench/README.md)."""
+    from trainers.checkpoint_files import checkpoint_step
+
+    steps = sorted(folder.glob("step_*"), key=checkpoint_step)
+    named = [p for p in steps if origin is not None and checkpoint_step(p) == origin["step"]]
+    return (named or steps)[-1]  # without an origin (an older checkpoint): the latest step
+
+
+def fingerprint(model: Any) -> list[float]:
+    """The weights' sum and sum of squares (float64): equal for equal states, checked at every restore."""
+    import torch
+
+    with torch.no_grad():
+        ps = [p.detach().double() for p in model.parameters()]
+        return [float(sum(p.sum() for p in ps)), float(sum((p * p).sum() for p in ps))]
 
 
 def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> None:
@@ -196,8 +196,8 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
             with tempfile.TemporaryDirectory(dir=run_dir) as tmp:  # Tune copies the step folder on report
                 link_tree(path, Path(tmp) / path.name)
                 (Path(tmp) / LINEAGE).write_text(json.dumps(lineage))
-                origin = {"trial": trial, "step": trainer.step, "fingerprint": fingerprint(trainer.model)}
-                (Path(tmp) / ORIGIN).write_text(json.dumps(origin))
+                written = {"trial": trial, "step": trainer.step, "fingerprint": fingerprint(trainer.model)}
+                (Path(tmp) / ORIGIN).write_text(json.dumps(written))
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
     finally:
         trainer.log.close("FINISHED" if trainer.step >= steps else "KILLED")
