@@ -18,8 +18,9 @@ starting members) with the product's schedulers (`search.schedulers.build_schedu
 `BoundedExplore`, PB2 on the search scale, ASHA, FIFO for random search) and the product's default PBT
 settings (`SchedulerConfig()`). A trial reports `val_loss` every `interval` steps; under PBT/PB2 each report
 carries the Trainer's committed checkpoint, with the lineage its state was trained with (`lineage.json`:
-the hyperparameters from each step on, the donors' before each exploit), and Tune pauses and restores
-trials (exploit = a restore from the donor's checkpoint, `reuse_actors=True`). Every member of an
+the hyperparameters from each step on, the donors' before each exploit; `origin.json`: the trial, step and
+weights' fingerprint that wrote it, checked at each restore), and Tune pauses and restores trials
+(exploit = a restore from the donor's checkpoint, `reuse_actors=True`). Every member of an
 experiment runs at once (2 CPUs shared). This measures the search methods' quality; what hosting each trial
 as a Ray Train run costs is bench/pbt_overhead.py's subject.
 
