@@ -47,9 +47,17 @@ def rank_threads() -> Iterator[None]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: every socket stays bound until all are taken (ports picked one at a time can
+    repeat: the kernel may hand a just-closed port out again, and Ray refuses two components on one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple) -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from raytrain_ext.launcher import wait_for
 from tests.conftest import tiny_raw
-from tests.dist.harness import free_port
+from tests.dist.harness import free_ports
 from trainers.metrics import read_metrics
 
 # the slow tier (~45 s on 2 cores: a Ray head in its own processes and a job); the cluster tier submits a job from
@@ -40,15 +40,15 @@ def head():
     processes it started)."""
     token = secrets.token_hex(16)
     temp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    dashboard = free_port()
+    # distinct ports, taken together: the agents' fixed default ports clash with any other Ray on this machine
+    gcs, dashboard, agent_http, agent_grpc, runtime_env, metrics, client = free_ports(7)
     log = (temp / "head.log").open("w")
     proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=2",
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp / 'ray'}",
-         # The agents' fixed default ports clash with any other Ray on this machine: take free ones.
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-         f"--ray-client-server-port={free_port()}"],
+         f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+         f"--ray-client-server-port={client}"],
         env={**_env(token), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "2"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
