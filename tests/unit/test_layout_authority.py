@@ -11,7 +11,6 @@ config's validation for the rules that need none. Each command adds only its pre
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import trainers.launch
 from raytrain_ext import launcher  # imports Ray, which sets RAY_CLIENT_MODE: at collection, not in a test
 from raytrain_ext.cli import main
 from tests.conftest import tiny_raw
+from tests.dist.harness import free_port
 from trainers._base import ConfigError
 from trainers.config import parse_config
 from trainers.layout import ParallelLayout
@@ -117,17 +117,11 @@ def test_plan_train_and_cluster_check_give_the_authoritys_line(case, monkeypatch
         assert _one([line.strip() for line in out.out.splitlines()], "[NO] layout: ") == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _workers(path: Path, world: int) -> list[subprocess.CompletedProcess]:
     """`python -m trainers train` as `torchrun --nproc-per-node world` starts it: each rank with RANK,
     WORLD_SIZE, ... in its environment, joining one gloo group, and an error file of its own
     (TORCHELASTIC_ERROR_FILE: `path`'s folder / error-RANK.json) for torchrun's failure summary."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     base = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     for rank in range(world):
