@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +168,7 @@ def ensure_ray(address: str | None) -> bool:
             # experiment's are by design: per trial its actor, a Train controller, the workers and a gate
             # (`make demo`: 26 on any machine). The bound paces workers starting at once: 8 lets 31 live
             # without the warning, and starts no more than 8 Python processes at once on a small machine.
-            _system_config={"worker_maximum_startup_concurrency": max(os.cpu_count() or 1, 8)},
+            **ray_compat.ray_init_system_config(worker_maximum_startup_concurrency=max(os.cpu_count() or 1, 8)),
         )
     _REAPERS.append(Reaper.start(Reaper.local_ray_roots()))
     return True
@@ -199,12 +199,13 @@ def build_trainer(
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
-    loop: str | None = None,
+    loop: Callable[[], Any] | None = None,
     ray_run: str = "run",
 ):
     """The TorchTrainer for this run (not started), as Ray run `ray_run` (in `RunDir.ray_runs`).
-    `callbacks`: TrainerCallback specs ("module:Name") built inside every worker; `loop`: the spec of a loop
-    that drives each worker's Trainer (a TrainerCallback with `run(trainer)`: `raytrain_ext.worker.train_fn`),
+    `callbacks`: TrainerCallback specs ("module:Name") built inside every worker; `loop`: a factory (called in
+    each worker) of a loop that drives the worker's Trainer (a TrainerCallback with `run(trainer)`:
+    `raytrain_ext.worker.train_fn`),
     else `fit()`; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
     `ray_log_level`: of Ray Train's own `ray.train` console lines (INFO: every report and checkpoint)."""
     import ray.train
@@ -231,7 +232,7 @@ def build_trainer(
         # Our Checkpointer keeps `checkpoint.keep` and deletes older ones; Ray keeps a pointer to the newest.
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
         callbacks=list(ray_callbacks),
-        logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
+        **ray_compat.train_logging_config(ray_log_level),  # ray.train.LoggingConfig where there is one
         worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(s.cpus_per_worker), 1))}},
     )
     return TorchTrainer(
@@ -255,14 +256,14 @@ def train(
     callbacks: Sequence[str] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
-    loop: str | None = None,
+    loop: Callable[[], Any] | None = None,
 ) -> RunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError/CheckpointError with the
     workers' cause when the run ended on an error that a restart cannot fix, and KeyboardInterrupt
     (naming where the run will continue) on Ctrl-C or SIGTERM."""
     import ray
 
-    check_run(cfg, [*callbacks, *([loop] if loop else [])])  # before Ray starts
+    check_run(cfg, callbacks)  # before Ray starts
     cfg = run_config_for_workers(cfg)
     run_dir = cfg.out_dir
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))

@@ -177,7 +177,8 @@ def set_ray_train_log_level(level: str) -> None:
 
 def train_fn(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...],
-    "loop": spec or None}: a loop is a TrainerCallback with `run(trainer) -> FitResult`."""
+    "loop": a factory of the loop or None}: a loop is a TrainerCallback with `run(trainer) -> FitResult`, made
+    in each worker by calling the factory (e.g. `functools.partial(GateLoop, gate=...)`)."""
     cfg: RunConfig = with_live_values(parse_config(config["run"]))
     set_ray_train_log_level(config["ray_log_level"])
     run_dir = cfg.out_dir
@@ -193,7 +194,7 @@ def train_fn(config: dict[str, Any]) -> None:
         # A loop that drives the Trainer from outside (a PBT trial's): it is a callback too, right after the
         # report to Ray (it posts each commit's report to its trial before a user's callback runs), and runs
         # the fit calls.
-        loop = load_callback(config["loop"]) if config.get("loop") else None
+        loop = config["loop"]() if config.get("loop") else None
         run_local(
             cfg,
             callbacks=[ReportToRay(), *([loop] if loop is not None else []), *users],

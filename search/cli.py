@@ -169,7 +169,7 @@ def _console(quiet: bool):
     # Tune's loggers: a trial's missing progress file (see above), and "the `X` operation took 1.1 s,
     # which may be a performance bottleneck" whenever the machine is busy (its trials' Train runs are
     # what keeps it busy; nothing to act on)
-    ours = [logging.getLogger(name) for name in ("search.schedulers", "search.driver")]  # exploits, turns
+    ours = [logging.getLogger(name) for name in ("search.population", "search.driver")]  # exploits, turns
     levels = [(log.level, log.propagate) for log in ours]
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))

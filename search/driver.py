@@ -1,8 +1,7 @@
-"""The experiment driver: a Tuner over `TrialRun` trials (see `search.trial`), sized to the cluster, with
-the scheduler's state and the checkpoints an exploit needs kept across interruptions. Where Tune's saved
-state and the trials' lineage logs differ (a driver killed between Tune's saves), the logs win: each trial
-continues from its own, and the scheduler takes the trials' hyperparameters and exploit counts from their
-results.
+"""The experiment driver: a Tuner over `TrialRun` trials (see `search.trial`), sized to the cluster, and for
+PBT/PB2 the `Population` actor that the trials ask (`search.population`). Tune holds no checkpoint of a
+trial: the trials' lineage logs are the record, each trial continues from its own, and a resumed population
+is rebuilt from them.
 """
 
 from __future__ import annotations
@@ -23,24 +22,10 @@ from raytrain_ext.worker_logs import WorkerLogs
 from search.config import ExperimentConfig
 from search.console import ExperimentReporter, quiet_warnings
 from search.lineage import best_trial, collect, latest_reports
-from search.retention import ProtectedRetention
-from search.schedulers import (
-    TIME_ATTR,
-    DecisionBoard,
-    InPlace,
-    SchedulerState,
-    board_name,
-    build_scheduler,
-    population_space,
-)
+from search.population import Population, PopulationActor, population_name
+from search.schedulers import MEMBER, TIME_ATTR, build_scheduler, population_space
 from search.slots import SlotRelease, slots_name, start_slots
-from search.state import (
-    check_same_experiment,
-    check_tune_state,
-    has_tune_state,
-    read_scheduler_summary,
-    saved_trial_statuses,
-)
+from search.state import check_same_experiment, check_tune_state, has_tune_state, saved_trial_statuses
 from search.tracking import finish_experiment_run, start_experiment_run
 from search.trial import TrialRun
 from trainers._base import ConfigError
@@ -100,39 +85,47 @@ def check_target(exp: ExperimentConfig, resume: bool) -> None:
         )
     if resume:
         check_same_experiment(exp, exp_dir)
-        read_scheduler_summary(exp_dir)
         check_tune_state(exp_dir)
-
-
-class LineageState(tune.Callback):
-    """Kept so that experiments started before issue 29 resume (Tune unpickles the callbacks an experiment
-    started with). It cut the lineage logs back to Tune's last save on a resume; the logs are the truth now
-    and each trial continues from its own (`search.trial.TrialRun._continue_from_log`)."""
-
-    def get_state(self) -> dict[str, Any]:
-        return {}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        pass
 
 
 HEAD_SHARE = 0.001  # of it per trial: up to 1,000 trial actors on the head
 
 
-def _tuner_parts(exp: ExperimentConfig, board: str | None, slots: str | None) -> tuple[Any, dict[str, Any]]:
+def _tuner_parts(exp: ExperimentConfig, population: str | None, slots: str | None) -> tuple[Any, dict[str, Any]]:
     # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
     # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node. It
     # lives on the head node, beside the driver (Ray gives the head ray_compat.HEAD_NODE_RESOURCE = 1): a
     # worker host lost takes Train workers with it, which the trial's run restarts, never the trial itself.
-    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, board=board, slots=slots),
+    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, population=population, slots=slots),
                                     {"memory": 1, ray_compat.HEAD_NODE_RESOURCE: HEAD_SHARE})
     return trainable, population_space(exp.members())
 
 
-def in_place(exp: ExperimentConfig) -> bool:
-    """PBT/PB2 exploit in the trials' live runs (search.schedulers.InPlace); with `trial_runs: segments`
-    Tune pauses and restores a trial to exploit."""
-    return exp.scheduler.name in ("pbt", "pb2") and exp.trial_runs == "live"
+def start_population(exp: ExperimentConfig, resume: bool) -> Any:
+    """PBT/PB2's `Population` actor beside the driver (None for ASHA and random search); on `resume`,
+    rebuilt from the trials' lineage logs."""
+    if exp.scheduler.name not in ("pbt", "pb2"):
+        return None
+    population = Population(exp.scheduler, exp.search_space, exp.mode, exp.steps, exp.population, seed=exp.seed)
+    if resume:
+        reports, events = collect(exp.exp_dir)
+        population.replay(reports, events, {r["trial"]: r.get(MEMBER) or 0 for r in reports})
+    actor = ray.remote(num_cpus=0)(PopulationActor)
+    return actor.options(name=population_name(exp.exp_dir), scheduling_strategy=on_this_node()).remote(population)
+
+
+class ExploitLines(tune.Callback):
+    """One console line per exploit, as the trial that made it reports it (`exploit` in its result)."""
+
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any) -> None:
+        e = result.get("exploit")
+        if e:
+            changes = ", ".join(f"{k} {_short(e['old'].get(k))} -> {_short(v)}" for k, v in e["new"].items() if e["old"].get(k) != v)
+            logger.info("exploit: %s <- %s at step %d: %s", trial, e["donor"], e["step"], changes or "same values")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def time_shared(exp: ExperimentConfig, slots: int) -> bool:
@@ -158,8 +151,7 @@ def run_experiment(
     check_target(exp, resume)
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
     slots = max_concurrent_trials(exp, ray.cluster_resources())
-    board = board_name(exp.name) if in_place(exp) else None
-    board_actor = DecisionBoard.options(name=board, scheduling_strategy=on_this_node()).remote() if board else None
+    population = start_population(exp, resume)
     turns = slots_name(exp.name) if time_shared(exp, slots) else None
     slots_actor = start_slots(turns, slots) if turns else None
     r = exp.resources
@@ -175,7 +167,7 @@ def run_experiment(
             "population %d, %d Train run%s fit%s at once: members take turns, yielding at each report",
             exp.population, slots, "s" if slots > 1 else "", "" if slots > 1 else "s",
         )
-    trainable, space = _tuner_parts(exp, board, turns)
+    trainable, space = _tuner_parts(exp, population_name(exp_dir) if population else None, turns)
     # A bucket: Tune gets the same fsspec file system the trials write with (credentials from the environment).
     fs, fs_path = ray_storage(exp_dir)
     if resume:
@@ -183,9 +175,7 @@ def run_experiment(
             fs_path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs
         )
     else:
-        scheduler = build_scheduler(exp.scheduler, exp.search_space, exp.steps, seed=exp.seed)
-        if board and isinstance(scheduler, InPlace):
-            scheduler.attach(board)
+        scheduler = build_scheduler(exp.scheduler, exp.steps)
         tuner = tune.Tuner(
             trainable,
             param_space=space,
@@ -213,13 +203,11 @@ def run_experiment(
                     exp_dir=str(exp_dir),
                     slots=turns,
                 ),
-                # Every report holds a checkpoint; exploit needs the donor's (num_to_keep <= 2 breaks it,
-                # ray #9036): ProtectedRetention deletes the rest once no pending exploit needs them.
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=None, checkpoint_frequency=1),
+                # No checkpoint of ours in Tune: the trials' pins and lineage logs are the record.
+                checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=0, checkpoint_at_end=False),
                 failure_config=tune.FailureConfig(max_failures=0),
                 callbacks=[
-                    SchedulerState(scheduler),
-                    ProtectedRetention(exp.keep_checkpoints, scheduler),
+                    ExploitLines(),
                     *([SlotRelease(turns)] if turns else []),
                     *callbacks,
                 ],
@@ -232,7 +220,7 @@ def run_experiment(
         with quiet_warnings(), WorkerLogs(exp_dir, experiment=True):
             tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
-        for actor in (board_actor, slots_actor):
+        for actor in (population, slots_actor):
             if actor is not None:
                 ray.kill(actor)
         released = release_stranded_placement_groups(before) if driver_goes_on else []

@@ -170,7 +170,7 @@ def _parse_jsonl(data: bytes) -> list[dict[str, Any]]:
 
 _REPORT_COLUMNS = (
     "time", "trial", "step", "metric", "hparams", "failed", "error", "steps_s", "wall_s", "abandoned",
-    "yielded", "running", *TIME_PARTS,
+    "yielded", "running", *TIME_PARTS, "pin", "member",
 )
 _EVENT_COLUMNS = (
     "time",
@@ -185,6 +185,7 @@ _EVENT_COLUMNS = (
     "donor_score",
     "exploit_id",
     "from_step",
+    "pin",
 )
 
 
@@ -247,6 +248,8 @@ def _write(
         "trial": pa.string(),
         "donor": pa.string(),
         "exploit_id": pa.string(),
+        "pin": pa.string(),  # the committed checkpoint a row names (a report's own, an exploit's donor's)
+        "member": pa.int64(),  # the trial's index in the population (search.population seeds its draws by it)
         "error": pa.string(),  # why a failed report's run failed
     }
     fields = [pa.field(c, types.get(c, pa.string() if c in json_columns else pa.float64())) for c in columns]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from search.lineage import Schedule, best_trial, collect, schedule_of
-from search.state import load_experiment_dir, read_scheduler_summary
+from search.state import load_experiment_dir
 from search.times import TIME_PARTS
 from trainers.storage import absolute, location, write_folder
 
@@ -90,7 +90,6 @@ def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
     matplotlib.use("Agg")
     exp_dir = absolute(exp_dir)
     exp = load_experiment_dir(exp_dir)
-    scheduler = read_scheduler_summary(exp_dir)  # read first: a damaged file is one line, before any plot
     reports, events = collect(exp_dir)
     if not reports:
         from trainers._base import ConfigError
@@ -107,7 +106,7 @@ def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
             _plot_hparams(out / "hparams.png", reports, events, trials, list(exp.search_space.mutable), schedule),
             _plot_lineage(out / "lineage.png", reports, events, trials, winner),
         ]
-        summary = _summary(exp, reports, events, trials, winner, row, schedule, scheduler)
+        summary = _summary(exp, reports, events, trials, winner, row, schedule)
         (out / "summary.txt").write_text(summary + "\n")
     return ReportOutput(summary, [target / p.name for p in plots])
 
@@ -257,14 +256,12 @@ def _fmt(hparams: dict[str, Any]) -> str:
     )
 
 
-def _summary(exp, reports, events, trials, winner, row, schedule: Schedule, scheduler) -> str:
-    # the scheduler's own count, at Tune's last save: equal to the exploits once the experiment ended
-    decided = f" ({exp.scheduler.name} decided {scheduler['perturbations']})" if scheduler else ""
+def _summary(exp, reports, events, trials, winner, row, schedule: Schedule) -> str:
     lines = [
         f"experiment {exp.name}: {exp.scheduler.name}, population {exp.population}, {exp.steps} steps per trial, "
         f"interval {exp.scheduler.interval}, {exp.resources.workers} workers per trial ({exp.trial_runs} runs)",
         f"best: {winner}, {exp.metric} {row['metric']:.4f} at step {row['step']}",
-        f"exploits: {len(events)}{decided}; failed reports: {sum(bool(r['failed']) for r in reports)}",
+        f"exploits: {len(events)}; failed reports: {sum(bool(r['failed']) for r in reports)}",
         time_outside_steps(reports),
         *filter(None, [turns(exp, reports)]),
         "winning schedule (replay with `raytrain tune replay`):",

@@ -2,7 +2,6 @@
 line naming it and the fix (a ConfigError: exit 2), not a traceback from deep inside Tune or pydantic.
 
 - `experiment.json` (ours): the experiment as it ran; `report`, `replay` and `--resume` read it.
-- `scheduler_state.json` (ours): a readable summary of the scheduler's state at Tune's last save.
 - `tuner.pkl`, `experiment_state-*.json`, `callback-states-*.pkl` (Tune's): what `--resume` restores.
   Tune reads the newest of each (by name: the names carry the session's start time).
 """
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from search.config import EXPERIMENT_FILE, ExperimentConfig, load_saved
-from search.schedulers import SCHEDULER_FILE
 from trainers._base import ConfigError, flat_keys
 from trainers.storage import absolute, list_sizes, location, read_bytes
 
@@ -23,7 +21,6 @@ __all__ = [
     "check_tune_state",
     "has_tune_state",
     "load_experiment_dir",
-    "read_scheduler_summary",
     "saved_trial_statuses",
 ]
 
@@ -63,21 +60,6 @@ def _flat_experiment(exp: ExperimentConfig) -> dict[str, Any]:
     dump = exp.model_dump(mode="json", exclude={"name", "storage", "base"})
     base = json.loads(json.dumps(exp.base_raw))  # as experiment.json holds it (e.g. no int keys)
     return {**flat_keys(dump), **flat_keys(base, "base run: ")}
-
-
-def read_scheduler_summary(exp_dir: str | Path) -> dict[str, Any] | None:
-    """The scheduler summary, or None when the experiment has none (asha, random, or not saved yet)."""
-    path = location(exp_dir) / SCHEDULER_FILE
-    text = read_bytes(path)
-    if text is None:
-        return None
-    try:
-        data = json.loads(text)
-        if not isinstance(data, dict) or not isinstance(data.get("perturbations"), int):
-            raise ValueError("not a scheduler summary")
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is damaged ({_why(e)}); {_REWRITE}") from None
-    return data
 
 
 def has_tune_state(exp_dir: Path) -> bool:

@@ -10,14 +10,15 @@ exploring h lets the population shrink both (Q -> 1.2).
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 from ray import tune
 
-from search.schedulers import TIME_ATTR, SchedulerConfig, build_scheduler, population_space
+from search.population import Population, PopulationActor
+from search.schedulers import MEMBER, TIME_ATTR, SchedulerConfig, build_scheduler, population_space
 from search.space import parse_space
 
 __all__ = ["TOY_LR", "TOY_MEMBERS", "TOY_SPACE", "run_toy", "toy_trainable"]
@@ -33,23 +34,35 @@ def q_value(theta: np.ndarray) -> float:
 
 
 def toy_trainable(config: dict[str, Any]) -> None:
-    """A Tune function trial: `interval` ascent steps on the surrogate per report, each report with a
-    checkpoint (theta and step) that PBT can hand to the other worker."""
+    """A Tune function trial: `interval` ascent steps on the surrogate per report. Each report's state
+    (theta and step) is written where the other member can load it (its *pin*), handed to the population
+    (`config["population"]`: the actor's name, None for the grid), and its decision followed: an exploit
+    loads the donor's state with the explored h."""
+    trial = tune.get_context().get_trial_id()
+    population = ray.get_actor(config["population"]) if config["population"] else None
+    pins = Path(config["pins"]) / trial
+    pins.mkdir(parents=True, exist_ok=True)
     h = np.array([config["h0"], config["h1"]], dtype=float)
     theta, step = np.array(START), 0
-    checkpoint = tune.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = json.loads((Path(d) / "state.json").read_text())
-        theta, step = np.array(state["theta"]), state["step"]
     while step < config["steps"]:
         for _ in range(config["interval"]):
             theta = theta + TOY_LR * (-2.0 * h * theta)  # gradient of the surrogate, not of Q
             step += 1
-        with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "state.json").write_text(json.dumps({"theta": theta.tolist(), "step": step}))
-            metrics = {"Q": q_value(theta), TIME_ATTR: step, "h0": h[0], "h1": h[1]}
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        q = q_value(theta)
+        tune.report({"Q": q, TIME_ATTR: step, "h0": h[0], "h1": h[1]})
+        if population is None:
+            continue
+        pin = pins / f"{step}.json"
+        pin.write_text(json.dumps({"theta": theta.tolist(), "step": step}))
+        hparams = {"h0": float(h[0]), "h1": float(h[1])}
+        ray.get(population.report.remote(trial, config[MEMBER], step, q, hparams, str(pin)))
+        decision = None
+        while decision is None:
+            decision = ray.get(population.decision.remote(trial, step, 5.0))
+        if decision != "go":
+            state = json.loads(Path(decision["pin"]).read_text())
+            theta, step = np.array(state["theta"]), state["step"]
+            h = np.array([decision["values"]["h0"], decision["values"]["h1"]])
 
 
 def run_toy(
@@ -62,18 +75,31 @@ def run_toy(
         sched = SchedulerConfig(name="pbt", interval=interval, burn_in=0, quantile_fraction=0.5, synch=synch)
     else:
         sched = SchedulerConfig(name="random", interval=interval)
-    scheduler = build_scheduler(sched, TOY_SPACE, steps, seed=seed)
-    tuner = tune.Tuner(
-        toy_trainable,
-        param_space={**population_space(TOY_MEMBERS), "steps": steps, "interval": interval},
-        tune_config=tune.TuneConfig(scheduler=scheduler, metric="Q", mode="max", reuse_actors=True),
-        run_config=tune.RunConfig(
-            name=name,
-            storage_path=str(Path(storage).resolve()),
-            verbose=0,
-            stop={TIME_ATTR: steps},
-        ),
-    )
-    results = tuner.fit()
+    actor = None
+    if pbt:
+        population = Population(sched, TOY_SPACE, "max", steps, len(TOY_MEMBERS), seed=seed)
+        actor = ray.remote(num_cpus=0)(PopulationActor).options(name=f"toy-population-{name}").remote(population)
+    try:
+        tuner = tune.Tuner(
+            toy_trainable,
+            param_space={
+                **population_space(TOY_MEMBERS),
+                "steps": steps,
+                "interval": interval,
+                "population": f"toy-population-{name}" if pbt else None,
+                "pins": str(Path(storage).resolve() / name / "pins"),
+            },
+            tune_config=tune.TuneConfig(scheduler=build_scheduler(sched, steps), metric="Q", mode="max"),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=str(Path(storage).resolve()),
+                verbose=0,
+                stop={TIME_ATTR: steps},
+            ),
+        )
+        results = tuner.fit()
+    finally:
+        if actor is not None:
+            ray.kill(actor)
     curves = [r.metrics_dataframe["Q"].tolist() for r in results]
     return {"seed": seed, "pbt": pbt, "best_q": max(r.metrics["Q"] for r in results), "curves": curves}

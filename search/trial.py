@@ -1,20 +1,19 @@
 """One Tune trial = a multi-worker Ray Train run of our Trainer, reporting every `scheduler.interval` steps.
 
-Ray's `TuneReportCallback` hands Tune a checkpoint *path* inside the metrics, so PBT finds no checkpoint
-and never exploits. Here the trial is a Tune `Trainable`: each `step()` returns the metrics of one
-interval, and `save_checkpoint` gives Tune a real checkpoint, of metadata only: which trial wrote it, at
-which step, with which hyperparameters and metric, and the *pin* that holds its tensors. A pin is the
-Trainer's committed step folder hard-linked into the trial's folder (`runs/<trial>/pins/`): no tensor is
-copied for Tune, and the Trainer's own retention cannot delete what Tune still points at
-(`search.retention` deletes pins once nothing needs them).
+Ray's `TuneReportCallback` hands Tune a checkpoint *path* inside the metrics. Here the trial is a Tune
+`Trainable`: each `step()` returns the metrics of one interval; Tune keeps no checkpoint of it. Each report
+is a row of the trial's lineage log naming its *pin*: the Trainer's committed step folder hard-linked into
+the trial's folder (`runs/<trial>/pins/`), so no tensor is copied and the Trainer's own retention cannot
+delete what a report names (the trial keeps its newest `keep_checkpoints` pins). Under PBT/PB2 the trial
+then hands the report to the experiment's `Population` (`search.population`) and follows its decision.
 
 How a trial trains between reports (`trial_runs` in the experiment YAML):
 - `live`: one Train run for the trial's life. Rank 0 posts each report to the trial's gate (an actor) as
   soon as its checkpoint is committed. Where the scheduler decides (PBT/PB2 past burn-in) the workers wait
   at the gate for the trial's answer: go on, or load a donor's checkpoint in place. An exploit never
-  restarts the run (see `search.schedulers.InPlace`): the trial installs the donor's pin as the run's
-  newest checkpoint (so a worker lost right after resumes the exploited state), records the new values in
-  the run dir (`live_values.json`, for such a restart), and answers with the checkpoint and the values.
+  restarts the run: the trial makes the donor's pin its own, logs the exploit (the one record), installs
+  the pin as the run's newest checkpoint (so a worker lost right after resumes the exploited state), and
+  answers with the checkpoint and the values.
   The workers run a plain loop (`search.hooks.GateLoop`): train to the next report (`Trainer.fit(until)`),
   ask, then `Trainer.restore(donor, values)` or go on. Where the scheduler cannot act (ASHA, random search,
   burn-in) the workers only look whether the trial said stop and train on.
@@ -41,6 +40,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +50,14 @@ from ray import tune
 from raytrain_ext.hosts import on_this_node
 from search.config import ExperimentConfig
 from search.lineage import LineageLog
-from search.schedulers import EXPLOIT_ID, REF, TIME_ATTR
+from search.schedulers import MEMBER, TIME_ATTR
 from search.tracking import in_place_tags, trial_tracking
 from trainers._base import ConfigError
 from trainers.checkpoint_files import STEP_DIR, install_checkpoint, link_tree
 from trainers.config import HPARAM_PREFIXES
 from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
-from trainers.storage import location, remove_tree, write_json_atomic
+from trainers.storage import list_names, location, remove_tree, write_json_atomic
 
 __all__ = ["META", "PINS", "RUN_DIR", "RunGate", "TrialRun"]
 
@@ -83,13 +83,14 @@ class TrialRun(tune.Trainable):
     the actor only waits on its run and moves files."""
 
     def setup(
-        self, config: dict[str, Any], exp: ExperimentConfig, board: str | None = None, slots: str | None = None
+        self, config: dict[str, Any], exp: ExperimentConfig, population: str | None = None, slots: str | None = None
     ) -> None:
         from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 
         set_ray_train_log_level(RAY_LOG_LEVEL)  # not a line per checkpoint registered; Tune's table is the view
         self.exp = exp
-        self.board = ray.get_actor(board) if board else None  # the scheduler's decisions (in-place PBT)
+        self.population = ray.get_actor(population) if population else None  # PBT/PB2's rule (search.population)
+        self.index = int(config.get(MEMBER, 0))  # its place in the population
         self.slots = ray.get_actor(slots) if slots else None  # time-sharing the cluster (search.slots)
         self.holds_slot = False
         self.running = 0  # members holding a slot when this one got its own
@@ -101,6 +102,7 @@ class TrialRun(tune.Trainable):
         self.runner: _LiveRun | None = None
         self.awaiting: int | None = None  # the report step whose decision the next interval follows
         self.continued = False  # whether step() has put this trial where its lineage log says it is
+        self.exploited: dict[str, Any] | None = None  # the exploit the current interval began with
         self.clock = time.perf_counter()
 
     # ---------------------------------------------------------------------------- Tune interface
@@ -116,7 +118,8 @@ class TrialRun(tune.Trainable):
                 TIME_ATTR: self.step_no,
                 "done": True,
             }
-        if self.awaiting is not None:  # the scheduler's decision on the last report
+        self.exploited = None
+        if self.awaiting is not None:  # the population's decision on the last report
             began = time.perf_counter()
             self._follow_decision(self.awaiting)
             self.awaiting = None
@@ -146,8 +149,14 @@ class TrialRun(tune.Trainable):
             pin=str(self.pin) if self.pin is not None and not failed else None,
             yielded=yields,
             running=self.running if self.slots is not None else None,
+            member=self.index,
             **{k: round(v, 4) for k, v in parts.items()},
         )
+        if self.population is not None:  # after the row: a restarted population replays the logs
+            pin = str(self.pin) if self.pin is not None and not failed else None
+            ray.get(self.population.report.remote(
+                self.trial_id, self.index, out.step, out.metric, self.hparams, pin, failed
+            ))
         if yields:  # the report is committed: the run ends at its checkpoint, the slot goes on
             self._yield()
         if not done and self._decides_at(out.step):
@@ -161,43 +170,17 @@ class TrialRun(tune.Trainable):
             "steps_s": out.steps_s,
             "wall_s": wall,
             "pin": str(self.pin) if self.pin is not None and not failed else None,
-            # what the trial runs with and how often it was exploited, as its log holds them: the scheduler
-            # takes these over what Tune restored (search.schedulers.InPlace._adopt_trial_log)
             "hparams": dict(self.hparams),
-            "exploits": self.log.exploits(),
+            "exploit": self.exploited,  # the exploit this interval began with (the console's line), if any
             "done": done,
         }
 
-    def save_checkpoint(self, checkpoint_dir: str) -> str:
-        """Metadata only: the pin of the last report holds the tensors (nothing is copied for Tune). Where
-        the scheduler has already decided to exploit at this report, the donor's: Tune registers this save
-        as the trial's newest checkpoint after the exploit, and a restore must find the exploit there."""
-        pin = self.pin
-        if self.awaiting is not None and self.board is not None:
-            decision = ray.get(self.board.peek.remote(self.trial_id, self.awaiting))
-            if isinstance(decision, dict):
-                pin = location(decision["pin"])
-        meta = _read_meta(pin) if pin is not None else self._meta(None)
-        if pin is not None:
-            meta["pin"] = str(pin)
-        (Path(checkpoint_dir) / META).write_text(json.dumps(meta))
-        return checkpoint_dir
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Nothing: Tune keeps no checkpoint of a trial (`checkpoint_frequency=0`). The trial's lineage log
+        is its record, and a restarted trial continues from it (`_continue_from_log`)."""
 
-    def load_checkpoint(self, checkpoint_dir: str) -> None:
-        meta = _read_meta(Path(checkpoint_dir))
-        root = Path(checkpoint_dir)
-        if meta["trial"] != self.trial_id:  # an exploit (logged once, however often Tune restores it)
-            pin = meta.get("pin", str(root) if root.parent.name == PINS else None)
-            self._log_exploit(meta, self.config.get(EXPLOIT_ID), pin=pin)
-        self.step_no, self.step_dir, self.pin, self.error = meta["step"], None, None, None
-        if meta["step_dir"] is None:  # the saved trial had failed before its first checkpoint
-            self.error = "restored a failed trial"
-        elif "pin" in meta or root.parent.name == PINS:  # Tune's metadata, or a pin (an in-place donor)
-            self.pin = location(meta.get("pin", root))
-            self.step_dir = self.pin / meta["step_dir"]
-        else:  # an older experiment's checkpoint with its tensors: keep a copy (Tune may clean it up)
-            self.step_dir = self.dir / f"restored-{uuid.uuid4().hex[:6]}" / meta["step_dir"]
-            link_tree(root / meta["step_dir"], self.step_dir)
+    def load_checkpoint(self, checkpoint: Any) -> None:
+        """Never called (no checkpoint is saved): the lineage log, not Tune, says where a trial is."""
 
     def cleanup(self) -> None:
         if self.runner is not None:
@@ -232,57 +215,62 @@ class TrialRun(tune.Trainable):
         return sched.name in ("pbt", "pb2") and step >= sched.burn_in_steps(self.exp.steps) and live
 
     def _follow_decision(self, step: int) -> None:
-        """Before the next interval: the scheduler's decision on the report of `step` ("go", or an
-        exploit order, which a live run loads in place); without a board (PBT time-sharing the cluster,
-        where Tune pauses and restores trials itself) always "go"."""
-        decision = self._decision(step) if self.board is not None else "go"
+        """Before the next interval: the population's decision on the report of `step` ("go", or an
+        exploit, which a live run loads in place)."""
+        decision = self._decision(step)
         if decision == "go":
             if self.runner is not None and self.runner.waits_at(step):
                 self.runner.go(step)
             return
-        values = {k: decision["config"][k] for k in self.exp.search_space}
+        values = {k: decision["values"][k] for k in self.exp.search_space}
         changed = {k for k in values if values[k] != self.hparams.get(k)}
-        pin = location(decision["pin"])
+        try:  # the donor's pin, made this trial's own (hard links): the donor may prune its pins from now on
+            pin = self._adopt_pin(location(decision["pin"]))
+        except FileNotFoundError:  # pruned already (it reported `keep` times since): no exploit after all
+            if self.runner is not None and self.runner.waits_at(step):
+                self.runner.go(step)
+            return
         meta = _read_meta(pin)
-        self._log_exploit(meta, decision["exploit_id"], new_hparams=values, pin=str(pin))
+        self._log_exploit(decision, values, pin)  # the one record: a restart after it continues from `pin`
+        self.exploited = {"donor": decision["donor"], "step": meta["step"], "old": dict(self.hparams), "new": values}
         self.hparams = values
         donor_dir = pin / meta["step_dir"]
         live = self.runner is not None and self.error is None
         if live and self.runner.waits_at(step) and all(k.startswith(HPARAM_PREFIXES) for k in changed):
-            self.runner.load(donor_dir, values, meta["trial"], step, in_place_tags(self.exp, self.trial_id))
+            self.runner.load(donor_dir, values, decision["donor"], step, in_place_tags(self.exp, self.trial_id))
         elif self.runner is not None:  # a value a running Trainer cannot take on: a new run from the donor
             self.runner.stop()
             self.runner = None
         self.step_no, self.step_dir, self.pin, self.error = meta["step"], donor_dir, pin, None
 
     def _decision(self, step: int) -> Any:
-        """Waits for the scheduler's decision on this trial's report of `step` ("go" or an exploit order).
-        A synchronous PBT decides once the population is there (or its `sync_timeout_s` has passed)."""
+        """Waits for the population's decision on this trial's report of `step` ("go" or an exploit). A
+        synchronous PBT decides once the population is there (or its `sync_timeout_s` has passed)."""
+        if self.population is None:
+            return "go"
         limit = time.monotonic() + self.exp.scheduler.sync_timeout_s + 60.0
         while time.monotonic() < limit:
-            decision = ray.get(self.board.take.remote(self.trial_id, step, 5.0))
+            decision = ray.get(self.population.decision.remote(self.trial_id, step, 5.0))
             if decision is not None:
                 return decision
             if self._should_yield(done=False):  # a member queued for a slot after our report: it may be
                 self._yield()  # the one synchronous PBT waits for, so this run gives its slot up meanwhile
-        return "go"  # the scheduler never decided (it cannot act at this report): train on
+        return "go"  # never decided (the population is gone): train on
 
-    def _log_exploit(
-        self, meta: dict[str, Any], exploit_id: str | None, new_hparams: dict | None = None, pin: str | None = None
-    ) -> None:
-        """Before the exploit is loaded: a restart after this row continues from the donor's pin."""
+    def _log_exploit(self, decision: dict[str, Any], values: dict[str, Any], pin: Path) -> None:
+        """Before the exploit is loaded: a restart after this row continues from its pin."""
         last = self.log.last_report()
         self.log.exploit(
-            step=meta["step"],
-            donor=meta["trial"],
-            donor_time=meta["time"],
+            step=decision["step"],
+            donor=decision["donor"],
+            donor_time=decision["donor_time"],
             old_hparams=last["hparams"] if last else None,
-            new_hparams=new_hparams if new_hparams is not None else self.hparams,
-            donor_hparams=meta["hparams"],
+            new_hparams=values,
+            donor_hparams=decision["donor_hparams"],
             score=last["metric"] if last else None,
-            donor_score=meta["metric"],
-            exploit_id=exploit_id,
-            pin=pin,
+            donor_score=decision["donor_metric"],
+            exploit_id=decision["exploit_id"],
+            pin=str(pin),
             from_step=last["step"] if last else None,
         )
 
@@ -298,14 +286,34 @@ class TrialRun(tune.Trainable):
 
     def _pin(self, out: _Interval) -> Path:
         """Hard-link the report's step folder into the trial's pins (a copy by the store, in a bucket), with
-        its metadata beside it, also alone in `ref/`. Pins are named in the order they are made (the time
-        first: a trial's steps go back when it exploits a donor behind it), which retention keeps by."""
-        pin = self.dir / PINS / f"{time.time_ns():020d}-{out.step_dir.name}-{uuid.uuid4().hex[:6]}"
+        its metadata beside it. Pins are named in the order they are made (the time first: a trial's steps go
+        back when it exploits a donor behind it); the trial keeps its newest `keep_checkpoints`."""
+        pin = self._new_pin(out.step_dir.name)
         link_tree(out.step_dir, pin / out.step_dir.name)
-        meta = {**self._meta(out.metric), "pin": str(pin)}
-        write_json_atomic(pin / REF / META, meta, indent=None)
-        write_json_atomic(pin / META, meta, indent=None)  # last: a pin with its metadata is whole
+        write_json_atomic(pin / META, self._meta(out.metric), indent=None)  # last: a pin with its metadata is whole
+        self._prune_pins(keep=pin)
         return pin
+
+    def _adopt_pin(self, donor_pin: Path) -> Path:
+        """A donor's pin made one of this trial's (its metadata still names the donor's trial and step)."""
+        meta = _read_meta(donor_pin)
+        pin = self._new_pin(meta["step_dir"])
+        link_tree(donor_pin / meta["step_dir"], pin / meta["step_dir"])
+        write_json_atomic(pin / META, meta, indent=None)
+        self._prune_pins(keep=pin)
+        return pin
+
+    def _new_pin(self, step_dir: str) -> Path:
+        return self.dir / PINS / f"{time.time_ns():020d}-{step_dir}-{uuid.uuid4().hex[:6]}"
+
+    def _prune_pins(self, keep: Path) -> None:
+        """Beyond the newest `keep_checkpoints` pins, the older go (whole ones: a pin without its metadata
+        is one a crash cut short, never named by a log row). The one the current run came from stays."""
+        names = sorted(n for n in list_names(self.dir / PINS) if n[:1].isdigit())
+        stay = {keep.name, *(p.name for p in (self.pin, self.step_dir.parent if self.step_dir else None) if p)}
+        for name in names[: max(len(names) - self.exp.keep_checkpoints, 0)]:
+            if name not in stay:
+                remove_tree(self.dir / PINS / name, first=META)
 
     # ------------------------------------------------------------------------------- time-sharing
 
@@ -354,7 +362,7 @@ class TrialRun(tune.Trainable):
         if self.exp.trial_runs == "segments":
             return self._segment()
         if self.runner is None:
-            self.runner = _LiveRun(self.exp, self.hparams, self._run_dir("live"), self.step_dir, self.board)
+            self.runner = _LiveRun(self.exp, self.hparams, self._run_dir("live"), self.step_dir)
         out = self.runner.next(self.step_no, self._next_stop())
         if out.error is not None:
             self.runner.stop()
@@ -442,7 +450,7 @@ _GATE = ray.remote(num_cpus=0)(RunGate)  # an actor per live run (RunGate stays 
 
 class _LiveRun:
     def __init__(
-        self, exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None, board: Any
+        self, exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None
     ):
         from raytrain_ext.launcher import train
 
@@ -453,10 +461,7 @@ class _LiveRun:
         # Where the workers wait for the trial's answer: from PBT's first decision on; never where no
         # scheduler decision can change the run (ASHA, random search: a stop is looked up without waiting).
         self.wait_from = exp.scheduler.burn_in_steps(exp.steps) if exp.scheduler.name in ("pbt", "pb2") else None
-        if board is None and self.wait_from is not None:
-            self.wait_from = 0  # PBT without in-place exploits (time-sharing): a pause must find the run waiting
         self.error: BaseException | None = None
-        wait_from = "None" if self.wait_from is None else str(self.wait_from)
 
         def fit() -> None:
             try:
@@ -464,7 +469,7 @@ class _LiveRun:
                     cfg,
                     progress=False,
                     callbacks=exp.callbacks,
-                    loop=f"search.hooks:GateLoop(gate={name!r}, wait_from={wait_from})",
+                    loop=partial(gate_loop, gate=name, wait_from=self.wait_from),
                 )
             except BaseException as e:
                 self.error = e
@@ -516,6 +521,14 @@ class _LiveRun:
 
 
 # ----------------------------------------------------------------------------------------- helpers
+
+
+def gate_loop(gate: str, wait_from: int | None) -> Any:
+    """The loop of a live run's workers (`search.hooks.GateLoop`), made in each worker: the trial passes
+    this function, so that it never imports torch itself."""
+    from search.hooks import GateLoop
+
+    return GateLoop(gate=gate, wait_from=wait_from)
 
 
 def _run_config(

@@ -182,5 +182,5 @@ def test_pbt_over_hosts_survives_a_lost_host(tier):
     assert (first[0], first[1], first[2]) == (weak, strong, interval), found["events"]
     assert len({tier.hosts["h2"].address, tier.hosts["h3"].address} & _ranks_on_hosts(tier)) == 2
     # what the driver and the trials rely on lives beside them on the head, never on a host that may go
-    for actor in ("DecisionBoard", "RunGate"):
+    for actor in ("PopulationActor", "RunGate"):
         assert _ranks_on_hosts(tier, actor) == {tier.hosts["h1"].address}, actor

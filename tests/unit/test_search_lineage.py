@@ -1,4 +1,4 @@
-"""Lineage tables, the schedule a trial descends from, and retention that keeps what an exploit needs."""
+"""Lineage tables, the schedule a trial descends from, and the live run's gate."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
-from search.retention import to_delete
 
 
 def _report(trial, step, metric, lr, t):
@@ -175,19 +174,6 @@ def test_a_rollback_marks_the_abandoned_branch_so_each_trial_step_has_one_curren
     assert len(current) == len(set(current))
     ((event_step, from_step),) = [(e["step"], e["from_step"]) for e in events]
     assert from_step > event_step, "the rollback is recorded: from step 20 back to the donor's 10"
-
-
-@pytest.mark.parametrize(
-    ("keep", "protected", "deleted"),
-    [
-        (2, set(), ["c1", "c2"]),
-        (2, {"c1"}, ["c2"]),  # c1: a paused trial will restore from it (an exploit pointed it there)
-        (1, {"c4"}, ["c1", "c2", "c3"]),  # the newest is always kept
-        (10, set(), []),
-    ],
-)
-def test_retention_keeps_newest_and_protected(keep, protected, deleted):
-    assert to_delete(["c1", "c2", "c3", "c4"], keep, protected) == deleted
 
 
 def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():

@@ -1,0 +1,400 @@
+"""The population's rule (PBT and PB2): ours, pure and seeded, over the members' reports.
+
+Tune runs the trials (placement, time-sharing, `--resume`, its table) with its FIFO scheduler; the rule
+lives here, beside Tune rather than inside it. Each trial, after it has logged a report (`search.lineage`),
+hands it to the experiment's `Population` actor and follows the decision it answers: go on, or exploit
+(load a donor's committed checkpoint with explored values). No private name of Ray or Tune is involved, and
+the trials' lineage logs are the one record: a resumed experiment rebuilds the population from them
+(`Population.replay`), so there is no scheduler state to save (docs/pbt.md: why, and the path of an exploit).
+
+The rule, as Jaderberg et al. (2017) and Ray's `PopulationBasedTraining` define it:
+- a member is decided on at a report once `burn_in` steps are trained and `interval` steps have passed
+  since its last decision (its *perturbation*);
+- rank: the members' latest scores (a failed member's is the worst); the bottom `quantile_fraction` (at
+  most half) is *lower*, the top as many *upper*;
+- a lower member exploits an upper one (chosen by the member's seeded stream), taking its latest reported
+  checkpoint and its hyperparameters explored: PBT by `BoundedExplore` (by kind, inside the space, never a
+  configuration another member holds); PB2 by a GP-UCB proposal on the space's search scale (Parker-Holder
+  et al. 2020: a Gaussian process over (time, score, hyperparameters) -> score change per step, the upper
+  confidence bound maximised at the donor's time and score);
+- synchronous PBT decides a round at once: when every member still training has reported the round's step,
+  or `sync_timeout_s` after the first arrived (without those not there; a late member is then decided
+  alone when it reports).
+
+Every random draw comes from a stream seeded by (experiment seed, member index, decision count), so a
+rebuilt population decides as the original would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from search.schedulers import SchedulerConfig
+from search.space import SearchSpace
+
+__all__ = ["BoundedExplore", "Decision", "Member", "Population", "PopulationActor", "population_name"]
+
+logger = logging.getLogger(__name__)
+
+GO = "go"
+
+
+class BoundedExplore:
+    """PBT's explore step: the donor's values explored inside the space (`SearchSpace.explore`: by kind,
+    reflected at the bounds, neighbours for lists). An explored configuration never equals one another
+    member holds (`avoid`): it is drawn again, up to `REDRAWS` times. Without that a value at a bound stays
+    there under every perturbation (weight decay 0 x 1.2 is 0), and two recipients of one donor trained the
+    same configuration for the rest of the run (`make demo`, issue 25). Where the space has no unused
+    configuration left (a small categorical space), the last draw is kept."""
+
+    REDRAWS = 32
+
+    def __init__(self, space: SearchSpace, cfg: SchedulerConfig) -> None:
+        self.space, self.cfg = space, cfg
+
+    def __call__(
+        self, config: dict[str, Any], rng: random.Random, avoid: list[dict[str, Any]] = ()
+    ) -> dict[str, Any]:
+        taken = {self._key(c) for c in avoid}
+        new = config
+        for attempt in range(self.REDRAWS):
+            # after a few collisions perturbation alone is stuck (a value at a bound): resample more often
+            p = self.cfg.resample_probability if attempt < 4 else max(self.cfg.resample_probability, 0.5)
+            new, _ = self.space.explore(config, rng, p, self.cfg.perturbation_factors, self.cfg.linear_step)
+            if self._key(new) not in taken:
+                break
+        return new
+
+    def _key(self, config: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(repr(config.get(k)) for k in sorted(self.space.mutable))
+
+
+@dataclass
+class Member:
+    """What the rule knows of one member: its latest report, and when it was last decided on."""
+
+    trial: str
+    index: int  # its place in the population (its starting point): seeds its draws
+    step: int = 0
+    score: float | None = None  # the metric, oriented so that larger is better
+    pin: str | None = None  # its latest report's committed checkpoint (what a recipient would load)
+    hparams: dict[str, Any] = field(default_factory=dict)
+    reported_at: float = 0.0  # the wall time of that report (a lineage row's `donor_time`)
+    perturbed: int = 0  # the step of its last decision (`last_perturbation_time` in Ray's PBT)
+    decisions: int = 0  # decisions made for it so far (its stream's position)
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An exploit: load `pin` (the donor's checkpoint at `step`) and train on with `values`."""
+
+    donor: str
+    pin: str
+    step: int
+    values: dict[str, Any]
+    donor_hparams: dict[str, Any]
+    donor_metric: float | None
+    donor_time: float
+    exploit_id: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Population:
+    """The rule, with no Ray in it: `report` a member's report, get its decision (or None while a
+    synchronous round waits), `round_due` and `decide_round` for synchronous rounds."""
+
+    def __init__(
+        self, cfg: SchedulerConfig, space: SearchSpace, mode: str, steps: int, size: int, seed: int = 0
+    ) -> None:
+        self.cfg, self.space, self.mode, self.steps, self.size, self.seed = cfg, space, mode, steps, size, seed
+        self.burn_in = cfg.burn_in_steps(steps)
+        self.members: dict[str, Member] = {}
+        self.explore = BoundedExplore(space, cfg)
+        self.history: list[tuple[float, float, dict[str, float], float]] = []  # PB2: (t, score, x, change/step)
+        self.next_round = max(self.burn_in, cfg.interval)  # synchronous PBT: the step of the next round
+        self.waiting: dict[str, int] = {}  # synchronous PBT: members at the round, by the step they reported
+        self.first_wait: float | None = None
+        self.exploits = 0  # decided
+
+    # ----------------------------------------------------------------------------------- reports
+
+    def score_of(self, metric: float | None, failed: bool = False) -> float:
+        if failed or metric is None or math.isnan(metric):
+            return -math.inf
+        return metric if self.mode == "max" else -metric
+
+    def record(
+        self,
+        trial: str,
+        index: int,
+        step: int,
+        metric: float | None,
+        hparams: dict[str, Any],
+        pin: str | None,
+        failed: bool = False,
+        when: float | None = None,
+    ) -> bool:
+        """Take a report; returns whether the member is decided on at it (burn-in and interval passed)."""
+        m = self.members.setdefault(trial, Member(trial, index))
+        score = self.score_of(metric, failed)
+        if self.cfg.name == "pb2" and m.score is not None and math.isfinite(score) and math.isfinite(m.score):
+            if step > m.step:  # the change per step under the values it trained with
+                x = self.space.to_search({k: m.hparams[k] for k in self.space.search_bounds() if k in m.hparams})
+                self.history.append((float(m.step), m.score, x, (score - m.score) / (step - m.step)))
+        m.step, m.score, m.hparams = step, score, dict(hparams)
+        m.pin = None if failed else pin
+        m.reported_at = time.time() if when is None else when
+        m.done = step >= self.steps
+        return not m.done and step >= self.burn_in and step - m.perturbed >= self.cfg.interval
+
+    def decide(self, trial: str) -> Decision | None:
+        """Asynchronous: the member's decision at its report, made now."""
+        m = self.members[trial]
+        m.perturbed = m.step
+        lower, upper = self.quantiles()
+        return self._decide(m, lower, upper)
+
+    # -------------------------------------------------------------------------------- rounds
+
+    def arrive(self, trial: str, now: float) -> bool:
+        """Synchronous: the member is at its round (True), or late for a round decided without it (False:
+        decide it alone, now)."""
+        m = self.members[trial]
+        if m.step < self.next_round:
+            return False
+        self.waiting[trial] = m.step
+        self.first_wait = now if self.first_wait is None else self.first_wait
+        return True
+
+    def absent(self) -> int:
+        """Members still training that have not reached the round (some may not have reported at all)."""
+        there = sum(1 for m in self.members.values() if m.done or m.step >= self.next_round)
+        return self.size - there
+
+    def round_due(self, now: float) -> bool:
+        if not self.waiting:
+            return False
+        return self.absent() == 0 or now - self.first_wait > self.cfg.sync_timeout_s
+
+    def decide_round(self) -> dict[str, tuple[int, Decision | None]]:
+        """Each waiting member's (report step, decision)."""
+        if self.absent():
+            logger.warning(
+                "synchronous PBT: %d member(s) not at step %d after sync_timeout_s=%g; deciding without them",
+                self.absent(), self.next_round, self.cfg.sync_timeout_s,
+            )
+        lower, upper = self.quantiles()
+        out = {}
+        for trial, step in self.waiting.items():
+            m = self.members[trial]
+            m.perturbed = step
+            out[trial] = step, self._decide(m, lower, upper)
+        steps = [m.step for m in self.members.values()]
+        self.next_round = max(self.next_round + self.cfg.interval, max(steps))
+        self.waiting, self.first_wait = {}, None
+        return out
+
+    # ---------------------------------------------------------------------------- the decision
+
+    def quantiles(self) -> tuple[list[Member], list[Member]]:
+        """(lower, upper): the bottom and top `quantile_fraction` of the members with a score, at most half."""
+        ranked = sorted((m for m in self.members.values() if m.score is not None), key=lambda m: m.score)
+        if len(ranked) <= 1:
+            return [], []
+        n = min(math.ceil(len(ranked) * self.cfg.quantile_fraction), len(ranked) // 2)
+        return ranked[:n], ranked[-n:] if n else []
+
+    def _decide(self, m: Member, lower: list[Member], upper: list[Member]) -> Decision | None:
+        rng = random.Random(f"{self.seed}:{m.index}:{m.decisions}")
+        m.decisions += 1
+        donors = [d for d in upper if d.pin is not None and d is not m]
+        if m not in lower or not donors:
+            return None
+        donor = rng.choice(donors)
+        base = {k: donor.hparams[k] for k in self.space if k in donor.hparams}
+        if self.cfg.name == "pb2":
+            values = self._pb2_values(donor, rng)
+        else:  # never what another member holds now (what an earlier recipient of this round got, too)
+            values = self.explore(base, rng, [o.hparams for o in self.members.values() if o is not m])
+        decision = Decision(
+            donor=donor.trial,
+            pin=donor.pin,
+            step=donor.step,
+            values={**base, **values},
+            donor_hparams=dict(donor.hparams),
+            donor_metric=self._metric(donor.score),
+            donor_time=donor.reported_at,
+            exploit_id=uuid.UUID(int=rng.getrandbits(128)).hex,
+        )
+        self.exploited(m.trial, decision, perturbed=donor.perturbed)
+        return decision
+
+    def exploited(self, trial: str, decision: Decision, perturbed: int | None = None) -> None:
+        """The member now holds the donor's checkpoint: it is at the donor's step, with no pin of its own
+        until it reports (so that nobody exploits it meanwhile)."""
+        m = self.members[trial]
+        m.step, m.pin, m.hparams = decision.step, None, dict(decision.values)
+        if perturbed is not None:
+            m.perturbed = perturbed
+        self.exploits += 1
+
+    def _metric(self, score: float | None) -> float | None:
+        if score is None or not math.isfinite(score):
+            return None
+        return score if self.mode == "max" else -score
+
+    def _pb2_values(self, donor: Member, rng: random.Random) -> dict[str, Any]:
+        """PB2's proposal: GP-UCB on the search scale, at the donor's time and score."""
+        bounds = self.space.search_bounds()
+        keys = sorted(bounds)
+        lo = [bounds[k][0] for k in keys]
+        width = [max(bounds[k][1] - bounds[k][0], 1e-12) for k in keys]
+        candidates = [[rng.random() for _ in keys] for _ in range(256)]
+        pick = candidates[0]
+        if len(self.history) >= 2:
+            pick = _ucb_pick(self.history, keys, lo, width, donor, candidates, self.steps, self.seed)
+        proposal = {k: lo[i] + pick[i] * width[i] for i, k in enumerate(keys)}
+        return self.space.coerce(self.space.from_search(proposal))
+
+    # ------------------------------------------------------------------------------ rebuilding
+
+    def replay(self, reports: list[dict[str, Any]], events: list[dict[str, Any]], index: dict[str, int]) -> None:
+        """Rebuild from the lineage (a resumed experiment): every report and exploit in the order they
+        happened, deciding nothing, so that scores, perturbation steps, the streams' positions and PB2's
+        history are those the original had."""
+        rows = [("report", r) for r in reports] + [("exploit", e) for e in events]
+        for kind, row in sorted(rows, key=lambda kr: kr[1]["time"]):
+            trial = row["trial"]
+            if kind == "report":
+                due = self.record(
+                    trial, index.get(trial, 0), row["step"], row["metric"], row["hparams"] or {}, row.get("pin"),
+                    failed=bool(row.get("failed")), when=row["time"],
+                )
+                if due:
+                    self.members[trial].perturbed = row["step"]
+                    self.members[trial].decisions += 1
+            elif trial in self.members:
+                decision = Decision(
+                    row["donor"], row.get("pin") or "", row["step"], row["new_hparams"], row["donor_hparams"] or {},
+                    row.get("donor_score"), row["donor_time"], row.get("exploit_id") or "",
+                )
+                donor = self.members.get(row["donor"])
+                self.exploited(trial, decision, perturbed=donor.perturbed if donor else None)
+        steps = [m.step for m in self.members.values()]
+        if steps and self.cfg.synch:  # the next round after every report made: earlier ones are late
+            self.next_round = max(self.next_round, (max(steps) // self.cfg.interval + 1) * self.cfg.interval)
+
+    def summary(self) -> dict[str, Any]:
+        return {"exploits": self.exploits, "members": {t: m.step for t, m in self.members.items()}}
+
+
+def _ucb_pick(
+    history: list[tuple[float, float, dict[str, float], float]],
+    keys: list[str],
+    lo: list[float],
+    width: list[float],
+    donor: Member,
+    candidates: list[list[float]],
+    steps: int,
+    seed: int,
+) -> list[float]:
+    """The candidate (in [0, 1]^d) with the highest upper confidence bound of the score change per step, as
+    a GP fit on the history predicts it at the donor's time and score."""
+    import numpy as np
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+
+    scores = np.array([s for _, s, _, _ in history])
+    s_lo, s_w = scores.min(), max(np.ptp(scores), 1e-12)
+
+    def row(t: float, score: float, x: list[float]) -> list[float]:
+        return [t / max(steps, 1), (score - s_lo) / s_w, *x]
+
+    X = np.array([row(t, s, [(x.get(k, lo[i]) - lo[i]) / width[i] for i, k in enumerate(keys)]) for t, s, x, _ in history])
+    y = np.array([c for *_, c in history])
+    y = (y - y.mean()) / (y.std() or 1.0)
+    kernel = ConstantKernel(1.0, (1e-3, 1e3)) * RBF(np.ones(X.shape[1]), (1e-2, 1e2)) + WhiteKernel(1e-2, (1e-6, 1e1))
+    import warnings
+
+    with warnings.catch_warnings():  # a GP fit on a few noisy points hits a kernel bound: nothing to act on
+        warnings.simplefilter("ignore")
+        gp = GaussianProcessRegressor(kernel, normalize_y=False, random_state=seed).fit(X, y)
+    C = np.array([row(donor.step, donor.score, c) for c in candidates])
+    mean, std = gp.predict(C, return_std=True)
+    beta = 2.0 * math.log(len(history) ** 2 * math.pi**2 / 0.6)  # GP-UCB's (Srinivas et al.), delta 0.1
+    return candidates[int(np.argmax(mean + math.sqrt(beta) * std))]
+
+
+# ------------------------------------------------------------------------------------ the actor
+
+
+class PopulationActor:
+    """The `Population` of one experiment, as an actor beside the driver: a trial `report`s and then waits
+    for its `decision` (at once when asynchronous; when its round is decided when synchronous)."""
+
+    def __init__(self, population: Population) -> None:
+        self.population = population
+        self.decisions: dict[tuple[str, int], Any] = {}
+        self.events: dict[tuple[str, int], asyncio.Event] = {}
+        self.seen: set[tuple[str, int, float]] = set()
+
+    async def report(
+        self, trial: str, index: int, step: int, metric: float | None, hparams: dict[str, Any],
+        pin: str | None, failed: bool = False,
+    ) -> None:
+        pop = self.population
+        if not pop.record(trial, index, step, metric, hparams, pin, failed):
+            self._post(trial, step, GO)
+        elif not pop.cfg.synch or pop.cfg.name != "pbt" or not pop.arrive(trial, time.monotonic()):
+            self._post(trial, step, _answer(pop.decide(trial)))
+        else:
+            self._maybe_round()
+
+    async def decision(self, trial: str, step: int, timeout_s: float) -> Any:
+        """The decision on `trial`'s report of `step`: "go", an exploit (a dict), or None if not made yet."""
+        key = (trial, step)
+        if key not in self.decisions:
+            self._maybe_round()
+        if key not in self.decisions:
+            try:
+                await asyncio.wait_for(self.events.setdefault(key, asyncio.Event()).wait(), timeout_s)
+            except asyncio.TimeoutError:
+                self._maybe_round()  # a round past its timeout goes on
+                if key not in self.decisions:
+                    return None
+        self.events.pop(key, None)
+        return self.decisions.pop(key)
+
+    async def summary(self) -> dict[str, Any]:
+        return self.population.summary()
+
+    def _maybe_round(self) -> None:
+        if self.population.round_due(time.monotonic()):
+            for trial, (step, decision) in self.population.decide_round().items():
+                self._post(trial, step, _answer(decision))
+
+    def _post(self, trial: str, step: int, answer: Any) -> None:
+        for old in [k for k in self.decisions if k[0] == trial]:  # never taken: not awaited any more
+            del self.decisions[old]
+        self.decisions[(trial, step)] = answer
+        self.events.setdefault((trial, step), asyncio.Event()).set()
+
+
+def _answer(decision: Decision | None) -> Any:
+    return GO if decision is None else decision.as_dict()
+
+
+def population_name(exp_dir: Any) -> str:
+    """The actor's name: one per experiment folder (the same after --resume)."""
+    return f"raytrain-population-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"

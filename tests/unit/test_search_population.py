@@ -1,0 +1,248 @@
+"""The population's rule (search.population): PBT's and PB2's decisions over reports, with no Ray."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import sklearn.gaussian_process  # noqa: F401  (scikit-learn sets KMP_* variables on import: at collection)
+
+from raytrain_ext import ray_compat
+from search.console import quiet_warnings
+from search.population import Population
+from search.schedulers import SchedulerConfig
+from search.space import parse_space
+
+SPACE = parse_space({"optimizer.lr": {"loguniform": [1e-4, 1e-2]}})
+
+
+def _population(size=3, space=SPACE, seed=0, **cfg):
+    cfg = {"name": "pbt", "interval": 10, "burn_in": 0, "quantile_fraction": 0.34, **cfg}
+    return Population(SchedulerConfig(**cfg), space, "min", 40, size, seed=seed)
+
+
+def _report(pop, trial, step, loss, lr, index=None):
+    """A member's report; returns whether it is decided on at it."""
+    index = int(trial[1:]) if index is None else index
+    return pop.record(trial, index, step, loss, {"optimizer.lr": lr}, f"/pins/{trial}/{step}")
+
+
+def test_asynchronous_pbt_decides_each_report_against_those_reported_so_far():
+    pop = _population()
+    decided = []
+    for trial, loss, lr in (("t0", 3.0, 1e-2), ("t1", 4.0, 1e-3), ("t2", 5.0, 1e-4)):
+        assert _report(pop, trial, 10, loss, lr)
+        decided.append(pop.decide(trial))
+    # the first alone (go), the second the worse of two, the third the worst of three: both exploit t0's report
+    assert decided[0] is None
+    assert decided[1].donor == decided[2].donor == "t0" and decided[1].pin == "/pins/t0/10" == decided[2].pin
+    assert decided[1].step == 10 and decided[1].donor_metric == 3.0
+    # explored from the donor's value: x 0.5, or x 2 reflected at the top bound; never what another member holds
+    assert decided[1].values["optimizer.lr"] == pytest.approx(5e-3)
+    assert decided[1].exploit_id != decided[2].exploit_id and len(decided[1].exploit_id) == 32
+    assert pop.exploits == 2
+
+
+def test_no_decision_before_burn_in_or_within_an_interval_of_the_last():
+    pop = _population(burn_in=20)
+    assert not _report(pop, "t0", 10, 3.0, 1e-2)  # burn-in
+    assert _report(pop, "t0", 20, 3.0, 1e-2)
+    pop.decide("t0")
+    assert not _report(pop, "t0", 25, 3.0, 1e-2)  # 5 steps since its last decision
+    assert _report(pop, "t0", 30, 3.0, 1e-2)
+    assert not _report(pop, "t0", 40, 3.0, 1e-2)  # the end of the budget: nothing to decide
+
+
+def test_quantiles_are_at_most_half_and_a_failed_member_ranks_last():
+    pop = _population(size=4, quantile_fraction=0.5)
+    for trial, loss in (("t0", 1.0), ("t1", 2.0), ("t2", 3.0)):
+        _report(pop, trial, 10, loss, 1e-3)
+    pop.record("t3", 3, 10, None, {"optimizer.lr": 1e-3}, None, failed=True)
+    lower, upper = pop.quantiles()
+    assert [m.trial for m in lower] == ["t3", "t2"] and [m.trial for m in upper] == ["t1", "t0"]
+    decision = pop.decide("t3")
+    assert decision is not None and decision.donor in ("t0", "t1"), "a failed member is replaced by exploit"
+
+
+def test_a_synchronous_round_waits_for_every_member_then_decides_them_together():
+    pop = _population(synch=True)
+    for trial, loss, lr in (("t2", 5.0, 1e-4), ("t0", 3.0, 1e-2)):
+        assert _report(pop, trial, 10, loss, lr) and pop.arrive(trial, now=0.0)
+    assert not pop.round_due(now=1.0), "a member is missing: the others wait, their runs live"
+    assert _report(pop, "t1", 10, 4.0, 1e-3) and pop.arrive("t1", now=2.0)
+    assert pop.round_due(now=2.0)
+    decided = pop.decide_round()
+    assert decided["t0"] == (10, None) and decided["t1"] == (10, None)
+    step, order = decided["t2"]
+    assert step == 10 and order.donor == "t0" and order.pin == "/pins/t0/10"
+    assert pop.next_round == 20
+
+
+def test_a_synchronous_round_goes_on_without_a_member_past_its_timeout_and_decides_it_alone_later():
+    pop = _population(synch=True, sync_timeout_s=60.0)
+    for trial, loss, lr in (("t2", 5.0, 1e-4), ("t0", 3.0, 1e-2)):
+        _report(pop, trial, 10, loss, lr)
+        pop.arrive(trial, now=0.0)
+    assert not pop.round_due(now=59.0)
+    assert pop.round_due(now=61.0)
+    assert set(pop.decide_round()) == {"t0", "t2"}
+    # the member that hung reports late: not held for a round that has passed, decided alone
+    assert _report(pop, "t1", 10, 4.0, 1e-3)
+    assert not pop.arrive("t1", now=62.0)
+    assert pop.decide("t1") is None  # ranked with all three: the middle one (t2 still ranks by its 5.0)
+    assert pop.members["t1"].perturbed == 10 and pop.next_round == 20
+
+
+def test_recipients_of_one_donor_never_share_a_configuration():
+    """The donor sits at a bound of both keys (lr at its top, weight decay at 0): every perturbation of it
+    clips to few values, and without a re-draw two recipients of one round trained the same configuration
+    for the rest of the run (`make demo` before issue 25)."""
+    space = parse_space({"optimizer.lr": {"loguniform": [1e-4, 1e-2]}, "optimizer.weight_decay": {"uniform": [0.0, 0.2]}})
+    for seed in range(20):
+        pop = _population(size=4, space=space, seed=seed, quantile_fraction=0.5, resample_probability=0.1, synch=True)
+        pop.record("t0", 0, 10, 1.0, {"optimizer.lr": 1e-2, "optimizer.weight_decay": 0.0}, "/pins/t0")
+        pop.record("t1", 1, 10, 1.5, {"optimizer.lr": 1e-2, "optimizer.weight_decay": 0.0}, None)  # no pin: no donor
+        for i in (2, 3):
+            pop.record(f"t{i}", i, 10, 5.0, {"optimizer.lr": 1e-4, "optimizer.weight_decay": 0.1}, f"/pins/t{i}")
+        for t in ("t0", "t1", "t2", "t3"):
+            pop.arrive(t, now=0.0)
+        decided = [d for _, d in pop.decide_round().values() if d is not None]
+        held = [(d.values["optimizer.lr"], d.values["optimizer.weight_decay"]) for d in decided] + [(1e-2, 0.0)]
+        assert len(decided) == 2 and len(set(held)) == len(held), f"seed {seed}: {held}"
+
+
+def test_a_space_with_no_unused_configuration_left_still_explores():
+    space = parse_space({"model.kind": {"choice": ["a", "b"]}})
+    pop = _population(size=4, space=space, quantile_fraction=0.5)
+    for i, kind in enumerate("abab"):
+        pop.record(f"t{i}", i, 10, float(i), {"model.kind": kind}, f"/pins/t{i}")
+    decision = pop.decide("t3")  # every value is held: the last draw is kept
+    assert decision is not None and decision.values["model.kind"] in ("a", "b")
+
+
+def test_a_population_rebuilt_from_the_lineage_decides_as_the_original():
+    """A resumed experiment's population is its lineage replayed: scores, perturbation steps and each
+    member's stream position, so that its next decisions are those an uninterrupted one makes."""
+    import random
+
+    def run(pop, reports, events, start, stop):
+        rng = random.Random(7)
+        out = []
+        for step in range(start, stop, 10):
+            for trial in ("t0", "t1", "t2", "t3"):
+                loss = rng.random() + (3.0 if pop.members.get(trial) and pop.members[trial].hparams.get("optimizer.lr", 0) < 1e-3 else 0.0)
+                lr = pop.members[trial].hparams["optimizer.lr"] if trial in pop.members else 10 ** (-2 - int(trial[1]) / 2)
+                row = {"time": len(reports) + len(events) + 1.0, "trial": trial, "step": step, "metric": loss,
+                       "hparams": {"optimizer.lr": lr}, "pin": f"/pins/{trial}/{step}", "failed": False}
+                reports.append(row)
+                if pop.record(trial, int(trial[1]), step, loss, row["hparams"], row["pin"], when=row["time"]):
+                    d = pop.decide(trial)
+                    if d is not None:
+                        events.append({"time": row["time"] + 0.5, "trial": trial, "donor": d.donor, "step": d.step,
+                                       "new_hparams": d.values, "donor_hparams": d.donor_hparams, "pin": d.pin,
+                                       "donor_score": d.donor_metric, "donor_time": d.donor_time, "exploit_id": d.exploit_id})
+                    out.append((trial, step, d and (d.donor, d.exploit_id, d.values["optimizer.lr"])))
+        return out
+
+    whole = _population(size=4, seed=3, quantile_fraction=0.25)
+    decisions = run(whole, [], [], 10, 110)
+    first = _population(size=4, seed=3, quantile_fraction=0.25)
+    reports, events = [], []
+    before = run(first, reports, events, 10, 60)
+    rebuilt = _population(size=4, seed=3, quantile_fraction=0.25)
+    rebuilt.replay(reports, events, {t: int(t[1]) for t in ("t0", "t1", "t2", "t3")})
+    after = run(rebuilt, reports, events, 60, 110)
+    assert any(d for _, _, d in decisions), "the run exploits at all"
+    assert before + after == decisions
+
+
+# ---------------------------------------------------------------------------------------- PB2
+
+
+def _pb2_proposals(space_raw: dict, best_log10_lr: float, proposals: int = 4) -> list[dict]:
+    """PB2 fed five reports of six members whose loss falls fastest at lr = 10**best_log10_lr; then the
+    two bottom members explore, `proposals` times."""
+    pop = Population(SchedulerConfig(name="pb2", interval=10), parse_space(space_raw), "min", 100, 6, seed=0)
+    lrs = (3e-4, 6e-4, 1.5e-3, 4e-3, 1e-2, 2.5e-2)
+    loss = [3.0] * 6
+    for step in range(10, 60, 10):
+        for i, lr in enumerate(lrs):
+            loss[i] -= 0.1 * math.exp(-((math.log10(lr) - best_log10_lr) ** 2))
+            pop.record(f"t{i}", i, step, loss[i], {"optimizer.lr": lr, "train.accum": 4}, f"/pins/t{i}/{step}")
+    out = []
+    for k in range(proposals):
+        worst = min(pop.members.values(), key=lambda m: m.score if m.pin else math.inf)
+        trial = f"t{[i for i in range(6) if f't{i}' == worst.trial][0]}"
+        decision = pop.decide(trial)
+        assert decision is not None
+        out.append(decision.values)
+        pop.record(trial, int(trial[1]), 50, loss[int(trial[1])], {"optimizer.lr": lrs[int(trial[1])], "train.accum": 4}, f"/pins/{trial}/50b")
+    return out
+
+
+@pytest.mark.parametrize(("best", "decade"), [(-3.2, (3e-4, 1e-3)), (-2.5, (1e-3, 1e-2)), (-1.8, (1e-2, 3e-2))])
+def test_pb2_searches_a_log_uniform_range_in_log_space(best, decade):
+    """Ray's PB2 normalised its bounds linearly: over [3e-4, 3e-2] the lowest decade was 0.7% of the box
+    (it proposed 3e-3..3e-2 where the data pointed to 6e-4). On the log scale the proposals go to the decade
+    the data favour, whichever it is, and come back as the space's own values (a logint as an int)."""
+    space = {"optimizer.lr": {"loguniform": [3e-4, 3e-2]}, "train.accum": {"logint": [1, 64]}}
+    for new in _pb2_proposals(space, best):
+        assert decade[0] <= new["optimizer.lr"] < decade[1], (best, new)
+        assert isinstance(new["train.accum"], int) and 1 <= new["train.accum"] <= 64
+
+
+def test_pb2_decides_without_scikit_learns_convergence_warnings():
+    """Its GP, fit on a few noisy points, hits a kernel bound at most decisions: a ConvergenceWarning each
+    time on the console would be noise a user cannot act on."""
+    from sklearn.exceptions import ConvergenceWarning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ConvergenceWarning)
+        proposals = _pb2_proposals({"optimizer.lr": {"loguniform": [3e-4, 3e-2]}}, -2.5)
+    assert len(proposals) == 4
+    assert not [w for w in seen if issubclass(w.category, ConvergenceWarning)], [str(w.message) for w in seen]
+
+
+def test_tunes_upload_that_raced_a_save_of_its_state_prints_no_traceback(tmp_path, caplog):
+    """Stop 49's CI: on a Ctrl-C, Tune's final save of its experiment state logged, with a traceback, the
+    failure of the previous upload of its staging folder, which had listed the searcher's temp file before
+    the save renamed it (the save's own upload follows). Left out under `quiet_warnings`, and only that
+    error: another failure of the upload (a file of the state itself missing) is still shown."""
+    import pyarrow.fs
+
+    log = logging.getLogger(ray_compat.EXPERIMENT_STATE_LOGGER)
+    local = pyarrow.fs.LocalFileSystem()
+
+    def upload_fails_on(name: str) -> None:
+        try:  # the copy Ray's syncer makes (ray/train/_internal/storage.py), of a file gone since listed
+            pyarrow.fs.copy_files(str(tmp_path / name), str(tmp_path / "storage" / name), local, local)
+        except FileNotFoundError:
+            log.error("Saving experiment state to storage at '%s' failed with exception: ", tmp_path, exc_info=True)
+
+    rays = ".d7514445-tmp-basic-variant-state-2026-11-27_23-00-34.json"  # ray/tune/utils/util.py _atomic_save
+    ours = ".experiment.json.15524.a1b2c3"  # a file of ours, trainers.storage.write_bytes_atomic
+    state = "experiment_state-2026-11-27_23-00-34.json"
+    with caplog.at_level(logging.ERROR, logger=ray_compat.EXPERIMENT_STATE_LOGGER):
+        with quiet_warnings():
+            upload_fails_on(rays)
+            upload_fails_on(ours)
+            upload_fails_on(state)
+        upload_fails_on(rays)  # outside it, Ray's logging as it was
+    shown = [str(r.exc_info[1]) for r in caplog.records]
+    assert len(shown) == 2 and state in shown[0] and rays in shown[1], shown
+    assert not log.filters
+
+
+def test_pbt_burn_in_is_half_the_budget_by_default_or_steps_or_a_share():
+    """bench/results/pbt_quality.json chose the default: no exploit before half of each trial's steps."""
+    cfg = SchedulerConfig(name="pbt", interval=10)
+    assert cfg.burn_in_steps(1600) == 800
+    assert Population(cfg, SPACE, "min", 40, 2).burn_in == 20
+    assert SchedulerConfig(name="pbt", burn_in="25%").burn_in_steps(1600) == 400
+    assert SchedulerConfig(name="pbt", burn_in=30).burn_in_steps(1600) == 30
+    assert SchedulerConfig(name="pb2", interval=10).burn_in_steps(1600) == 0  # pb2 decides from its first report
+    for bad in ("half", "100%", "-5%"):
+        with pytest.raises(ValueError, match="neither a step count nor a share"):
+            SchedulerConfig(name="pbt", burn_in=bad)
