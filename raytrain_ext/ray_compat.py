@@ -27,6 +27,7 @@ __all__ = [
     "own_worker_address",
     "placement_group_records",
     "prepare_ray_up_config",
+    "ray_init_system_config",
     "refresh_autoscaling_view",
     "set_error_printer",
     "torch_backend_with",
@@ -75,6 +76,15 @@ def refresh_autoscaling_view() -> bool:
     except Exception:  # noqa: BLE001 - none yet, or busy: its own 20 s tick still comes
         return False
     return True
+
+
+# ------------------------------------------------------------ ray.init's private arguments (issue 53)
+# ray/_private/worker.py `init(..., **kwargs)` pops `_system_config` (Ray 2.55.1 to 2.60.0): settings of the
+# raylet and GCS that this `ray.init` starts (src/ray/common/ray_config_def.h names them; `ray start` has no
+# flag for most), ignored when it joins a running Ray.
+def ray_init_system_config(**settings: Any) -> dict[str, Any]:
+    """`ray.init`'s keyword arguments that give the local Ray it starts these internal settings."""
+    return {"_system_config": settings}
 
 
 # ------------------------------------------------------------------------- the driver's console

@@ -121,3 +121,12 @@ def test_the_pbt_and_pb2_internals_the_schedulers_subclass_are_there():
     assert used <= listed, used - listed
     fields = set(re.findall(r"\bstate\.([a-z][a-z_]*)", source)) - {"pop", "json"}
     assert fields <= set(ray_compat.PBT_TRIAL_STATE), fields
+
+
+def test_ray_init_still_takes_a_system_config():
+    """ray_compat.ray_init_system_config: `ray.init` pops `_system_config` from its keyword arguments."""
+    from ray._private import worker
+
+    source = inspect.getsource(inspect.unwrap(worker.init))
+    assert 'kwargs.pop("_system_config"' in source
+    assert ray_compat.ray_init_system_config(a=1) == {"_system_config": {"a": 1}}
