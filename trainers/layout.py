@@ -254,13 +254,15 @@ class ParallelLayout:
         if not self._mesh:
             from torch.distributed.device_mesh import init_device_mesh
 
+            from trainers.torch_compat import flatten_mesh
+
             dims: list[tuple[str, int]] = [("pp", self.pp)] if self.pp > 1 else []
             dims += [("edp", self.edp), ("ep", self.ep)] if self.ep > 1 else [("dp", self.dp)]
             dims += [("tp", self.tp)] if self.tp > 1 else []
             names, sizes = zip(*dims)
             mesh = init_device_mesh(self.device_type, tuple(sizes), mesh_dim_names=tuple(names))
             # Keep the flattened dp mesh itself: slicing a flattened dim from the root is deprecated.
-            self._mesh.extend([mesh, mesh["edp", "ep"]._flatten("dp") if self.ep > 1 else mesh["dp"]])
+            self._mesh.extend([mesh, flatten_mesh(mesh["edp", "ep"], "dp") if self.ep > 1 else mesh["dp"]])
         return self._mesh[0]
 
     def dp_mesh(self) -> DeviceMesh:

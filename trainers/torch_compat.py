@@ -69,8 +69,9 @@ def __getattr__(name: str) -> Any:
 
 
 # models/moe.py: one grouped matmul per projection over all experts (`offs`: where each group ends), on
-# CPU and CUDA. The function itself, not a wrapper: compiled graphs see the same op.
-grouped_mm = torch._grouped_mm
+# CPU and CUDA. The function itself, not a wrapper: compiled graphs see the same op. None on a torch that has
+# none (moe.py then runs a loop over the experts).
+grouped_mm = getattr(torch, "_grouped_mm", None)
 
 # models/moe.py: -1 unless autograd's engine is running a backward (activation checkpointing re-running a
 # forward inside it).
@@ -89,9 +90,10 @@ def skip_side_effects_in_checkpoint_backward() -> None:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-def flatten_mesh(mesh: Any) -> Any:
-    """parallel/native.py: a device mesh's dimensions as one (its process group spans them all)."""
-    return mesh._flatten()
+def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
+    """parallel/native.py, layout.py: a device mesh's dimensions as one (its process group spans them all),
+    named `name` in the root mesh when given (torch/distributed/device_mesh.py `DeviceMesh._flatten`)."""
+    return mesh._flatten(name)
 
 
 def record_memory_history(max_entries: int) -> None:

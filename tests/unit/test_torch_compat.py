@@ -77,3 +77,12 @@ def test_no_other_module_of_trainers_names_a_private_part_of_torch():
             if private.search(code) and "`" not in code:  # names in docstrings are quoted
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert found == [], "\n".join(found)
+
+
+def test_the_mesh_flatten_takes_a_name_and_grouped_mm_is_there():
+    """flatten_mesh(mesh, name) is DeviceMesh._flatten(mesh_dim_name); moe.py falls back to a loop only
+    where torch has no _grouped_mm, which none of TORCH_VERSIONS lacks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert list(inspect.signature(DeviceMesh._flatten).parameters)[:2] == ["self", "mesh_dim_name"]
+    assert torch_compat.grouped_mm is torch._grouped_mm

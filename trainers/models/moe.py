@@ -116,7 +116,7 @@ def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch has a grouped-matmul kernel for `device` and `dtype` that needs no host sync: CUDA's
     (CUTLASS, sm90/sm100, bf16; its fallback elsewhere copies the offsets to the host) and the CPU's (a
     loop over the groups in C++, torch >= 2.9; fp32 in eager only: torch.compile traces bf16 alone)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if grouped_mm is None:
         return False
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_properties(device).major in (9, 10)
