@@ -37,6 +37,7 @@ from trainers.checkpoint_files import (
     DEEPSPEED_UNIVERSAL_TAG,
 )
 from trainers.config import ConfigError, OptimizerConfig, RunConfig
+from trainers.deepspeed_compat import loading_universal_checkpoint
 from trainers.layout import ParallelLayout
 from trainers.models.flops import param_count
 from trainers.optim import apply_hparams, build_optimizer, param_groups
@@ -463,12 +464,8 @@ class DeepSpeedCheckpointBackend:
             self._load(engine, path, TAG, ds_state.with_optimizer)
             return
         _on_rank0(engine.device, to_universal, path)
-        # DeepSpeed reads this flag at load time only; it is not a property of the running engine.
-        engine._config.load_universal_checkpoint = True
-        try:
+        with loading_universal_checkpoint(engine):
             self._load(engine, path, UNIVERSAL_TAG, ds_state.with_optimizer)
-        finally:
-            engine._config.load_universal_checkpoint = False
         _unshare_step_counts(getattr(engine.optimizer, "optimizer", engine.optimizer))
 
     @staticmethod
