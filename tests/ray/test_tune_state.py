@@ -1,10 +1,8 @@
 """`raytrain tune` state across interruptions (issue 12):
 
 - (slow) a `raytrain tune` driver SIGKILLed twice continues with `--resume` each time, a Ctrl-C exits 130
-  with the resume command and no traceback, and the finished experiment's lineage and scheduler state
-  hold each report and each exploit once (done-when 3);
-- the scheduler summary (`scheduler_state.json`) is the state Tune saved last, after any number of
-  resumes (a resumed Tune copied the interruption's summary over every later one);
+  with the resume command and no traceback, and the finished experiment's lineage holds each report and
+  each exploit once (done-when 3), the population rebuilt from it at each resume;
 - Ctrl-C before the first report ends the run as interrupted, without a best trial, not with an error.
 """
 
@@ -24,19 +22,9 @@ from ray import tune
 from raytrain_ext.launcher import wait_for
 from search.config import load_experiment, save
 from search.driver import run_experiment
-from search.schedulers import TIME_ATTR, SchedulerConfig, SchedulerState, build_scheduler, population_space
-from search.toy import TOY_MEMBERS, TOY_SPACE, toy_trainable
 from tests.ray.test_pbt import _experiment, ray_pbt  # noqa: F401  (the module-scoped local Ray)
 
 pytestmark = pytest.mark.ray
-
-
-def _saved_scheduler(exp_dir: Path) -> dict:
-    """The scheduler state a `--resume` restores: Tune's newest callback state (ours is the first)."""
-    import ray.cloudpickle as pickle
-
-    newest = max(exp_dir.glob("callback-states-*.pkl"))
-    return pickle.loads(newest.read_bytes())[0]["scheduler"]
 
 
 # ------------------------------------------------------- a driver killed twice, then Ctrl-C (slow)
@@ -166,12 +154,10 @@ def test_a_killed_driver_resumes_twice_with_each_report_and_exploit_once(corpus_
 
     reports, events = collect(exp_dir)
     exploits = _lines(exp_dir, "exploit")
-    # each exploit once: in the raw logs, in lineage.parquet, and in the scheduler's own count
+    # each exploit once: in the raw logs and in lineage.parquet
     ids = [e["exploit_id"] for e in exploits]
     assert ids and len(set(ids)) == len(ids)
     assert sorted(e["exploit_id"] for e in events) == sorted(ids)
-    summary = json.loads((exp_dir / "scheduler_state.json").read_text())
-    assert summary["perturbations"] == len(ids) == _saved_scheduler(exp_dir)["_num_perturbations"]
     # the exploit applied before the first kill is in the lineage; nothing written was set aside
     assert kills[0]["exploits"] and set(kills[0]["exploits"]) <= set(ids)
     assert not (exp_dir / "lineage" / "discarded").exists()
@@ -246,62 +232,6 @@ def _kill_twice_then_ctrl_c(tmp_path: Path, path: Path, exp_dir: Path, drivers: 
     assert last.proc.wait(timeout=600) == 0, last.err.read_text()[-3000:]
     assert "done: best trial" in last.out.read_text()
     return kills
-
-
-# ------------------------------------------------------------------------ the scheduler's summary
-
-
-class InterruptAtPerturbation(tune.Callback):
-    """Ctrl-C (SIGINT to this process) once the scheduler has made `at` perturbations, once per count."""
-
-    def __init__(self, scheduler, at: list[int]):
-        self.scheduler, self.at = scheduler, list(at)
-
-    def get_state(self):  # a resumed experiment goes on to the next count
-        return {"at": self.at}
-
-    def set_state(self, state):
-        self.at = state["at"]
-
-    def on_step_end(self, iteration, trials, **info):
-        if self.at and self.scheduler._num_perturbations >= self.at[0]:
-            self.at.pop(0)
-            os.kill(os.getpid(), signal.SIGINT)
-
-
-def test_scheduler_summary_is_tunes_last_save_across_resumes(ray_pbt, tmp_path):  # noqa: F811
-    # the PBT paper's toy (Tune function trials, no Train runs): synchronous PBT, the worse of two
-    # copies the better at every interval, so exploits go on after each resume
-    steps, interval = 40, 4
-    scheduler = build_scheduler(
-        SchedulerConfig(name="pbt", interval=interval, burn_in=0, quantile_fraction=0.5, synch=True), TOY_SPACE, steps
-    )
-    tuner = tune.Tuner(
-        toy_trainable,
-        param_space={**population_space(TOY_MEMBERS), "steps": steps, "interval": interval},
-        tune_config=tune.TuneConfig(scheduler=scheduler, metric="Q", mode="max", reuse_actors=True),
-        run_config=tune.RunConfig(
-            name="toy",
-            storage_path=str(tmp_path),
-            verbose=0,
-            stop={TIME_ATTR: steps},
-            callbacks=[SchedulerState(scheduler), InterruptAtPerturbation(scheduler, at=[2, 4])],
-        ),
-    )
-    exp_dir = tmp_path / "toy"
-    counts = []
-    for _ in range(3):  # interrupted at 2 and at 4 perturbations, then to the end
-        tuner.fit()
-        summary = json.loads((exp_dir / "scheduler_state.json").read_text())
-        saved = _saved_scheduler(exp_dir)
-        assert (summary["perturbations"], summary["checkpoints"]) == (
-            saved["_num_perturbations"],
-            saved["_num_checkpoints"],
-        )
-        counts.append(summary["perturbations"])
-        tuner = tune.Tuner.restore(str(exp_dir), toy_trainable, resume_unfinished=True)
-    # each resume continued from the saved state (no count went back) and exploited again
-    assert counts[0] >= 2 and counts[1] >= 4 and counts[2] > counts[1]
 
 
 # ------------------------------------------------------------------ Ctrl-C before the first report
