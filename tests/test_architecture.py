@@ -1,16 +1,20 @@
 """Guards for the layering: every import of ours (function-level and TYPE_CHECKING ones too) follows the
 package order written below and makes no cycle; trainers never imports ray; model files hold no
-distributed code; every module imports on its own."""
+distributed code; every module imports on its own; no private name of Ray, torch or DeepSpeed is read
+outside their compatibility modules."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pkgutil
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -320,6 +324,524 @@ def test_moved_names_stay_importable_where_they_were():
     for (old, name), new in moved.items():
         here = getattr(importlib.import_module(new), "check_layout" if name == "check_config" else name)
         assert getattr(importlib.import_module(old), name) is here, (old, name)
+
+
+# ------------------------------------------------------------------------- private names of other libraries
+
+# The libraries whose private names (a leading underscore, not a dunder) may be read only in their
+# compatibility module: a Ray minor release or a torch one renames them without notice.
+FOREIGN = ("ray", "torch", "deepspeed")
+COMPAT_MODULES = ("raytrain_ext.ray_compat", "trainers.torch_compat", "trainers.deepspeed_compat")
+
+# Names with a leading underscore that their library documents as public.
+PUBLIC_UNDERSCORED = {
+    "_replace": "collections.namedtuple", "_asdict": "collections.namedtuple",
+    "_fields": "collections.namedtuple", "_make": "collections.namedtuple",
+    "_field_defaults": "collections.namedtuple",
+}  # fmt: skip
+
+# (file, name): private names of Ray that search/ still reads, each with its way out. An entry no file needs
+# any more is an error (test_pending_private_names_are_still_used).
+PENDING: set[tuple[str, str]] = {
+    # search/console.py ExperimentReporter overrides ray.tune.CLIReporter's `_progress_str` (the progress
+    # table's text): to move behind raytrain_ext/ray_compat.py, or onto a public reporter of our own
+    ("search/console.py", "_progress_str"),
+}
+
+_FIX = (
+    "fix: read it in the compatibility module (raytrain_ext/ray_compat.py for Ray, trainers/torch_compat.py for "
+    "torch, trainers/deepspeed_compat.py for DeepSpeed) as a small named function or constant, with a comment "
+    "naming the library's file it reads and the version read, and a test in tests/unit/test_*_compat.py that "
+    "pins it; the caller uses that name"
+)
+_DOTTED = re.compile(r"(?:ray|torch|deepspeed)(?:\.[A-Za-z_]\w*)+")
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    """One private name of a foreign library read outside the compatibility modules."""
+
+    file: str
+    line: int
+    name: str  # the foreign path up to its last private part (torch._dynamo), or a private attribute or keyword
+    text: str  # as the source has it
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} {self.name}" + ("" if self.text == self.name else f"  ({self.text})")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_path(path: str) -> str | None:
+    """`path` cut after its last private part, when it is a foreign one with a private part; else None."""
+    parts = path.split(".")
+    last = max((i for i, part in enumerate(parts) if _private(part)), default=None)
+    return ".".join(parts[: last + 1]) if parts[0] in FOREIGN and last is not None else None
+
+
+def _import_map(name: str, path: Path, tree: ast.Module) -> dict[str, str]:
+    """Each name an import binds anywhere in the file -> the dotted path it stands for (relative imports
+    resolved). Shadowing by a local of the same name is not seen."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                out[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[: len(package) - (node.level - 1)] + ([base] if base else []))
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return out
+
+
+def _dotted(expr: ast.expr, imports: dict[str, str]) -> str | None:
+    """The dotted path of a chain of attributes rooted at an imported name (`dist.fsdp.X`), else None."""
+    attrs = []
+    while isinstance(expr, ast.Attribute):
+        attrs.append(expr.attr)
+        expr = expr.value
+    if isinstance(expr, ast.Name) and expr.id in imports:
+        return ".".join([imports[expr.id], *reversed(attrs)])
+    return None
+
+
+def _is_self(expr: ast.expr) -> bool:
+    """`self`, `cls` or `super()`."""
+    if isinstance(expr, ast.Call):
+        return isinstance(expr.func, ast.Name) and expr.func.id == "super"
+    return isinstance(expr, ast.Name) and expr.id in ("self", "cls")
+
+
+def _string_args(call: ast.Call) -> list[str]:
+    return [a.value for a in call.args[:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+
+def _called(call: ast.Call) -> str | None:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+@cache
+def _foreign_private(path: str) -> frozenset[str] | None:
+    """The private names a foreign class and its foreign bases define: methods and class attributes, and the
+    instance attributes their source sets on self (`self._x = `, `setattr(self, "_x", ...)`). None when it
+    cannot be imported here (an optional library) or is no class."""
+    parts, obj = path.split("."), None
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # noqa: BLE001 - not a module (a class in one), or not installed
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part, None)
+        break
+    if not isinstance(obj, type):
+        return None
+    names = set()
+    for klass in obj.__mro__:
+        if klass.__module__.split(".")[0] not in FOREIGN:
+            continue
+        names.update(n for n in vars(klass) if _private(n))
+        try:
+            source = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(source):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+                names.add(node.attr)
+            elif isinstance(node, ast.Call) and _called(node) in ("setattr", "__setattr__"):
+                names.update(_string_args(node))
+    return frozenset(n for n in names if _private(n))
+
+
+def _reexported(path: str) -> str | None:
+    """The foreign class that a module of ours hands out under `path` (torch_compat.TorchDispatchMode), as
+    its own dotted path; None when `path` is no such class or does not import."""
+    module, _, name = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - not importable here: no class to read
+        return None
+    foreign = isinstance(obj, type) and obj.__module__.split(".")[0] in FOREIGN
+    return f"{obj.__module__}.{obj.__qualname__}" if foreign else None
+
+
+@dataclass(eq=False)
+class _Class:
+    module: str
+    node: ast.ClassDef
+    defines: set[str]  # what its own body defines: methods, class-level names, __slots__, self./cls. stores
+    ours: list[_Class] = field(default_factory=list)  # our classes it derives from, itself first (filled later)
+    foreign: list[str] = field(default_factory=list)  # dotted paths of the foreign classes it derives from
+    mixed: list[str] = field(default_factory=list)  # those a class of ours mixes it with (its self is theirs too)
+
+
+def _body_defines(body: list[ast.stmt]) -> dict[str, int]:
+    """Names a module's or class's body defines (defs, classes, assignments, __slots__) -> their line."""
+    names = {}
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[stmt.name] = stmt.lineno
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        for target in targets:
+            names.update((n.id, stmt.lineno) for n in ast.walk(target) if isinstance(n, ast.Name))
+            if isinstance(target, ast.Name) and target.id == "__slots__" and stmt.value is not None:
+                names.update((s.value, stmt.lineno) for s in ast.walk(stmt.value) if isinstance(s, ast.Constant))
+    return names
+
+
+def _class_defines(node: ast.ClassDef) -> set[str]:
+    """What a class's own source defines: its body's names and what its methods set on self or cls."""
+    names = set(_body_defines(node.body))
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and _is_self(sub.value):
+            names.add(sub.attr)
+        elif isinstance(sub, ast.Call) and _called(sub) == "setattr" and sub.args and _is_self(sub.args[0]):
+            names.update(_string_args(sub)[:1])
+        elif isinstance(sub, ast.Call) and _called(sub) == "setdefault" and _self_dict(getattr(sub.func, "value", sub)):
+            names.update(_string_args(sub)[:1])
+        elif isinstance(sub, ast.Subscript) and isinstance(sub.ctx, ast.Store) and _self_dict(sub.value):
+            names.update(s.value for s in [sub.slice] if isinstance(s, ast.Constant))
+    return names
+
+
+def _self_dict(expr: ast.expr) -> bool:
+    """`self.__dict__`: its string keys are attributes set on self."""
+    return isinstance(expr, ast.Attribute) and expr.attr == "__dict__" and _is_self(expr.value)
+
+
+class _Ours:
+    """What our packages define, read from their source: modules, classes (with their bases resolved to ours
+    or to foreign paths), and every name of ours a private attribute or keyword may mean."""
+
+    def __init__(self, root: Path, packages: tuple[str, ...]):
+        self.root, self.packages = root, packages
+        self.files = module_files(root, packages)
+        self.trees = {m: ast.parse(p.read_text(), str(p)) for m, p in self.files.items()}
+        self.imports = {m: _import_map(m, self.files[m], tree) for m, tree in self.trees.items()}
+        self.classes = {
+            id(node): _Class(m, node, _class_defines(node))
+            for m, tree in self.trees.items() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+        }  # fmt: skip
+        for cls in self.classes.values():
+            self._derive(cls, set())
+        for cls in self.classes.values():
+            for base in cls.ours[1:]:
+                base.mixed += [f for f in cls.foreign if f not in base.foreign + base.mixed]
+        # keywords a call of ours may pass: the parameters of our functions, the fields of our classes
+        self.params = {
+            a.arg for tree in self.trees.values() for n in ast.walk(tree) if isinstance(n, ast.arguments)
+            for a in n.posonlyargs + n.args + n.kwonlyargs + [n.vararg, n.kwarg] if a is not None
+        }  # fmt: skip
+        self.params |= {name for cls in self.classes.values() for name in _body_defines(cls.node.body)}
+        # attributes of ours: module-level names, our modules, and what our classes define (none of a foreign
+        # base's private names: defining one is a use of it)
+        self.attrs = {part for m in self.files for part in m.split(".")}
+        self.attrs |= {name for tree in self.trees.values() for name in _body_defines(tree.body)}
+        for cls in self.classes.values():
+            self.attrs |= cls.defines - self.foreign_private(cls)
+
+    def _lookup(self, module: str, name: str) -> _Class | None:
+        found = [c for c in self.classes.values() if c.node.name == name]
+        return next((c for c in found if c.module == module), found[0] if len(found) == 1 else None)
+
+    def _derive(self, cls: _Class, seen: set[int]) -> None:
+        if cls.ours or id(cls) in seen:
+            return
+        seen.add(id(cls))
+        cls.ours = [cls]
+        imports = self.imports[cls.module]
+        for base in cls.node.bases:
+            path = _dotted(base, imports)
+            if path is None and isinstance(base, ast.Name):
+                path = f"{cls.module}.{base.id}"
+            if path is None:
+                continue
+            if path.split(".")[0] in FOREIGN:
+                cls.foreign.append(path)
+            elif path.split(".")[0] in self.packages:
+                mod, _, name = path.rpartition(".")
+                parent = self._lookup(mod, name)
+                if parent is not None and parent is not cls:
+                    self._derive(parent, seen)
+                    cls.ours += [c for c in parent.ours if c not in cls.ours]
+                    cls.foreign += [f for f in parent.foreign if f not in cls.foreign]
+                elif parent is None and (theirs := _reexported(path)) is not None:
+                    cls.foreign.append(theirs)
+
+    def defines(self, cls: _Class) -> set[str]:
+        return set().union(*(c.defines for c in cls.ours))
+
+    def foreign_private(self, cls: _Class) -> set[str]:
+        return set().union(*(_foreign_private(path) or () for path in cls.foreign + cls.mixed))
+
+
+class _PrivateUses(ast.NodeVisitor):
+    """The foreign private names one module of ours reads (see test_no_private_names_outside_compat_modules)."""
+
+    def __init__(self, ours: _Ours, module: str):
+        self.ours, self.module, self.imports = ours, module, ours.imports[module]
+        self.file = str(ours.files[module].relative_to(ours.root))
+        self.classes: list[_Class] = []
+        self.found: list[PrivateUse] = []
+        tree = ours.trees[module]
+        # an attribute whose outer attribute is private too: the outer one names the whole path
+        self.inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _private(n.attr)}
+        # strings that are statements (docstrings) name nothing
+        self.prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        self.visit(tree)
+
+    def report(self, node: ast.AST, name: str, text: str | None = None) -> None:
+        self.found.append(PrivateUse(self.file, node.lineno, name, text or name))
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        cls = self.ours.classes[id(node)]
+        theirs = self.ours.foreign_private(cls)
+        for name, line in _body_defines(node.body).items():
+            if _private(name) and name in theirs:
+                self.found.append(PrivateUse(self.file, line, name, f"{node.name}.{name}, {(cls.foreign + cls.mixed)[0]}'s own"))
+        self.classes.append(cls)
+        self.generic_visit(node)
+        self.classes.pop()
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if (path := _private_path(alias.name)) is not None:
+                self.report(node, path)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            if not node.level and (path := _private_path(f"{node.module}.{alias.name}")) is not None:
+                self.report(node, path)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if _private(node.attr):
+            self.attribute(node, node.value, node.attr, ast.unparse(node))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if _called(node) in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                self.attribute(node, node.args[0], name.value, ast.unparse(node))
+        for keyword in node.keywords:
+            if keyword.arg and _private(keyword.arg) and keyword.arg not in self.ours.params:
+                self.report(node, keyword.arg, f"{ast.unparse(node.func)}({keyword.arg}=...)")
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str) and id(node) not in self.prose and _DOTTED.fullmatch(node.value):
+            if (path := _private_path(node.value)) is not None:
+                self.report(node, path, repr(node.value))
+
+    def attribute(self, node: ast.AST, receiver: ast.expr, attr: str, text: str) -> None:
+        path = _dotted(receiver, self.imports)
+        if path is not None:  # an imported module or object: a foreign one's private part is reported once
+            if path.split(".")[0] in FOREIGN and id(node) not in self.inner:
+                self.report(node, _private_path(f"{path}.{attr}"), text)
+            return
+        cls = self.classes[-1] if self.classes else None
+        if cls is not None and _is_self(receiver):
+            if attr in self.ours.foreign_private(cls):  # theirs, whoever else defines it
+                self.report(node, attr, text)
+                return
+            if isinstance(receiver, ast.Call):  # super(): what a class of ours above this one defines
+                if not any(attr in c.defines for c in cls.ours[1:]):
+                    self.report(node, attr, text)
+                return
+            if cls.foreign:  # our class on a foreign one: only what our part of it defines
+                if attr not in self.ours.defines(cls):
+                    self.report(node, attr, text)
+                return
+            if attr in self.ours.defines(cls):
+                return
+        if attr not in self.ours.attrs and attr not in PUBLIC_UNDERSCORED:
+            self.report(node, attr, text)
+
+
+def private_uses(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[PrivateUse]:
+    """Every private name (a leading underscore, not a dunder) of a foreign library (FOREIGN) that a module
+    of ours outside COMPAT_MODULES reads, sets or overrides. The rule, read from our source (and, for a class
+    of ours on a foreign class, from that class imported here):
+    (a) a path rooted at a foreign module with a private part: `import`/`from` of one, an attribute chain on an
+        imported foreign name (`torch._dynamo.config`, `ray._raylet.JobID`, `nn.Module._apply`), a
+        `getattr`/`hasattr`/`setattr` of a private name on one (`hasattr(torch, "_grouped_mm")`), a string
+        that is such a path (`"torch._dynamo"`: logger names, import_module); reported as the path up to its
+        last private part;
+    (b) a private attribute on any other object (`engine._config`, `mesh["dp"]._flatten()`, `self._x` in a
+        class of ours whose own hierarchy does not define it) whose name nothing of ours defines: no
+        `def _x`, class-level or module-level `_x`, `self._x =`/`cls._x =`/`setattr(self, "_x", ...)`/
+        `self.__dict__` key, `__slots__` entry, nor a module of ours named so;
+    (c) in a class of ours that derives from a foreign class (directly, through classes of ours, through a
+        class a compat module hands out, or as a mixin that a class of ours combines with a foreign one):
+        `self._x`/`cls._x`/`super()._x` that is the foreign classes' own (their methods and class attributes
+        along the MRO, and what their source sets on self), or that our part of the hierarchy does not
+        define; a method or class attribute of ours that overrides one of theirs; `super()._x` that no class
+        of ours above this one defines;
+    (d) a private keyword argument (`ray.init(_system_config=...)`) that no function or field of ours takes.
+    Blind spots: a private attribute of a foreign object whose name we also define for ourselves (rule b
+    cannot tell `engine._x` from `ours._x` without types); an import alias shadowed by a local; a foreign
+    class's instance attributes set outside its own source; all of rule (c)'s foreign side when the library
+    is not installed here (DeepSpeed is optional); classes built at run time (`type(name, bases, ...)`);
+    names computed at run time (`getattr(x, name)`); private names of other libraries (numpy, pyarrow, the
+    standard library, documented ones such as namedtuple's `_replace`) by design.
+    """
+    ours = _Ours(root, packages)
+    found = []
+    for module in ours.files:
+        if module not in COMPAT_MODULES:
+            found += sorted(_PrivateUses(ours, module).found, key=lambda use: use.line)
+    return found
+
+
+def _pending_key(use: PrivateUse) -> tuple[str, str]:
+    return use.file, use.name
+
+
+def test_no_private_names_outside_compat_modules():
+    found = [use for use in private_uses(ROOT) if _pending_key(use) not in PENDING]
+    assert found == [], (
+        "private names of Ray, torch or DeepSpeed outside their compatibility modules:\n"
+        + "\n".join(map(str, found))
+        + f"\n{_FIX}"
+    )
+
+
+def test_pending_private_names_are_still_used():
+    used = {_pending_key(use) for use in private_uses(ROOT)}
+    stale = sorted(PENDING - used)
+    assert stale == [], f"no file reads these any more; remove them from PENDING: {stale}"
+
+
+_PLANTED = {
+    "trainers/__init__.py": "",
+    "trainers/torch_compat.py": (
+        "import torch\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "flatten = lambda mesh: mesh._flatten()\n"
+        "mm = torch._grouped_mm\n"
+    ),
+    "trainers/_base.py": "import collections\nPoint = collections.namedtuple('Point', 'x y')\n",
+    "trainers/models.py": (
+        "import importlib, logging, os, sys\n"
+        "import torch\n"
+        "import torch._dynamo\n"  # (a) import of a private module
+        "from torch import nn\n"
+        "from torch.distributed._tensor import DTensor\n"  # (a) from a private module
+        "import deepspeed\n"
+        "def f(engine, mesh):\n"
+        "    engine._config.flag = True\n"  # (b) a private attribute of someone else's object
+        "    mesh['dp']._flatten('dp')\n"  # (b) on a subscript
+        "    x = torch._C._current_graph_task_id()\n"  # (a) one report for the whole private path
+        "    torch._dynamo.config.y = 1\n"  # (a)
+        "    deepspeed.runtime._x.y()\n"  # (a)
+        "    hasattr(torch, '_grouped_mm')\n"  # (a) by name
+        "    logging.getLogger('torch._dynamo.output')\n"  # (a) a string path
+        "    importlib.import_module('deepspeed._private')\n"  # (a) a string path
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self._cache = {}\n"  # ours: fine
+        "    def forward(self, x):\n"
+        "        return self._cache, self._modules\n"  # (c) nn.Module's own
+        "    def _load_from_state_dict(self, *args):\n"  # (c) overrides nn.Module's private method
+        "        return super()._load_from_state_dict(*args)\n"  # (c)
+        "from trainers.torch_compat import TorchDispatchMode\n"
+        "class Census(TorchDispatchMode):\n"  # torch's class, handed out by the compat module
+        "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+        "        return self._cache\n"  # (c): Block's, not this class's
+    ),
+    "trainers/clean.py": (
+        "import os, sys\n"
+        "import torch\n"
+        "from torch import nn\n"
+        "from trainers import torch_compat\n"
+        "from trainers._base import Point\n"
+        "class Cache:\n"
+        "    _slot = 1\n"
+        "    def __init__(self):\n"
+        "        self._entries = {}\n"
+        "    def _helper(self, *, _depth=0):\n"
+        "        return self._entries, self.__class__, self._slot\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self._own = 1\n"
+        "    def forward(self, x):\n"
+        "        return self._own + torch.__version__.count('.')\n"
+        "def g(cache, mesh):\n"
+        "    cache._helper(_depth=1)\n"  # ours: a method and a keyword of ours
+        "    torch_compat.flatten(mesh)\n"
+        "    Point(1, 2)._replace(x=3)\n"  # public, with an underscore
+        "    sys._getframe(0)\n"  # the standard library's: not this rule's
+        "    os._exit\n"
+        "    '''torch._dynamo in prose'''\n"
+    ),
+    "raytrain_ext/__init__.py": "",
+    "raytrain_ext/launch.py": (
+        "import ray\n"
+        "import ray._private.worker\n"  # (a)
+        "from ray.tune.schedulers import PopulationBasedTraining\n"
+        "from ray.tune.schedulers.pbt import _make_experiment_tag\n"  # (a) a private function
+        "def start(trial):\n"
+        "    ray.init(_system_config={})\n"  # (d)
+        "    ray._raylet.JobID\n"  # (a)
+        "    return trial._checkpoint_results\n"  # (b)
+        "class Mixin:\n"
+        "    def f(self):\n"
+        "        return self._trial_state\n"  # (b): nothing of ours defines it
+        "class Scheduler(Mixin, PopulationBasedTraining):\n"
+        "    def g(self):\n"
+        "        self._mine = 1\n"
+        "        return self._mine, self._quantiles()\n"  # (c)
+        "class Explore:\n"
+        "    def _get_new_config(self, trial, donor):\n"  # (c) a mixin's override of theirs
+        "        return super()._get_new_config(trial, donor)\n"  # (c)
+        "class Population(Explore, PopulationBasedTraining):\n"
+        "    pass\n"
+    ),
+}
+
+
+def test_the_private_name_check_catches_planted_violations(tmp_path):
+    """A test of the test: each kind of private use is reported once, where it is; our own private names,
+    documented public ones, the standard library's, dunders, prose and the compatibility module are not."""
+    for rel, text in _PLANTED.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = [f"{u.file}:{u.line} {u.name}" for u in private_uses(tmp_path, ("trainers", "raytrain_ext"))]
+    assert found == [
+        "trainers/models.py:3 torch._dynamo",
+        "trainers/models.py:5 torch.distributed._tensor",
+        "trainers/models.py:8 _config",
+        "trainers/models.py:9 _flatten",
+        "trainers/models.py:10 torch._C._current_graph_task_id",
+        "trainers/models.py:11 torch._dynamo",
+        "trainers/models.py:12 deepspeed.runtime._x",
+        "trainers/models.py:13 torch._grouped_mm",
+        "trainers/models.py:14 torch._dynamo",
+        "trainers/models.py:15 deepspeed._private",
+        "trainers/models.py:21 _modules",
+        "trainers/models.py:22 _load_from_state_dict",
+        "trainers/models.py:23 _load_from_state_dict",
+        "trainers/models.py:27 _cache",
+        "raytrain_ext/launch.py:2 ray._private",
+        "raytrain_ext/launch.py:4 ray.tune.schedulers.pbt._make_experiment_tag",
+        "raytrain_ext/launch.py:6 _system_config",
+        "raytrain_ext/launch.py:7 ray._raylet",
+        "raytrain_ext/launch.py:8 _checkpoint_results",
+        "raytrain_ext/launch.py:11 _trial_state",
+        "raytrain_ext/launch.py:15 _quantiles",
+        "raytrain_ext/launch.py:17 _get_new_config",
+        "raytrain_ext/launch.py:18 _get_new_config",
+    ]
+    clean = [u for u in private_uses(tmp_path, ("trainers",)) if u.file == "trainers/clean.py"]
+    assert clean == []
 
 
 def _modules(package: str) -> list[str]:
