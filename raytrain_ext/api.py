@@ -7,9 +7,8 @@
 
 Ray: a Ray this process already joined (`ray.init(...)`) is used and left running; else the cluster
 `address` (else RAY_ADDRESS) names is joined for the run (the cluster goes on after it); else a local Ray
-is started for the run and shut down when it ends, on an error too. The steps are the command's
-(`raytrain_ext.cli.run_training`): the same checks, before Ray starts, and the same one-line ConfigError
-(a ValueError) for bad input.
+is started for the run and shut down when it ends, on an error too. `raytrain train` calls this function:
+the same checks, once, before Ray starts, and the same one-line ConfigError (a ValueError) for bad input.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ def train(
     no_ray: bool = False,
     progress: bool = True,
     callbacks: Sequence[str] = (),
+    ray_log_level: str = "WARNING",
 ) -> RunResult:
     """Train one run and wait for it.
 
@@ -41,11 +41,32 @@ def train(
     applied as the command's `--set KEY=VALUE` ({"train.steps": 20, "optimizer.lr": 1e-3}). `address`: a
     Ray cluster to join (`auto`, `ray://host:10001`). `no_ray`: train in this process, without Ray.
     `callbacks`: TrainerCallback specs built in every worker ("mypkg.hooks:Notify(every=10)").
+    `ray_log_level`: of Ray Train's own console lines. On Ray, `launcher.train` starts a local Ray when none
+    runs and no address is given, and stops only what it started.
     Raises ConfigError (a ValueError) with one line naming the field and the fix, before anything starts."""
-    from raytrain_ext.cli import run_training
+    from trainers._base import ConfigError
 
     cfg = run_config(config, overrides)
-    return run_training(cfg, address=address, no_ray=no_ray, progress=progress, callbacks=callbacks)
+    if no_ray and callbacks:
+        raise ConfigError("--callback is built in Ray's workers; fix: drop --no-ray, or the --callback")
+    if not no_ray:
+        from raytrain_ext.launcher import train as train_on_ray
+
+        return train_on_ray(cfg, address=address, progress=progress, callbacks=callbacks, ray_log_level=ray_log_level)
+    from raytrain_ext.result import summarize
+    from trainers.launch import run_local
+    from trainers.preflight import check_inputs
+    from trainers.storage import check_run_storage
+
+    check_run_storage(cfg)  # a bucket: there, with credentials, writable
+    check_inputs(cfg)  # fail before anything starts
+    try:
+        fit = run_local(cfg, progress=progress)
+    except KeyboardInterrupt:  # Ctrl-C: where the same command continues (the Ray path says it too)
+        from trainers.resume import continue_hint
+
+        raise KeyboardInterrupt(continue_hint(cfg.out_dir)) from None
+    return summarize(fit.run_dir, fit.checkpoint)
 
 
 def run_config(

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from raytrain_ext._version import __version__
 from trainers._base import ConfigError, NonFiniteLossError
@@ -18,10 +16,7 @@ from trainers.checkpoint import CheckpointError
 from trainers.config import RunConfig, load_config
 from trainers.tracking import with_trackers
 
-if TYPE_CHECKING:
-    from raytrain_ext.result import RunResult
-
-__all__ = ["COMMANDS", "main", "run_training"]
+__all__ = ["COMMANDS", "main"]
 
 COMMANDS = "raytrain.commands"  # the entry point group of commands added by other packages: NAME = "module:fn(sub)"
 
@@ -29,7 +24,9 @@ COMMANDS = "raytrain.commands"  # the entry point group of commands added by oth
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train one run from a run YAML: on Ray (a local Ray started in this process unless --address
     names a cluster), or in this process alone with --no-ray."""
-    result = run_training(
+    from raytrain_ext.api import train
+
+    result = train(
         train_config(args),
         address=args.address,
         no_ray=args.no_ray,
@@ -41,39 +38,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
     return 0
-
-
-def run_training(
-    cfg: RunConfig,
-    address: str | None = None,
-    no_ray: bool = False,
-    progress: bool = True,
-    callbacks: Sequence[str] = (),
-    ray_log_level: str = "WARNING",
-) -> RunResult:
-    """The steps of `raytrain train` (and of `raytrain_ext.train`): the run on Ray (`launcher.train`: it
-    starts a local Ray when none runs and no address is given, and stops only what it started), or with
-    `no_ray` in this process alone (its inputs checked first). `callbacks`: specs built in each Ray worker."""
-    if no_ray and callbacks:
-        raise ConfigError("--callback is built in Ray's workers; fix: drop --no-ray, or the --callback")
-    if not no_ray:
-        from raytrain_ext.launcher import train
-
-        return train(cfg, address=address, progress=progress, callbacks=callbacks, ray_log_level=ray_log_level)
-    from raytrain_ext.result import summarize
-    from trainers.launch import run_local
-    from trainers.preflight import check_inputs
-    from trainers.storage import check_run_storage
-
-    check_run_storage(cfg)  # a bucket: there, with credentials, writable
-    check_inputs(cfg)  # fail before anything starts
-    try:
-        fit = run_local(cfg, progress=progress)
-    except KeyboardInterrupt:  # Ctrl-C: where the same command continues (the Ray path says it too)
-        from trainers.resume import continue_hint
-
-        raise KeyboardInterrupt(continue_hint(cfg.out_dir)) from None
-    return summarize(fit.run_dir, fit.checkpoint)
 
 
 def train_config(args: argparse.Namespace) -> RunConfig:

@@ -1,6 +1,7 @@
 """Private names of Ray that raytrain-ext relies on, in one place, with the version they were read from.
 
-Each entry says what it is for and what to look at when Ray moves. Written against Ray 2.60.0.
+Each entry says what it is for and what to look at when Ray moves. Read from every minor release in
+pyproject.toml's range (RAY_VERSIONS_READ); differences between them are shimmed at the end of this file.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-RAY_VERSION = "2.60.0"
+# The Ray releases each entry here was read from: one per minor of pyproject.toml's range, oldest to newest (a
+# minor's x.y.0 and x.y.1 had the same files for every name here). tests/unit/test_ray_compat.py checks the names
+# on the installed Ray and fails when it is outside the range or the range and these minors drift apart.
+RAY_VERSIONS_READ = ("2.55.1", "2.56.1", "2.57.1", "2.58.1", "2.59.0", "2.60.0")
 
 __all__ = [
     "HEAD_NODE_RESOURCE",
-    "RAY_VERSION",
+    "RAY_VERSIONS_READ",
     "TOKEN_SETUP_LOGGER",
     "actor_handle",
     "actors_of_this_job",
     "error_printer",
-    "experiment_tag",
-    "forget_trial_checkpoints",
     "kuberay_autoscaling_config",
     "local_ray_pids",
     "own_worker_address",
@@ -29,10 +31,11 @@ __all__ = [
     "prepare_ray_up_config",
     "ray_init_system_config",
     "refresh_autoscaling_view",
+    "reporter_text",
     "set_error_printer",
     "torch_backend_with",
+    "train_logging_config",
     "train_report_logger",
-    "trial_checkpoints",
     "worker_output_dispatcher",
 ]
 
@@ -109,19 +112,6 @@ def set_error_printer(printer: Callable[..., None]) -> None:
     from ray._private import worker
 
     worker.print_to_stdstream = printer
-
-
-# ray/tune/schedulers/pbt.py and pb2.py: search.schedulers subclasses Ray's PopulationBasedTraining and PB2
-# (deciding in place, state that survives Tuner.restore, PB2 on the search scale) and reads or sets these
-# of their private attributes and methods, and these fields of a trial's `_PBTTrialState` (`_trial_state`'s
-# values). `_quantiles()` returns (lower, upper); `_get_new_config(trial, donor)` returns (config, operations).
-PBT_PRIVATE = (
-    "_trial_state", "_quantiles", "_save_trial_state", "_get_new_config", "_custom_explore_fn",
-    "_hyperparam_mutations", "_num_perturbations", "_num_checkpoints", "_next_perturbation_sync", "_synch",
-    "_perturbation_interval", "_burn_in_period", "_metric",
-)  # fmt: skip
-PB2_PRIVATE = ("data", "last_exploration_time", "current", "_hyperparam_bounds_flat")
-PBT_TRIAL_STATE = ("orig_tag", "last_score", "last_checkpoint", "last_perturbation_time", "last_train_time", "last_result")
 
 
 # ray/tune/execution/experiment_state.py: each save of Tune's experiment state writes into the driver's
@@ -229,23 +219,27 @@ def kuberay_autoscaling_config(cr: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- Tune
-# ray/train/_internal/checkpoint_manager.py `_CheckpointManager._checkpoint_results`: a Tune trial's
-# registered checkpoints, oldest first (`trial.run_metadata.checkpoint_manager`). search.retention prunes
-# them itself: Tune's own `num_to_keep` deletes a checkpoint PBT has picked for a clone (ray #9036).
-def trial_checkpoints(trial: Any) -> list[str]:
-    """The paths of a Tune trial's registered checkpoints, oldest first."""
-    return [r.checkpoint.path for r in trial.run_metadata.checkpoint_manager._checkpoint_results]
+# ray/tune/progress_reporter.py: `CLIReporter.report(trials, done, *sys_info)` prints
+# `self._progress_str(trials, done, *sys_info)`, the classic table's text; search.console.ExperimentReporter
+# overrides the public `report` and makes its status lines true on that text.
+def reporter_text(reporter: Any, trials: list[Any], done: bool, *sys_info: str) -> str:
+    """The text a `tune.CLIReporter` would print for `trials` (its table and status lines)."""
+    from ray.tune import CLIReporter
+
+    return CLIReporter._progress_str(reporter, trials, done, *sys_info)
 
 
-def forget_trial_checkpoints(trial: Any, paths: set[str]) -> None:
-    """Unregister `paths` from a Tune trial (their files are the caller's to delete)."""
-    manager = trial.run_metadata.checkpoint_manager
-    manager._checkpoint_results = [r for r in manager._checkpoint_results if r.checkpoint.path not in paths]
+# ------------------------------------------------------------------------ other Ray versions (shims)
+# Public names that came later than the oldest Ray in pyproject.toml's range; each says when, and what the
+# older Ray does instead.
 
+# ray.train.LoggingConfig (2.56; RunConfig's `logging_config`): the level of Ray Train's own `ray.train` console
+# lines. On 2.55 RunConfig has no such field and the controller logs `ray.train` at INFO (a line as each worker
+# group starts and each checkpoint registers); the workers' level is raytrain_ext.worker's, on every version.
+def train_logging_config(log_level: str) -> dict[str, Any]:
+    """RunConfig's keyword arguments that set Ray Train's console level: `logging_config=LoggingConfig(...)`,
+    or none on a Ray without it."""
+    import ray.train
 
-# ray/tune/schedulers/pbt.py `_make_experiment_tag(orig_tag, config, mutations)`: the trial name's tag that
-# Ray's PBT gives an exploited trial (its new values), which search.schedulers.InPlace gives it as well.
-def experiment_tag(orig_tag: str, config: dict[str, Any], mutations: dict[str, Any]) -> str:
-    from ray.tune.schedulers.pbt import _make_experiment_tag
-
-    return _make_experiment_tag(orig_tag, config, mutations)
+    config = getattr(ray.train, "LoggingConfig", None)
+    return {} if config is None else {"logging_config": config(log_level=log_level)}

@@ -11,21 +11,13 @@ pyproject.toml registers: the layer below never imports this one.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import os
 import shlex
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from raytrain_ext.worker_logs import quiet_logger
 from search.space import EXPLORE_RULES
 
-if TYPE_CHECKING:
-    from search.config import ExperimentConfig
-    from search.driver import ExperimentResult
-
-__all__ = ["add_commands", "run_tune"]
+__all__ = ["add_commands"]
 
 USAGE = """raytrain tune EXP.yaml [--set KEY=VALUE] [--resume] [--address ADDR]
        raytrain tune report EXP_DIR [--output DIR]
@@ -99,7 +91,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, exp: Any) -> int:
-    result = run_tune(exp, address=args.address, resume=args.resume, quiet=args.quiet)
+    from search.api import tune
+
+    result = tune(exp, address=args.address, resume=args.resume, progress=not args.quiet, release_stranded=False)
     if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
         return _interrupted(args, exp)
     if result.best_trial is not None:
@@ -118,76 +112,6 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
         print(_failed_line(args, exp, result), file=sys.stderr)
         return 1
     return 0
-
-
-def run_tune(
-    exp: ExperimentConfig,
-    address: str | None = None,
-    resume: bool = False,
-    quiet: bool = False,
-    driver_goes_on: bool = False,
-) -> ExperimentResult:
-    """The steps of `raytrain tune EXP.yaml` (and of `search.tune`), short of its last lines: refused before
-    anything is written when the folder or the cluster cannot take `exp`; a local Ray started when none
-    runs and no address is given, and only such a Ray stopped at the end. `driver_goes_on`: this process
-    goes on using the Ray it joined (`search.driver.run_experiment`). Returns the driver's result."""
-    from raytrain_ext.launcher import ensure_ray, stop_ray
-    from search.config import EXPERIMENT_FILE, save
-    from search.driver import check_target, max_concurrent_trials, run_experiment
-
-    check_target(exp, resume)  # a refused command writes nothing: check all, then write
-    started = ensure_ray(address)
-    try:
-        import ray
-
-        max_concurrent_trials(exp, ray.cluster_resources())  # a trial larger than the cluster: refused here
-        if not resume or not (exp.exp_dir / EXPERIMENT_FILE).exists():  # resume: the same (checked)
-            save(exp)
-        # a Ray stopped next frees what Ctrl-C'd trials hold with the job, no sweep to wait for
-        with _console(quiet):
-            return run_experiment(
-                exp, resume=resume, verbose=0 if quiet else 1, driver_goes_on=driver_goes_on and not started
-            )
-    finally:
-        if started:
-            stop_ray()
-
-
-@contextlib.contextmanager
-def _console(quiet: bool):
-    """What a user watching the experiment sees, for the command's duration: Tune's classic table (it
-    takes our columns: the metric, the step, each trial's current values; the newer one shows sampled
-    parameters only, not values an exploit changed), the scheduler's one line per exploit (recipient <-
-    donor at step, old -> new values) and the driver's lines (how the population shares the cluster).
-    Tune's loggers warn that a trial's progress file is missing in storage whenever its config changes (an
-    exploit in place) before the file is written: silenced."""
-    if quiet:
-        yield
-        return
-    env = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    # Tune's loggers: a trial's missing progress file (see above), and "the `X` operation took 1.1 s,
-    # which may be a performance bottleneck" whenever the machine is busy (its trials' Train runs are
-    # what keeps it busy; nothing to act on)
-    ours = [logging.getLogger(name) for name in ("search.population", "search.driver")]  # exploits, turns
-    levels = [(log.level, log.propagate) for log in ours]
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    for log in ours:
-        log.setLevel(logging.INFO)
-        log.addHandler(handler)
-        log.propagate = False
-    try:
-        with quiet_logger("ray.tune.logger.logger"), quiet_logger("ray.tune.utils.util"):
-            yield
-    finally:
-        for log, (level, propagate) in zip(ours, levels):
-            log.removeHandler(handler)
-            log.level, log.propagate = level, propagate
-        if env is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = env
 
 
 def _failed_line(args: argparse.Namespace, exp: Any, result: Any) -> str:

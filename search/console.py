@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,12 +24,13 @@ import ray
 from ray import tune
 
 from raytrain_ext import ray_compat
+from raytrain_ext.worker_logs import quiet_logger
 from search.trial import RUN_DIR
 from trainers.metrics import MetricsTail
 from trainers.run_dir import METRICS
 from trainers.storage import list_names, location
 
-__all__ = ["ExperimentReporter", "quiet_warnings", "training_now"]
+__all__ = ["ExperimentReporter", "console", "quiet_warnings", "training_now"]
 
 
 @contextlib.contextmanager
@@ -59,8 +62,11 @@ class ExperimentReporter(tune.CLIReporter):
         self.exp_dir, self.slots = exp_dir, slots  # slots: the time-sharing actor's name (search.slots)
         self.tails: dict[str, _Tail] = {}  # each trial's current run's metrics, read as they grow
 
-    def _progress_str(self, trials: list[Any], done: bool, *sys_info: str, **kwargs: Any) -> str:
-        text = super()._progress_str(trials, done, *sys_info, **kwargs)
+    def report(self, trials: list[Any], done: bool, *sys_info: str) -> None:
+        print(self.text(trials, done, *sys_info), flush=True)
+
+    def text(self, trials: list[Any], done: bool, *sys_info: str) -> str:
+        text = ray_compat.reporter_text(self, trials, done, *sys_info)
         lines = [self._line(line) for line in text.split("\n")]
         if not done:  # between reports (minutes, at first): where each Train run is now
             live = training_now(self.exp_dir, [t.trial_id for t in trials if t.status == "RUNNING"], self.tails)
@@ -130,3 +136,40 @@ def held_by_workers() -> str:
     if total.get("CPU", 0) and free.get("CPU", 0) == total.get("CPU", 0):
         return "Held by Train workers: none yet (their runs are starting)"
     return "Held by Train workers: " + ", ".join(parts)
+
+
+@contextlib.contextmanager
+def console(quiet: bool) -> Iterator[None]:
+    """What a user watching the experiment sees, for the command's duration: Tune's classic table (it
+    takes our columns: the metric, the step, each trial's current values; the newer one shows sampled
+    parameters only, not values an exploit changed), the scheduler's one line per exploit (recipient <-
+    donor at step, old -> new values) and the driver's lines (how the population shares the cluster).
+    Tune's loggers warn that a trial's progress file is missing in storage whenever its config changes (an
+    exploit in place) before the file is written: silenced."""
+    if quiet:
+        yield
+        return
+    env = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    # Tune's loggers: a trial's missing progress file (see above), and "the `X` operation took 1.1 s,
+    # which may be a performance bottleneck" whenever the machine is busy (its trials' Train runs are
+    # what keeps it busy; nothing to act on)
+    ours = [logging.getLogger(name) for name in ("search.population", "search.driver")]  # exploits, turns
+    levels = [(log.level, log.propagate) for log in ours]
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for log in ours:
+        log.setLevel(logging.INFO)
+        log.addHandler(handler)
+        log.propagate = False
+    try:
+        with quiet_logger("ray.tune.logger.logger"), quiet_logger("ray.tune.utils.util"):
+            yield
+    finally:
+        for log, (level, propagate) in zip(ours, levels):
+            log.removeHandler(handler)
+            log.level, log.propagate = level, propagate
+        if env is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = env

@@ -7,9 +7,6 @@ is rebuilt from them.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,6 +20,7 @@ from search.config import ExperimentConfig
 from search.console import ExperimentReporter, quiet_warnings
 from search.lineage import best_trial, collect, latest_reports
 from search.population import Population, PopulationActor, population_name
+from search.result import ExperimentResult, experiment_result
 from search.schedulers import MEMBER, TIME_ATTR, build_scheduler, population_space
 from search.slots import SlotRelease, slots_name, start_slots
 from search.state import check_same_experiment, check_tune_state, has_tune_state, saved_trial_statuses
@@ -59,17 +57,6 @@ def max_concurrent_trials(exp: ExperimentConfig, cluster: dict[str, float]) -> i
     if exp.max_concurrent_trials is not None:
         slots = min(slots, exp.max_concurrent_trials)
     return min(slots, exp.population)
-
-
-@dataclass
-class ExperimentResult:
-    exp_dir: Path | Any  # a local folder or a bucket location
-    finished: bool  # False: interrupted (Ctrl-C: Tune stops the trials and returns); `--resume` continues
-    best_trial: str | None  # None when no trial reported a finite metric (yet)
-    best_metric: float
-    reports: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    failed: list[str] = field(default_factory=list)  # trials that ended failed, not at the budget
 
 
 def check_target(exp: ExperimentConfig, resume: bool) -> None:
@@ -141,16 +128,18 @@ def run_experiment(
     verbose: int = 1,
     callbacks: list[tune.Callback] = (),
     driver_goes_on: bool = True,
+    slots: int | None = None,
 ) -> ExperimentResult:
     """Run (or with `resume`, continue) the experiment in `exp.exp_dir`; Ray must be initialised.
     `callbacks`: more Tune callbacks (a resumed experiment keeps those it started with).
     `driver_goes_on`: this Python process runs more on this Ray afterwards (a notebook, tests): release
     what interrupted trials left (see below). A driver that exits next leaves that to Ray, which removes
-    a job's placement groups when the job ends; the sweep waits up to 30 s for Train controllers."""
+    a job's placement groups when the job ends; the sweep waits up to 30 s for Train controllers.
+    `slots`: the Train runs that fit at once (`max_concurrent_trials`, which `search.tune` asked already).
+    The experiment's folder is the caller's to check first (`check_target`: `search.tune` does)."""
     exp_dir = exp.exp_dir
-    check_target(exp, resume)
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
-    slots = max_concurrent_trials(exp, ray.cluster_resources())
+    slots = max_concurrent_trials(exp, ray.cluster_resources()) if slots is None else slots
     population = start_population(exp, resume)
     turns = slots_name(exp.name) if time_shared(exp, slots) else None
     slots_actor = start_slots(turns, slots) if turns else None
@@ -230,15 +219,15 @@ def run_experiment(
             )
     reports, events = collect(exp_dir)
     try:
-        trial, row = best_trial(reports, exp.mode)
+        trial, _ = best_trial(reports, exp.mode)
     except ValueError:  # nothing finite reported (interrupted early, or every trial failed)
-        trial, row = None, {"metric": math.nan}
+        trial = None
     statuses = saved_trial_statuses(exp_dir)
     # a trial whose run failed reports so and ends (PBT waits to replace it: failed still if it never was);
     # one whose trial actor failed (what Tune saw) ends in ERROR
     last_failed = {t for t, r in latest_reports(reports).items() if r.get("failed")}
     failed = sorted(last_failed | {t for t, status in statuses.items() if status == "ERROR"})
-    result = ExperimentResult(exp_dir, _finished(exp, statuses), trial, row["metric"], reports, events, failed)
+    result = experiment_result(exp, _finished(exp, statuses), reports, events, trial, failed)
     finish_experiment_run(exp, result)
     return result
 

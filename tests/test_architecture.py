@@ -342,11 +342,7 @@ PUBLIC_UNDERSCORED = {
 
 # (file, name): private names of Ray that search/ still reads, each with its way out. An entry no file needs
 # any more is an error (test_pending_private_names_are_still_used).
-PENDING: set[tuple[str, str]] = {
-    # search/console.py ExperimentReporter overrides ray.tune.CLIReporter's `_progress_str` (the progress
-    # table's text): to move behind raytrain_ext/ray_compat.py, or onto a public reporter of our own
-    ("search/console.py", "_progress_str"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 _FIX = (
     "fix: read it in the compatibility module (raytrain_ext/ray_compat.py for Ray, trainers/torch_compat.py for "

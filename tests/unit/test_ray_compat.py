@@ -1,7 +1,8 @@
-"""raytrain_ext.ray_compat holds every private name of Ray that raytrain-ext uses, read from one Ray version.
-These tests fail when the installed Ray is another version, or when a name it relies on moved or changed
-shape, before any run finds out. (Calls that need a live Ray are run by the Ray tier: cleanup, worker logs,
-the reaper, PBT exploits.)"""
+"""raytrain_ext.ray_compat holds every private name of Ray that raytrain-ext uses, read from each minor release
+in pyproject.toml's range. These tests fail when the installed Ray is outside that range, or when a name it
+relies on moved or changed shape, before any run finds out: `make test` runs them on the newest Ray of the
+range, `make test-compat` on the oldest. (Calls that need a live Ray are run by the Ray tier: cleanup, worker
+logs, the reaper, PBT exploits.)"""
 
 from __future__ import annotations
 
@@ -11,18 +12,60 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.tune.schedulers.pb2 import PB2  # scikit-learn sets KMP_* variables on import: at collection
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from raytrain_ext import ray_compat
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def test_the_installed_ray_is_the_one_the_names_were_read_from():
-    assert ray.__version__ == ray_compat.RAY_VERSION, (
-        f"Ray {ray.__version__} is installed; raytrain_ext/ray_compat.py was read from {ray_compat.RAY_VERSION}: "
-        "check each entry there against the new version, then change RAY_VERSION (and pyproject's range)"
+def _declared_ray() -> SpecifierSet:
+    """The Ray range that pyproject.toml's `dependencies` declare."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    (spec,) = [Requirement(d).specifier for d in project["dependencies"] if Requirement(d).name == "ray"]
+    return spec
+
+
+def _minor(version: str) -> tuple[int, int]:
+    return Version(version).release[:2]
+
+
+def test_the_installed_ray_is_in_the_declared_range_and_its_names_were_read_from_its_minor():
+    declared, read = _declared_ray(), ray_compat.RAY_VERSIONS_READ
+    assert Version(ray.__version__) in declared, (
+        f"Ray {ray.__version__} is installed; pyproject.toml declares ray{declared}: check each entry of "
+        "raytrain_ext/ray_compat.py against it, add it to RAY_VERSIONS_READ, then widen the range"
     )
+    assert _minor(ray.__version__) in {_minor(v) for v in read}, (ray.__version__, read)
+
+
+def test_the_versions_read_are_the_declared_range_one_per_minor():
+    declared, read = _declared_ray(), ray_compat.RAY_VERSIONS_READ
+    assert list(read) == sorted(read, key=Version) and all(Version(v) in declared for v in read), (read, declared)
+    minors = [_minor(v) for v in read]
+    assert minors == [(minors[0][0], m) for m in range(minors[0][1], minors[-1][1] + 1)], "one per minor, none left out"
+    lower, upper = _minor(read[0]), _minor(read[-1])
+    assert Version(f"{lower[0]}.{lower[1]}.0") in declared, "the oldest minor read is admitted from its x.y.0"
+    assert Version(f"{lower[0]}.{lower[1] - 1}.99") not in declared, "no older minor admitted than the oldest read"
+    assert Version(f"{upper[0]}.{upper[1] + 1}.0") not in declared, "no newer minor admitted than the newest read"
+
+
+def test_ray_train_logging_config_where_there_is_one():
+    import ray.train
+
+    kwargs = ray_compat.train_logging_config("WARNING")
+    if _minor(ray.__version__) >= (2, 56):
+        assert kwargs["logging_config"].log_level == "WARNING"
+    else:
+        assert kwargs == {} and not hasattr(ray.train, "LoggingConfig")
+    ray.train.RunConfig(**kwargs)  # a field RunConfig takes
 
 
 def test_tunes_experiment_state_logs_its_upload_failures_where_the_console_filters_them():
@@ -68,59 +111,14 @@ def test_the_gcs_and_core_worker_accessors_are_there():
     assert callable(JobID.from_hex) and callable(ActorID.from_hex)
 
 
-def test_a_tune_trials_checkpoints_are_read_and_forgotten_through_its_manager():
-    from ray.train._internal.checkpoint_manager import _CheckpointManager
-    from ray.train._internal.session import _TrainingResult
-    from ray.tune import Checkpoint
+def test_the_reporters_text_is_what_its_report_prints(capsys):
+    from ray.tune import CLIReporter
 
-    class _Trial:  # a Tune trial's checkpoint manager, where Tune keeps it
-        class run_metadata:  # noqa: N801
-            checkpoint_manager = _CheckpointManager(None)
-
-    trial = _Trial()
-    for path in ("/exp/a", "/exp/b", "/exp/c"):
-        trial.run_metadata.checkpoint_manager.register_checkpoint(
-            _TrainingResult(checkpoint=Checkpoint(path), metrics={})
-        )
-    assert ray_compat.trial_checkpoints(trial) == ["/exp/a", "/exp/b", "/exp/c"], "oldest first"
-    ray_compat.forget_trial_checkpoints(trial, {"/exp/a", "/exp/c"})
-    assert ray_compat.trial_checkpoints(trial) == ["/exp/b"]
-
-
-def test_the_experiment_tag_names_the_new_values():
-    tag = ray_compat.experiment_tag("0_lr=0.1", {"lr": 0.25, "member": 0}, {"lr": [0.1, 0.25]})
-    assert tag.startswith("0_") and "lr=0.25" in tag
-
-
-def test_the_pbt_and_pb2_internals_the_schedulers_subclass_are_there():
-    """search.schedulers' classes over Ray's PBT and PB2 use exactly what ray_compat lists."""
-    import re
-
-    from ray.tune.schedulers import PopulationBasedTraining
-    from ray.tune.schedulers.pbt import _PBTTrialState
-
-    import search.schedulers
-
-    pbt = PopulationBasedTraining(time_attr="step", hyperparam_mutations={"lr": [0.1, 0.2]})
-    pb2 = PB2(time_attr="step", hyperparam_bounds={"lr": [0.1, 0.2]})
-    assert [name for name in ray_compat.PBT_PRIVATE if not hasattr(pbt, name)] == []
-    assert [name for name in ray_compat.PB2_PRIVATE if not hasattr(pb2, name)] == []
-
-    class _Trial:
-        experiment_tag = "0"
-
-    assert sorted(vars(_PBTTrialState(_Trial()))) == sorted(ray_compat.PBT_TRIAL_STATE)
-    assert list(inspect.signature(PopulationBasedTraining._get_new_config).parameters) == [
-        "self", "trial", "trial_to_clone",
-    ]  # fmt: skip
-    source = inspect.getsource(search.schedulers)  # what the schedulers reach of Ray's: listed there
-    ours = {name for cls in vars(search.schedulers).values() if isinstance(cls, type) for name in vars(cls)}
-    ours |= {"_applied", "_board", "_controller", "_waiting", "_first_wait", "_space"}  # set on instances only
-    listed = set(ray_compat.PBT_PRIVATE) | set(ray_compat.PB2_PRIVATE)
-    used = set(re.findall(r"self\.(_[a-z][a-z_]*)", source)) - ours
-    assert used <= listed, used - listed
-    fields = set(re.findall(r"\bstate\.([a-z][a-z_]*)", source)) - {"pop", "json"}
-    assert fields <= set(ray_compat.PBT_TRIAL_STATE), fields
+    reporter = CLIReporter(metric_columns=["loss"])
+    text = ray_compat.reporter_text(reporter, [], False, "extra line")
+    assert "extra line" in text
+    reporter.report([], False, "extra line")
+    assert capsys.readouterr().out.strip() == text.strip()
 
 
 def test_ray_init_still_takes_a_system_config():

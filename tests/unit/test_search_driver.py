@@ -175,7 +175,7 @@ def test_report_and_replay_name_a_damaged_state_file(demo_cli, no_ray, capsys, d
 
 def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, capsys):
     import search.driver
-    from search.driver import ExperimentResult
+    from search.result import experiment_result
 
     args, exp = demo_cli
 
@@ -193,7 +193,7 @@ def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, cap
 
     # Tune caught the Ctrl-C, stopped the trials and returned (before or after their first report)
     def interrupted(exp, resume, verbose, **more):
-        return ExperimentResult(exp.exp_dir, False, None, float("nan"), [], [])
+        return experiment_result(exp, False, [], [], None, [])
 
     monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)
     monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})  # sized before anything is written
@@ -209,13 +209,17 @@ def test_interrupted_tune_exits_130_with_how_to_go_on(demo_cli, monkeypatch, cap
 
 def test_a_tune_with_a_failed_trial_exits_1_naming_it(demo_cli, monkeypatch, capsys):
     import search.driver
-    from search.driver import ExperimentResult
+    from search.result import experiment_result
 
     args, exp = demo_cli
 
     def one_failed(exp, resume, verbose, **more):
-        reports = [{"trial": "a_00001", "time": 1.0, "failed": True, "error": "RuntimeError: injected\nmore"}]
-        return ExperimentResult(exp.exp_dir, True, "a_00000", 3.25, reports, [], failed=["a_00001", "a_00002"])
+        reports = [
+            {"trial": "a_00000", "step": 10, "time": 0.5, "metric": 3.25, "hparams": {}, "failed": False},
+            {"trial": "a_00001", "step": 10, "time": 1.0, "metric": float("inf"), "hparams": {}, "failed": True,
+             "error": "RuntimeError: injected\nmore"},
+        ]
+        return experiment_result(exp, True, reports, [], "a_00000", ["a_00001", "a_00002"])
 
     monkeypatch.setattr("raytrain_ext.launcher.ensure_ray", lambda address=None: False)
     monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
