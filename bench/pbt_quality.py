@@ -14,13 +14,13 @@ choice of a fixed value: any annealing is what the search finds.
 The harness (`harness` in the JSON): each trial is a Tune *function* trainable that runs the product's
 `trainers.Trainer` in the trial's process (one CPU thread, world size 1, `parallel.engine: none`, no Ray
 Train), built from the product's experiment config (`search.config`: base run, overrides, space, seeded
-starting members) with the product's schedulers (`search.schedulers.build_scheduler`: PBT with
-`BoundedExplore`, PB2 on the search scale, ASHA, FIFO for random search) and the product's default PBT
-settings (`SchedulerConfig()`). A trial reports `val_loss` every `interval` steps; under PBT/PB2 each report
-carries the Trainer's committed checkpoint, with the lineage its state was trained with (`lineage.json`:
-the hyperparameters from each step on, the donors' before each exploit; `origin.json`: the trial, step and
-weights' fingerprint that wrote it, checked at each restore), and Tune pauses and restores trials
-(exploit = a restore from the donor's checkpoint, `reuse_actors=True`). Every member of an
+starting members) with the product's population rule (`search.population`: PBT with `BoundedExplore`, PB2
+on the search scale), Ray's ASHA and FIFO for random search, and the product's default PBT settings
+(`SchedulerConfig()`). A trial reports `val_loss` every `interval` steps; under PBT/PB2 each report pins the
+Trainer's committed checkpoint with the lineage its state was trained with (`lineage.json`: the
+hyperparameters from each step on, the donors' before each exploit; `origin.json`: the trial, step and
+weights' fingerprint that wrote it, checked at each restore), hands it to the population and follows its
+decision: an exploit restores the donor's pin in place (`Trainer.restore`), as the product's trials do. Every member of an
 experiment runs at once (2 CPUs shared). This measures the search methods' quality; what hosting each trial
 as a Ray Train run costs is bench/pbt_overhead.py's subject.
 
@@ -40,14 +40,12 @@ Writes bench/results/pbt_quality.{json,png} (or `--out`); per-experiment logs in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -127,13 +125,16 @@ def fingerprint(model: Any) -> list[float]:
         return [float(sum(p.sum() for p in ps)), float(sum((p * p).sum() for p in ps))]
 
 
-def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> None:
-    """One Tune function trial: the product's Trainer in this process, restored from Tune's checkpoint if it
-    has one (a PBT exploit or a resumed pause), reporting val_loss every `interval` steps."""
+def quality_trial(config: dict[str, Any], exp: Any, population: str | None, log: str, pins: str) -> None:
+    """One Tune function trial: the product's Trainer in this process, reporting val_loss every `interval`
+    steps. Under PBT/PB2 each report's committed checkpoint is pinned (with the lineage its state was trained
+    with and its origin) and handed to the experiment's `search.population` actor, whose decision the trial
+    follows: an exploit restores the donor's pin with the explored values (`Trainer.restore`), in place."""
+    import ray
     import torch
     from ray import tune
 
-    from search.schedulers import TIME_ATTR
+    from search.schedulers import MEMBER, TIME_ATTR
     from trainers.checkpoint_files import link_tree
     from trainers.trainer import Trainer
 
@@ -141,28 +142,17 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
     hparams = {k: config[k] for k in exp.search_space}
     trial = tune.get_context().get_trial_id()
     run_dir = Path(log).parent / "runs" / f"{trial}-{uuid.uuid4().hex[:6]}"
-    checkpoint = tune.get_checkpoint()
-    with checkpoint.as_directory() if checkpoint else contextlib.nullcontext(None) as d:
-        # the lineage: [step, lr, wd] from which each stretch trained; a restore continues the checkpoint's
-        lineage = json.loads((Path(d) / LINEAGE).read_text()) if d and (Path(d) / LINEAGE).exists() else []
-        origin = json.loads((Path(d) / ORIGIN).read_text()) if d and (Path(d) / ORIGIN).exists() else None
-        resume = checkpoint_step_folder(Path(d), origin) if d else None
-        cfg = exp.run_config(
-            hparams,
-            name=run_dir.name,
-            run_dir=str(run_dir),
-            **{"checkpoint.resume": str(resume) if resume else "none", "checkpoint.mode": "sync",
-               "checkpoint.keep": 1},
-        )
-        trainer = Trainer(cfg, progress=False)
+    cfg = exp.run_config(
+        hparams,
+        name=run_dir.name,
+        run_dir=str(run_dir),
+        **{"checkpoint.resume": "none", "checkpoint.mode": "sync", "checkpoint.keep": 1},
+    )
+    trainer = Trainer(cfg, progress=False)
+    pop = ray.get_actor(population) if population else None
     steps, interval = exp.steps, exp.scheduler.interval
-    restored_at = trainer.step if resume else None
-    # a restore whose weights are not the ones saved with its lineage (the replay check would miss it)
-    mismatch = bool(origin) and (origin["step"] != trainer.step or origin["fingerprint"] != fingerprint(trainer.model))
-    restored_from = origin["trial"] if origin else None
-    lineage = [seg for seg in lineage if seg[0] < trainer.step]
-    if not lineage or lineage[-1][1:] != [cfg.optimizer.lr, cfg.optimizer.weight_decay]:
-        lineage.append([trainer.step, cfg.optimizer.lr, cfg.optimizer.weight_decay])
+    lineage = [[0, cfg.optimizer.lr, cfg.optimizer.weight_decay]]  # [step, lr, wd] from which each stretch trained
+    restored_at = restored_from = restored_path = mismatch = None
     try:
         while trainer.step < steps:
             start, trained = time.perf_counter(), 0
@@ -176,30 +166,43 @@ def quality_trial(config: dict[str, Any], exp: Any, save: bool, log: str) -> Non
                 "step": trainer.step,
                 "val_loss": val,
                 "trained": trained,
-                "lr": cfg.optimizer.lr,
-                "wd": cfg.optimizer.weight_decay,
+                "lr": trainer.cfg.optimizer.lr,
+                "wd": trainer.cfg.optimizer.weight_decay,
                 "restored_at": restored_at,
                 "restored_from": restored_from,
-                "restored_path": checkpoint.path if restored_at is not None else None,
-                "restore_mismatch": mismatch if restored_at is not None else None,
+                "restored_path": restored_path,
+                "restore_mismatch": mismatch,
                 "interval_s": time.perf_counter() - start,
                 "time": time.time(),
                 "lineage": lineage,
             }
             with open(log, "a") as f:  # one short line per write: appends from trials do not interleave
                 f.write(json.dumps(row) + "\n")
-            restored_at = None
-            metrics = {"val_loss": val, TIME_ATTR: trainer.step, "trained": trained}
-            if not save:
-                tune.report(metrics)
+            restored_at = restored_from = restored_path = mismatch = None
+            tune.report({"val_loss": val, TIME_ATTR: trainer.step, "trained": trained})
+            if pop is None:
                 continue
             path = trainer.save()
-            with tempfile.TemporaryDirectory(dir=run_dir) as tmp:  # Tune copies the step folder on report
-                link_tree(path, Path(tmp) / path.name)
-                (Path(tmp) / LINEAGE).write_text(json.dumps(lineage))
-                written = {"trial": trial, "step": trainer.step, "fingerprint": fingerprint(trainer.model)}
-                (Path(tmp) / ORIGIN).write_text(json.dumps(written))
-                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+            pin = Path(pins) / trial / f"{trainer.step:08d}-{uuid.uuid4().hex[:6]}"  # outlives the trial's run dir
+            link_tree(path, pin / path.name)
+            (pin / LINEAGE).write_text(json.dumps(lineage))
+            written = {"trial": trial, "step": trainer.step, "fingerprint": fingerprint(trainer.model)}
+            (pin / ORIGIN).write_text(json.dumps(written))
+            values = {k: getattr(trainer.cfg.optimizer, k.removeprefix("optimizer.")) for k in exp.search_space}
+            ray.get(pop.report.remote(trial, config[MEMBER], trainer.step, val, values, str(pin)))
+            decision = None
+            while decision is None:
+                decision = ray.get(pop.decision.remote(trial, trainer.step, 5.0))
+            if decision == "go":
+                continue
+            donor = Path(decision["pin"])
+            origin = json.loads((donor / ORIGIN).read_text())
+            trainer.restore(checkpoint_step_folder(donor, origin), decision["values"], event="exploit")
+            restored_at, restored_from, restored_path = trainer.step, origin["trial"], str(donor)
+            # a restore whose weights are not the ones saved with its lineage (the replay check would miss it)
+            mismatch = origin["step"] != trainer.step or origin["fingerprint"] != fingerprint(trainer.model)
+            lineage = [seg for seg in json.loads((donor / LINEAGE).read_text()) if seg[0] < trainer.step]
+            lineage.append([trainer.step, trainer.cfg.optimizer.lr, trainer.cfg.optimizer.weight_decay])
     finally:
         trainer.log.close("FINISHED" if trainer.step >= steps else "KILLED")
         trainer.engine.close()
@@ -304,6 +307,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int, population: int) -
     import ray
     from ray import tune
 
+    from search.population import Population, PopulationActor
     from search.schedulers import TIME_ATTR, build_scheduler, population_space
 
     samples = (args.asha_samples or 8 * population) if method == "asha" else population
@@ -318,36 +322,45 @@ def run_one(args: argparse.Namespace, method: str, seed: int, population: int) -
         space = {"optimizer.lr": tune.grid_search(lrs), "optimizer.weight_decay": tune.grid_search(wds)}
     else:
         space = population_space(exp.members())
-    scheduler = build_scheduler(exp.scheduler, exp.search_space, exp.steps, seed=seed)
+    scheduler = build_scheduler(exp.scheduler, exp.steps)
     budget = population * args.steps
     stop = _budget_stop(budget) if method == "asha" else {TIME_ATTR: exp.steps}
-    save = method in ("pbt", "pbt_sync", "pb2")  # only these restore (an exploit); the others never do
+    actor = None
+    if method in ("pbt", "pbt_sync", "pb2"):  # only these restore (an exploit); the others never do
+        rule = Population(exp.scheduler, exp.search_space, "min", exp.steps, population, seed=seed)
+        actor = ray.remote(num_cpus=0)(PopulationActor).options(name=f"quality-{name}").remote(rule)
     concurrent = args.concurrent or population  # every member at once: no time-sharing pauses
     cpus = args.cpus_per_trial or math.floor(200 / concurrent) / 100  # 3 x 0.67 would not fit in 2 CPUs
     trainable = tune.with_resources(
-        tune.with_parameters(quality_trial, exp=exp, save=save, log=str(log)), {"cpu": cpus}
+        tune.with_parameters(
+            quality_trial, exp=exp, population=f"quality-{name}" if actor else None, log=str(log),
+            pins=str(exp_dir / "pins"),
+        ),
+        {"cpu": cpus},
     )
     tuner = tune.Tuner(
         trainable,
         param_space=space,
         tune_config=tune.TuneConfig(
-            scheduler=scheduler, metric="val_loss", mode="min", reuse_actors=True,
-            max_concurrent_trials=concurrent,
+            scheduler=scheduler, metric="val_loss", mode="min", max_concurrent_trials=concurrent,
         ),
         run_config=tune.RunConfig(
             name="tune",
             storage_path=str(exp_dir),
             stop=stop,
             verbose=0,
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # an exploit needs the donor's
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
     started = time.time()
-    tuner.fit()
+    try:
+        tuner.fit()
+    finally:
+        if actor is not None:
+            ray.kill(actor)
     wall = time.time() - started
-    shutil.rmtree(exp_dir / "tune", ignore_errors=True)  # checkpoints: the log holds what is summarized
-    shutil.rmtree(exp_dir / "runs", ignore_errors=True)
+    for folder in ("tune", "runs", "pins"):  # checkpoints: the log holds what is summarized
+        shutil.rmtree(exp_dir / folder, ignore_errors=True)
     summary = summarize_experiment(exp_dir, wall, method, seed)
     summary["population"] = population
     if method in REPLAYED:
