@@ -48,7 +48,6 @@ __all__ = [
     "newest_checkpoint",
     "pointed_to",
     "train_fn",
-    "with_live_values",
 ]
 
 # Errors every rank meets at the same point, which a restart would only meet again: they end the run.
@@ -178,23 +177,28 @@ def set_ray_train_log_level(level: str) -> None:
 def train_fn(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker`. `config`: {"run": RunConfig as JSON, "callbacks": [spec, ...],
     "loop": a factory of the loop or None}: a loop is a TrainerCallback with `run(trainer) -> FitResult`, made
-    in each worker by calling the factory (e.g. `functools.partial(GateLoop, gate=...)`)."""
-    cfg: RunConfig = with_live_values(parse_config(config["run"]))
+    in each worker by calling the factory (e.g. `functools.partial(GateLoop, gate=...)`). A loop may say where
+    a (re)started group starts (`start_point()`: values over the run config, a checkpoint to resume: a PBT
+    exploit's, which nothing in the run dir records)."""
+    cfg: RunConfig = parse_config(config["run"])
     set_ray_train_log_level(config["ray_log_level"])
     run_dir = cfg.out_dir
     failed = RunDir(run_dir).failed
     if failed.exists():  # an earlier attempt failed in a way a restart cannot fix: end now, with its cause
         return
+    # A loop that drives the Trainer from outside (a PBT trial's): it is a callback too, right after the
+    # report to Ray (it posts each commit's report to its trial before a user's callback runs), and runs
+    # the fit calls.
+    loop = config["loop"]() if config.get("loop") else None
+    start = loop.start_point() if loop is not None and hasattr(loop, "start_point") else {}
+    if start.get("values"):
+        cfg = with_values(cfg, start["values"])
     given = ray.train.get_checkpoint()
-    resume = resume_point(cfg, given)
-    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": resume})})
+    resume = start.get("checkpoint") or resume_point(cfg, given)
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": str(resume)})})
     had_checkpoint = given is not None or _has_checkpoint(cfg)
     try:
         users = [load_callback(spec) for spec in config.get("callbacks", [])]
-        # A loop that drives the Trainer from outside (a PBT trial's): it is a callback too, right after the
-        # report to Ray (it posts each commit's report to its trial before a user's callback runs), and runs
-        # the fit calls.
-        loop = config["loop"]() if config.get("loop") else None
         run_local(
             cfg,
             callbacks=[ReportToRay(), *([loop] if loop is not None else []), *users],
@@ -231,13 +235,6 @@ def lost_peer(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistNetworkError", ())):
         return True
     return any(text in str(e) for text in _PEER_LOST)
-
-
-def with_live_values(cfg: RunConfig) -> RunConfig:
-    """`cfg` with the run-config values its run took on while it ran (`RunDir.live_values`, written before a
-    PBT exploit is loaded in place): a restarted worker resumes the exploited checkpoint with them."""
-    path = RunDir(cfg.out_dir).live_values
-    return with_values(cfg, json.loads(path.read_text())["values"]) if path.is_file() else cfg
 
 
 def resume_point(cfg: RunConfig, ray_checkpoint: Checkpoint | None) -> str:

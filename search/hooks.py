@@ -52,6 +52,21 @@ class GateLoop(LatestMetrics):
         self.gate_name, self.wait_from = gate, wait_from
         self.gate = None
         self.branch = 0  # the gate's answers since the last exploit (search.trial.RunGate)
+        self.start: dict[str, Any] | None = None
+
+    def start_point(self) -> dict[str, Any]:
+        """Before the worker builds its Trainer (`raytrain_ext.worker.train_fn`): where a (re)started group
+        starts. After an exploit, the exploit's values over the run config, and until the branch has
+        committed a checkpoint of its own, the exploit's checkpoint to resume from (the run's newest commit
+        is of the branch the exploit left): {"values": {...} or None, "checkpoint": path or None}."""
+        try:
+            self.gate = ray.get_actor(self.gate_name)
+            current = ray.get(self.gate.current.remote())
+        except _GONE:  # the trial is gone: the first commit stops the run
+            current = {"branch": 0, "values": None, "restore": None}
+        self.branch, restore = current["branch"], current["restore"]
+        self.start = {"values": current["values"], "checkpoint": restore["checkpoint"] if restore else None}
+        return self.start
 
     def _waits(self, step: int) -> bool:
         return self.wait_from is not None and step >= self.wait_from
@@ -66,11 +81,8 @@ class GateLoop(LatestMetrics):
         return until if until < trainer.cfg.train.steps else None
 
     def run(self, trainer: Trainer) -> FitResult:
-        try:  # a restarted group resumed the run's newest commit: it goes on on the gate's current branch
-            self.gate = ray.get_actor(self.gate_name)
-            self.branch = ray.get(self.gate.current_branch.remote())
-        except _GONE:  # the trial is gone: the first commit stops the run
-            pass
+        if self.start is None:
+            self.start_point()
         while True:
             result = trainer.fit(until=self._next_decision(trainer))
             if result.stopped is not None or result.step >= trainer.cfg.train.steps:

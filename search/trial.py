@@ -53,7 +53,7 @@ from search.lineage import LineageLog
 from search.schedulers import MEMBER, TIME_ATTR
 from search.tracking import in_place_tags, trial_tracking
 from trainers._base import ConfigError
-from trainers.checkpoint_files import STEP_DIR, install_checkpoint, link_tree
+from trainers.checkpoint_files import STEP_DIR, link_tree
 from trainers.config import HPARAM_PREFIXES
 from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
@@ -393,22 +393,29 @@ class TrialRun(tune.Trainable):
 
 
 class RunGate:
-    """Between a trial and its live Train run (one per run; the trial hears the scheduler through the
-    experiment's `search.schedulers.DecisionBoard`): rank 0 posts reports, the trial takes them and answers
-    each step ("go", "stop" or an exploit to load), every worker asks for that answer after its checkpoint.
+    """Between a trial and its live Train run (one per run; the trial hears the population,
+    `search.population`): rank 0 posts reports, the trial takes them and answers each step ("go", "stop" or
+    an exploit to load), every worker asks for that answer after its checkpoint.
 
     Answers are kept per branch: an exploit starts a new one (the run goes on from the donor's step, which
     may be behind its own: a rollback), so that a rolled-back run reaching a step again waits for the
-    trial's new answer instead of taking the old branch's (which loaded the same exploit a second time)."""
+    trial's new answer instead of taking the old branch's (which loaded the same exploit a second time).
+
+    A worker group that Ray restarts asks `current()`: the branch it is on, the values it trains with, and,
+    until the branch has committed a checkpoint of its own, the exploit's checkpoint to restore (the run's
+    newest own commit is of the branch the exploit left). Nothing of an exploit is written into the run."""
 
     def __init__(self) -> None:
         self.reports: asyncio.Queue = asyncio.Queue()
         self.answers: dict[tuple[int, int], Any] = {}  # by (branch, step)
         self.events: dict[tuple[int, int], asyncio.Event] = {}
         self.branch = 0  # exploits answered so far
+        self.exploit: dict[str, Any] | None = None  # the latest one answered
+        self.committed = False  # whether the branch has committed (and posted) a checkpoint of its own
         self.stopped = False
 
     async def post(self, item: dict[str, Any]) -> None:
+        self.committed = True  # posts after an exploit's answer come from its branch (the workers waited)
         await self.reports.put(item)
 
     async def take(self, timeout_s: float) -> dict[str, Any] | None:
@@ -422,6 +429,7 @@ class RunGate:
         if isinstance(decision, dict):  # an exploit: the workers go on on the next branch
             self.branch += 1
             decision = {**decision, "branch": self.branch}
+            self.exploit, self.committed = decision, False
         self.answers[key] = decision
         self.events.setdefault(key, asyncio.Event()).set()
 
@@ -430,9 +438,12 @@ class RunGate:
         for event in self.events.values():
             event.set()
 
-    async def current_branch(self) -> int:
-        """For workers that (re)start: a restarted group resumes the run's newest commit, on this branch."""
-        return self.branch
+    async def current(self) -> dict[str, Any]:
+        """For workers that (re)start: the branch, the exploit's values (None before any), and the exploit to
+        restore when the branch has no commit of its own yet."""
+        values = self.exploit["values"] if self.exploit else None
+        restore = self.exploit if self.exploit is not None and not self.committed else None
+        return {"branch": self.branch, "values": values, "restore": restore}
 
     async def wait(self, step: int, branch: int = 0) -> Any:
         key = (branch, step)
@@ -487,11 +498,10 @@ class _LiveRun:
     def load(
         self, donor_dir: Path, values: dict[str, Any], donor: str, step: int, tags: dict[str, str] | None = None
     ) -> None:
-        """An exploit in place: the donor's checkpoint becomes the run's newest (a restarted worker resumes
-        it, with `values`), then the waiting workers load it (`tags`: for the run's trackers)."""
-        write_json_atomic(RunDir(self.run_dir).live_values, {"values": values, "donor": donor}, indent=None)
-        installed = install_checkpoint(RunDir(self.run_dir).checkpoints, donor_dir)
-        answer = {"checkpoint": str(installed), "values": values, "donor": donor, "tags": tags or {}}
+        """An exploit in place: the waiting workers load the donor's checkpoint (the trial's pin of it) with
+        `values` (`tags`: for the run's trackers); a group Ray restarts before the branch commits gets it
+        from the gate (`RunGate.current`)."""
+        answer = {"checkpoint": str(donor_dir), "values": values, "donor": donor, "tags": tags or {}}
         ray.get(self.gate.answer.remote(step, answer))
 
     def next(self, start: int, stop: int) -> _Interval:

@@ -7,7 +7,6 @@
         checkpoints/step_XXXXXXXX         committed checkpoints (trainers.checkpoint)
         .lock                             one writer per run dir (trainers.run_lock)
         FAILED.json                       a run ended on an error a restart cannot fix (raytrain_ext.worker)
-        live_values.json                  run-config values set while it ran: a PBT exploit (search.trial)
         workers.log                       the workers' tracebacks taken off the console
         ray/<invocation>/                 Ray Train's own run folder for one `raytrain train` (its state and
                                           pointers to our checkpoints; raytrain_ext.launcher)
@@ -26,7 +25,6 @@ __all__ = [
     "CHECKPOINTS",
     "CONFIG",
     "FAILED",
-    "LIVE_VALUES",
     "LOCK",
     "METRICS",
     "PROFILE",
@@ -42,7 +40,6 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 LOCK = ".lock"
 FAILED = "FAILED.json"
-LIVE_VALUES = "live_values.json"
 WORKER_LOG = "workers.log"
 RAY_RUNS = "ray"
 TENSORBOARD = "tb"
@@ -78,10 +75,6 @@ class RunDir:
     @property
     def failed(self) -> Any:
         return self.root / FAILED
-
-    @property
-    def live_values(self) -> Any:
-        return self.root / LIVE_VALUES
 
     @property
     def worker_log(self) -> Any:

@@ -140,15 +140,16 @@ class RaiseAtStep(TrainerCallback):
 
 
 class KillMeAfterExploit(TrainerCallback):
-    """On `rank`, at the first step after a PBT exploit was loaded in place (the run dir holds the live
-    values it wrote first): write this process's pid to pids/rank<R>, then wait to be killed."""
+    """On `rank`, at the first step after a PBT exploit was loaded in place (the trainer's last checkpoint
+    is the trial's pin of the donor's, outside the run dir): write this process's pid to pids/rank<R>, then
+    wait to be killed."""
 
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         pid_file = trainer.run_dir / "pids" / f"rank{self.rank}"
-        exploited = (trainer.run_dir / "live_values.json").exists()
+        exploited = _from_donor(trainer)
         if exploited and _rank() == self.rank and not pid_file.exists():
             _write_atomic(pid_file, str(os.getpid()))
             _hold("waiting for SIGKILL after the exploit")
@@ -208,11 +209,16 @@ class HoldOnceFromDonor(TrainerCallback):
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         run_dir = trainer.run_dir
         marker = run_dir.parents[2] / "held-once"  # EXP_DIR/runs/<trial>/<run>
-        resume = trainer.cfg.checkpoint.resume
-        from_donor = resume not in ("none", "auto") or (run_dir / "live_values.json").exists()
-        if from_donor and _rank() == 0 and not marker.exists():
+        if _from_donor(trainer) and _rank() == 0 and not marker.exists():
             _write_atomic(marker, str(os.getpid()))
             _hold("held at the first step from a donor")
+
+
+def _from_donor(trainer: Trainer) -> bool:
+    """Whether the trainer's state came last from a checkpoint outside its run dir (a donor's: an exploit
+    loaded in place, or a run started from another trial's checkpoint)."""
+    last = trainer.last_checkpoint
+    return last is not None and Path(trainer.run_dir) not in Path(last).parents
 
 
 class _SaveReplaced:

@@ -357,9 +357,12 @@ def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(ray_
     assert (run / "pids" / "rank0").exists(), "the worker was killed after the exploit"
     events = [e["event"] for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] != "checkpoint"]
     assert events == ["start", "exploit", "resume"]
+    (exploit,) = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "exploit"]
     (resume,) = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "resume"]
-    assert resume["checkpoint"] == str(run / "checkpoints" / f"step_{INTERVAL:08d}")
-    # Resumed from the installed donor checkpoint with the explored rate: step 11 is the donor's loss
+    # the restarted group asked the run's gate: no commit since the exploit, so the exploit's checkpoint (the
+    # trial's pin of the donor's), not the run's newest commit (its own step 10, of the branch it left)
+    assert resume["checkpoint"] == exploit["checkpoint"] and "/pins/" in resume["checkpoint"]
+    # Resumed from the donor's checkpoint with the explored rate: step 11 is the donor's loss
     # (the weak trial's own step-10 weights give a loss > 0.5 higher, see the test above).
     weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
     after = INTERVAL + 1

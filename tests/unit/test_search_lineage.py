@@ -191,7 +191,12 @@ def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
         await gate.answer(20, {"checkpoint": "step_00000010", "values": {}, "donor": "a", "tags": {}})
         first = await gate.wait(20, 0)  # every rank of the branch that reported 20 gets the exploit
         assert first["branch"] == 1 and await gate.wait(20, 0) == first
-        assert await gate.current_branch() == 1, "a restarted group goes on on the new branch"
+        # a group restarted now goes on on the new branch, from the exploit's checkpoint with its values (the
+        # run's newest commit is of the branch it left) ...
+        assert await gate.current() == {"branch": 1, "values": {}, "restore": first}
+        await gate.post({"metrics": {"step": 20}, "path": "run/checkpoints/step_00000020"})
+        # ... and once the branch has committed, from that commit, with the exploit's values
+        assert await gate.current() == {"branch": 1, "values": {}, "restore": None}
         again = asyncio.ensure_future(gate.wait(20, first["branch"]))  # step 20 again, after the rollback
         await asyncio.sleep(0)
         assert not again.done(), "the old branch's answer is not this one's"
