@@ -101,8 +101,19 @@ def start_population(exp: ExperimentConfig, resume: bool) -> Any:
     return actor.options(name=population_name(exp.exp_dir), scheduling_strategy=on_this_node()).remote(population)
 
 
-class ExploitLines(tune.Callback):
-    """One console line per exploit, as the trial that made it reports it (`exploit` in its result)."""
+class PopulationEvents(tune.Callback):
+    """One console line per exploit, as the trial that made it reports it (`exploit` in its result); a trial
+    Tune ended in error leaves the population (a synchronous round does not wait for it)."""
+
+    def __init__(self, population: str | None = None) -> None:
+        self.population = population  # the actor's name
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        if self.population is not None:
+            try:
+                ray.get(ray.get_actor(self.population).leave.remote(trial.trial_id), timeout=10)
+            except Exception:  # noqa: BLE001 - gone with the driver's shutdown: nothing waits on it then
+                pass
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any) -> None:
         e = result.get("exploit")
@@ -196,7 +207,7 @@ def run_experiment(
                 checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=0, checkpoint_at_end=False),
                 failure_config=tune.FailureConfig(max_failures=0),
                 callbacks=[
-                    ExploitLines(),
+                    PopulationEvents(population_name(exp_dir) if population else None),
                     *([SlotRelease(turns)] if turns else []),
                     *callbacks,
                 ],

@@ -379,6 +379,12 @@ class PopulationActor:
     async def summary(self) -> dict[str, Any]:
         return self.population.summary()
 
+    async def leave(self, trial: str) -> None:
+        """A member whose trial ended without finishing (Tune ended it in error): a synchronous round does
+        not wait for it."""
+        self.population.members.setdefault(trial, Member(trial, -1)).done = True
+        self._maybe_round()
+
     def _maybe_round(self) -> None:
         if self.population.round_due(time.monotonic()):
             for trial, (step, decision) in self.population.decide_round().items():

@@ -246,3 +246,28 @@ def test_pbt_burn_in_is_half_the_budget_by_default_or_steps_or_a_share():
     for bad in ("half", "100%", "-5%"):
         with pytest.raises(ValueError, match="neither a step count nor a share"):
             SchedulerConfig(name="pbt", burn_in=bad)
+
+
+def test_the_actor_answers_at_once_when_asynchronous_and_a_member_that_left_is_not_waited_for():
+    """`PopulationActor` (a plain class here, an actor beside the driver in an experiment), as trials call it."""
+    import asyncio
+
+    from search.population import PopulationActor
+
+    async def scenario():
+        actor = PopulationActor(_population())
+        await actor.report("t0", 0, 10, 3.0, {"optimizer.lr": 1e-2}, "/pins/t0/10")
+        assert await actor.decision("t0", 10, 0.01) == "go"
+        await actor.report("t1", 1, 10, 5.0, {"optimizer.lr": 1e-4}, "/pins/t1/10")
+        order = await actor.decision("t1", 10, 0.01)
+        assert order["donor"] == "t0" and order["pin"] == "/pins/t0/10"
+
+        sync = PopulationActor(_population(synch=True))
+        await sync.report("t0", 0, 10, 3.0, {"optimizer.lr": 1e-2}, "/pins/t0/10")
+        await sync.report("t2", 2, 10, 5.0, {"optimizer.lr": 1e-4}, "/pins/t2/10")
+        assert await sync.decision("t0", 10, 0.01) is None, "the round waits for t1"
+        await sync.leave("t1")  # Tune ended its trial in error
+        assert await sync.decision("t0", 10, 0.01) == "go"
+        assert (await sync.decision("t2", 10, 0.01))["donor"] == "t0"
+
+    asyncio.run(scenario())
