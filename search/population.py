@@ -85,6 +85,7 @@ class Member:
     index: int  # its place in the population (its starting point): seeds its draws
     step: int = 0
     score: float | None = None  # the metric, oriented so that larger is better
+    base: float | None = None  # the score its current stretch started from (the donor's after an exploit)
     pin: str | None = None  # its latest report's committed checkpoint (what a recipient would load)
     hparams: dict[str, Any] = field(default_factory=dict)
     reported_at: float = 0.0  # the wall time of that report (a lineage row's `donor_time`)
@@ -148,11 +149,11 @@ class Population:
         """Take a report; returns whether the member is decided on at it (burn-in and interval passed)."""
         m = self.members.setdefault(trial, Member(trial, index))
         score = self.score_of(metric, failed)
-        if self.cfg.name == "pb2" and m.score is not None and math.isfinite(score) and math.isfinite(m.score):
+        if self.cfg.name == "pb2" and m.base is not None and math.isfinite(score) and math.isfinite(m.base):
             if step > m.step:  # the change per step under the values it trained with
                 x = self.space.to_search({k: m.hparams[k] for k in self.space.search_bounds() if k in m.hparams})
-                self.history.append((float(m.step), m.score, x, (score - m.score) / (step - m.step)))
-        m.step, m.score, m.hparams = step, score, dict(hparams)
+                self.history.append((float(m.step), m.base, x, (score - m.base) / (step - m.step)))
+        m.step, m.score, m.base, m.hparams = step, score, score, dict(hparams)
         m.pin = None if failed else pin
         m.reported_at = time.time() if when is None else when
         m.done = step >= self.steps
@@ -245,6 +246,8 @@ class Population:
         until it reports (so that nobody exploits it meanwhile)."""
         m = self.members[trial]
         m.step, m.pin, m.hparams = decision.step, None, dict(decision.values)
+        donor = self.members.get(decision.donor)
+        m.base = donor.score if donor is not None else None
         if perturbed is not None:
             m.perturbed = perturbed
         self.exploits += 1
