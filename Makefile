@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-gpu bench bench-cluster bench-gpu lint clean
+.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-compat test-gpu bench bench-cluster bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,47 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	# the slow tier: larger Ray, PBT and multi-process cases (README: test tiers)
 	$(PY) -m pytest -q -m "slow and not cluster" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The oldest Ray in pyproject.toml's range (README: Ray versions): a second venv with the same pins as
+# constraints.txt but that Ray (constraints-compat.txt), then on it the unit tests that reach Ray and a smoke set
+# of the Ray tier. CI's budget (~8 min on 2 cores, venv included) leaves out the unit tests that never touch Ray
+# (training in-process, models, data: ~9 min more); `make test-compat COMPAT_UNIT="tests/unit tests/test_architecture.py"`
+# runs the whole unit tier there. Both lists are by node id: edit here when tests move.
+COMPAT_VENV  ?= .venv-compat
+COMPAT_PY    := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+# ray_compat's names; the launcher, console, hosts and cluster files; search/ (Tune); every module of
+# raytrain_ext/ and search/ imported alone; no private name outside the compatibility modules
+COMPAT_UNIT ?= \
+	tests/unit/test_ray_compat.py tests/unit/test_launcher.py tests/unit/test_worker_logs.py tests/unit/test_cli.py \
+	tests/unit/test_console_run.py tests/unit/test_hosts.py tests/unit/test_clusters.py tests/unit/test_cluster_storage.py \
+	tests/unit/test_inplace.py tests/unit/test_slots.py tests/unit/test_search_console.py tests/unit/test_search_driver.py \
+	tests/unit/test_search_lineage.py tests/unit/test_search_metric.py tests/unit/test_search_population.py \
+	tests/unit/test_search_report_times.py tests/unit/test_search_space.py \
+	"tests/test_architecture.py::test_each_module_imports_alone[raytrain_ext]" \
+	"tests/test_architecture.py::test_each_module_imports_alone[search]" \
+	tests/test_architecture.py::test_no_private_names_outside_compat_modules \
+	tests/test_architecture.py::test_pending_private_names_are_still_used
+# a 2-worker run with a worker SIGKILLed and resumed; elastic grow then shrink; PBT: a NaN member replaced by an
+# exploit in place, the driver interrupted and the experiment resumed (`raytrain tune --resume`'s path);
+# `ray job submit` of `raytrain train` to a `ray start --head` with token auth
+COMPAT_SMOKE ?= \
+	tests/ray/test_train_on_ray.py::test_sigkill_of_a_worker_resumes_from_last_checkpoint \
+	tests/ray/test_elastic.py::test_grow_then_shrink_keeps_data_order_and_loss \
+	tests/ray/test_pbt.py::test_interrupted_driver_resumes_with_the_population_from_the_lineage \
+	tests/ray/test_job_submit.py::test_ray_job_submit_runs_raytrain_train
+
+$(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt
+	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q torch==2.13.0
+	grep -v '^ray==' constraints.txt | cat - constraints-compat.txt > $(COMPAT_VENV)/constraints.txt
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed]'
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -m pytest -q -m "not slow and not cluster" $(COMPAT_UNIT) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	# the smoke set, whatever its marks (most of it is in the slow tier on the main venv)
+	$(COMPAT_PY) -m pytest -q $(COMPAT_SMOKE) $(PYTEST_ARGS)
 
 test-cluster: $(STAMP)
 	# the cluster tier: test hosts from network namespaces on this machine (root; skipped with one line elsewhere)
