@@ -18,13 +18,25 @@
 # device is the same, and checkpoint.json / moe.json keep the CPU's rows. The dry run writes the same files
 # under their dry-run names (checkpoint_dry_run.json, gpu-dry-run.json, moe-dry-run.json).
 # Prints a summary (each JSON's checks, the log's tail); logs and JSON stay under $OUT (log.txt, tests.txt).
+# The interpreter: PYTHON, else this checkout's .venv/bin/python, else python3 (as `make test-gpu`); one that
+# cannot import torch (or, off the dry run, sees no CUDA device) stops the script before any part, with one line.
+# A failed part does not stop the later ones (each is independent; the lease is short): the script exits 1, and
+# its last line names every part that failed, with its rc (124/137: stopped by its cap), or says all passed.
 set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 DRY=""
 [[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
 BUDGET_S=${BUDGET_S:-540}
-PY=${PYTHON:-python3}
+PY=python3
+[[ -x .venv/bin/python ]] && PY=.venv/bin/python
+PY=${PYTHON:-$PY}
+need="import torch"
+[[ -z $DRY ]] && need="import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'"
+if ! why=$($PY -c "$need" 2>&1); then
+  echo "== FAILED before any part: $PY -c \"$need\": $(tail -n 1 <<<"$why")"
+  exit 2
+fi
 if [[ -n $DRY ]]; then
   OUT=${OUT:-$(mktemp -d -t gpu-check-dry-XXXXXX)}
   CORPUS=bench/_work/gpu/corpus-tiny CORPUS_BYTES=300000 CKPT=checkpoint_dry_run GPU=gpu-dry-run MOE=moe-dry-run
@@ -35,9 +47,27 @@ fi
 mkdir -p "$OUT"
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
-mark() { echo "== $1 rc=$2 at $(( $(date +%s) - START )) s" >>"${3:-$LOG}"; }
+mark() { echo "== $1 rc=$2 at $(( $(date +%s) - START )) s" >>"$3"; }
+FAILED=() RAN=0
+record() {  # record NAME RC: counted, and named in the last line when RC is not 0
+  RAN=$(( RAN + 1 ))
+  case $2 in
+    0) ;;
+    124|137) FAILED+=("$1 (rc $2, out of time)") ;;
+    *) FAILED+=("$1 (rc $2)") ;;
+  esac
+}
+part() {  # part NAME CAP_S FILE CMD...: CMD stopped at its cap (or what is left of BUDGET_S), its output into FILE
+  local name=$1 want=$2 file=$3 rc
+  shift 3
+  timeout -k 5 "$(cap "$want")" "$@" >>"$file" 2>&1
+  rc=$?
+  mark "$name" "$rc" "$file"
+  record "$name" "$rc"
+}
 if [[ -z $DRY ]] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  record "pip install .whl" $?
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
@@ -54,51 +84,48 @@ else
 fi
 
 # the corpus every part reads (bench/gpu.py's own, made once here)
-$PY -c "import sys; from pathlib import Path; sys.path[:0] = ['bench', '.']; from corpus import prepared; \
-prepared(None, Path('$CORPUS'), $CORPUS_BYTES, val_fraction=0.2)" >>"$LOG" 2>&1
-mark corpus $?
+part corpus "$BUDGET_S" "$LOG" $PY -c "import sys; from pathlib import Path; sys.path[:0] = ['bench', '.']; \
+from corpus import prepared; prepared(None, Path('$CORPUS'), $CORPUS_BYTES, val_fraction=0.2)"
 
 # (1) checkpoints of the 1.1B model: blocking <= 1 s, resume's first step <= 15 s, throughput >= 0.97
-timeout -k 5 "$(cap 240)" $PY bench/checkpoint.py --device cuda --shape 1b --data "$CORPUS" --out "$OUT" $DRY \
-  >>"$LOG" 2>&1
-mark "checkpoint.py --shape 1b" $?
+part "checkpoint.py --shape 1b" 240 "$LOG" $PY bench/checkpoint.py --device cuda --shape 1b --data "$CORPUS" \
+  --out "$OUT" $DRY
 rm -rf "$BENCH_WORK"  # a part stopped by its cap leaves its checkpoints (13.2 GB each) behind
 
 # (2) the seed shape: naive fp32 loop against all techniques (8 chunks a compiled call, and 1): >= 2x
-timeout -k 5 "$(cap 150)" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 60 \
-  --rows seed/naive-fp32,seed/all,seed/all-chunk-a-call $DRY >>"$LOG" 2>&1
-mark "gpu.py seed rows" $?
+part "gpu.py seed rows" 150 "$LOG" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 60 \
+  --rows seed/naive-fp32,seed/all,seed/all-chunk-a-call $DRY
 
 # (3) MoE, loop/grouped pair: grouped MFU >= 35%
-timeout -k 5 "$(cap 90)" $PY bench/moe.py --device cuda --pairs 1 --data "$CORPUS" --out "$OUT" $DRY >>"$LOG" 2>&1
-mark "moe.py" $?
+part moe.py 90 "$LOG" $PY bench/moe.py --device cuda --pairs 1 --data "$CORPUS" --out "$OUT" $DRY
 
 # (4) the 1.1B model compiled (MFU >= 50%) and the transformers peer
-timeout -k 5 "$(cap 190)" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 90 \
-  --rows big/bf16-compile,big/peer-hf-compile $DRY >>"$LOG" 2>&1
-mark "gpu.py 1.1B compile and peer rows" $?
+part "gpu.py 1.1B compile and peer rows" 190 "$LOG" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 90 \
+  --rows big/bf16-compile,big/peer-hf-compile $DRY
 
-# (5) the gpu test tier, with what is left
+# (5) the gpu test tier, with what is left (the dry run only collects it: pytest's rc 5, none collected, fails)
+: >"$OUT/tests.txt"
 if [[ -n $DRY ]]; then
-  timeout -k 5 "$(cap 120)" $PY -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider >"$OUT/tests.txt" 2>&1
+  part tests 120 "$OUT/tests.txt" $PY -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider
 else
-  timeout -k 5 "$(cap 120)" $PY -m pytest -v -m gpu tests/gpu -p no:cacheprovider -rs --durations=0 \
-    >"$OUT/tests.txt" 2>&1
+  part tests 120 "$OUT/tests.txt" $PY -m pytest -v -m gpu tests/gpu -p no:cacheprovider -rs --durations=0
 fi
-mark tests $? "$OUT/tests.txt"
 
 grep -E "PASS|FAIL|ERROR|passed|failed|collected|== " "$OUT/tests.txt" | tail -30
 grep -vE "^\s*$|Warning|warn\(" "$LOG" | tail -40
-$PY - "$OUT" "$CKPT" "$GPU" "$MOE" <<'EOF'
+# the summary (its rc is 1 when a JSON it reads is missing or unreadable)
+timeout -k 5 60 $PY - "$OUT" "$CKPT" "$GPU" "$MOE" <<'EOF'
 import json, sys
 from pathlib import Path
 
 out, ckpt, gpu, moe = Path(sys.argv[1]), *sys.argv[2:]
+unread = []
 def load(name):
     try:
         return json.loads((out / f"{name}.json").read_text())
     except (OSError, ValueError) as e:
         print(f"{name}.json: {type(e).__name__}")
+        unread.append(name)
         return {}
 c, g, m = load(ckpt), load(gpu), load(moe).get("gpu", {})
 print(f"checkpoint 1b parts done: {c.get('1b', {}).get('parts_done')}")
@@ -108,5 +135,14 @@ for label, checks in (("checkpoint 1b", c.get("1b", {}).get("checks", {})), ("gp
 for r in m.get("rows", []):
     print(f"moe {r['name']} {r['path']}: MFU {r['mfu']:.1%}, {r['median_step_s'] * 1e3:.1f} ms a step")
 print(f"moe targets met: {m.get('targets_met')}; device: {c.get('1b', {}).get('device_name')} / {g.get('device_name')}")
+sys.exit(1 if unread else 0)
 EOF
-echo "== done in $(( $(date +%s) - START )) s of BUDGET_S=$BUDGET_S; results under $OUT"
+record summary $?
+
+took="in $(( $(date +%s) - START )) s of BUDGET_S=$BUDGET_S; results under $OUT"
+if (( ${#FAILED[@]} )); then
+  fails=$(printf ', %s' "${FAILED[@]}")
+  echo "== FAILED: ${fails:2} ($RAN parts; $took)"
+  exit 1
+fi
+echo "== done $took: all $RAN parts passed"

@@ -1,6 +1,8 @@
 """bench/gpu_check.sh, the one call a short GPU lease gets (issue 44): its --dry-run runs every part on the CPU
 at tiny sizes, so a typo fails here and not on the lease, and each part's JSON holds the fields its checks
-read. bench/checkpoint.py's 1b rows merge beside the CPU rows of checkpoint.json (and the CPU run keeps them)."""
+read. bench/checkpoint.py's 1b rows merge beside the CPU rows of checkpoint.json (and the CPU run keeps them).
+A failed part fails the script and is named in its last line (issue 55): checked here with a PYTHON that is a
+wrapper script, in a copy of the script under tmp_path, so nothing heavy runs and the checkout is not written."""
 
 from __future__ import annotations
 
@@ -15,8 +17,89 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import checkpoint  # noqa: E402
+import torch  # noqa: E402
 
 PARTS = ("corpus", "checkpoint.py --shape 1b", "gpu.py seed rows", "moe.py", "gpu.py 1.1B compile and peer rows")
+ALL = (*PARTS, "tests", "summary")  # every step the last line counts
+
+
+def _interpreter(tmp_path: Path, cases: str, otherwise: str) -> Path:
+    """A PYTHON that runs the script's torch check for real, then `cases` (bash case arms on its arguments)."""
+    path = tmp_path / "python"
+    path.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  -c*"import torch"*) exec {sys.executable} "$@" ;;
+{cases}
+esac
+{otherwise}
+""")
+    path.chmod(0o755)
+    return path
+
+
+def _run_copy(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """bench/gpu_check.sh run from a copy in an empty checkout under tmp_path (its bench/_work lands there)."""
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True, exist_ok=True)
+    (repo / "bench" / "gpu_check.sh").write_text((ROOT / "bench" / "gpu_check.sh").read_text())
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "OUT", "BUDGET_S")}
+    return subprocess.run(["bash", str(repo / "bench" / "gpu_check.sh"), *args], cwd=repo,
+                          env={**base, "OUT": str(tmp_path / "out"), **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout.rstrip("\n").rsplit("\n", 1)[-1]
+
+
+def test_every_part_failing_fails_the_script_and_each_is_named(tmp_path):
+    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(_interpreter(tmp_path, "", "exit 1")))
+    last = _last_line(proc)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert last.startswith("== FAILED: ") and f"({len(ALL)} parts;" in last, last
+    for step in ALL:
+        assert f"{step} (rc 1)" in last, (step, last)
+    log = (tmp_path / "out" / "log.txt").read_text() + (tmp_path / "out" / "tests.txt").read_text()
+    for step in (*PARTS, "tests"):  # each later part still ran after the failed ones
+        assert f"== {step} rc=1 " in log, (step, log)
+
+
+def test_the_last_line_names_only_the_failed_parts_and_one_out_of_time(tmp_path):
+    cases = """  *bench/moe.py*) exit 3 ;;
+  *seed/naive-fp32*) exec sleep 600 ;;"""
+    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(_interpreter(tmp_path, cases, "exit 0")), BUDGET_S="5")
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert _last_line(proc).startswith(
+        f"== FAILED: gpu.py seed rows (rc 124, out of time), moe.py (rc 3) ({len(ALL)} parts; "), proc.stdout
+
+
+def test_an_interpreter_without_torch_stops_the_script_before_any_part(tmp_path):
+    no_torch = tmp_path / "python"
+    no_torch.write_text("#!/usr/bin/env bash\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    no_torch.chmod(0o755)
+    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(no_torch))
+    assert proc.returncode == 2 and proc.stdout.count("\n") == 1, proc.stdout
+    why = "ModuleNotFoundError: No module named 'torch'"
+    assert proc.stdout == f'== FAILED before any part: {no_torch} -c "import torch": {why}\n'
+    assert not (tmp_path / "out").exists()
+
+
+def test_this_checkouts_venv_is_the_default_interpreter(tmp_path):
+    venv_python = tmp_path / "repo" / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text("#!/usr/bin/env bash\necho 'the venv python, without torch' >&2\nexit 1\n")
+    venv_python.chmod(0o755)
+    proc = _run_copy(tmp_path, "--dry-run")
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.startswith("== FAILED before any part: .venv/bin/python -c ")
+    assert proc.stdout.rstrip().endswith("the venv python, without torch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a CUDA device")
+def test_without_a_cuda_device_the_lease_run_stops_before_any_part(tmp_path):
+    proc = _run_copy(tmp_path, PYTHON=sys.executable)
+    assert proc.returncode == 2 and "torch sees no CUDA device" in proc.stdout, proc.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def _row(shape: str, mode: str, **more) -> dict:
@@ -52,11 +135,13 @@ def test_dry_run_runs_every_part_and_writes_what_the_checks_read(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     log = (tmp_path / "log.txt").read_text()
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-2000:])
+    assert _last_line(proc).startswith("== done in ") and _last_line(proc).endswith(
+        f": all {len(ALL)} parts passed"), proc.stdout[-3000:]
     for part in PARTS:
         assert f"== {part} rc=0 " in log, (part, log[-3000:])
     assert "== tests rc=0 " in (tmp_path / "tests.txt").read_text()
-    assert "checkpoint 1b throughput_ratio:" in proc.stdout and "== done in" in proc.stdout  # the summary
+    assert "checkpoint 1b throughput_ratio:" in proc.stdout  # the summary
 
     ckpt = json.loads((tmp_path / "checkpoint_dry_run.json").read_text())
     rows = {r["mode"]: r for r in ckpt["rows"] if r["shape"] == "1b"}
