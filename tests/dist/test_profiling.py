@@ -51,7 +51,9 @@ def test_profile_writes_a_chrome_trace_per_rank(engine, corpus_dir, tmp_path, ca
     assert event["memory_snapshot"] == "skipped: needs CUDA (device cpu)"
     err = capfd.readouterr().err
     assert err.count("no memory snapshot on cpu") == 1, "rank 0 says it once"
-    for r in (r for r in rows if r["kind"] == "train"):
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7)), "a breakdown row for every step"
+    for r in train:
         assert r["data_s"] >= 0 and r["forward_backward_s"] > 0 and r["optimizer_s"] > 0
         assert r["data_s"] + r["forward_backward_s"] + r["optimizer_s"] <= r["step_time_s"]
 
