@@ -21,7 +21,8 @@
 # The interpreter: PYTHON, else this checkout's .venv/bin/python, else python3 (as `make test-gpu`); one that
 # cannot import torch (or, off the dry run, sees no CUDA device) stops the script before any part, with one line.
 # A failed part does not stop the later ones (each is independent; the lease is short): the script exits 1, and
-# its last line names every part that failed, with its rc (124/137: stopped by its cap), or says all passed.
+# its last line names every part that failed, with its rc (124/137: stopped by its cap), or says all passed. A
+# part that ends 0 with a row it was to measure missing or in error (gpu.py and checkpoint.py go on) fails too.
 set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -48,7 +49,7 @@ mkdir -p "$OUT"
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
 mark() { echo "== $1 rc=$2 at $(( $(date +%s) - START )) s" >>"$3"; }
-FAILED=() RAN=0
+FAILED=() RAN=0 LAST_RC=0
 record() {  # record NAME RC: counted, and named in the last line when RC is not 0
   RAN=$(( RAN + 1 ))
   case $2 in
@@ -58,12 +59,33 @@ record() {  # record NAME RC: counted, and named in the last line when RC is not
   esac
 }
 part() {  # part NAME CAP_S FILE CMD...: CMD stopped at its cap (or what is left of BUDGET_S), its output into FILE
-  local name=$1 want=$2 file=$3 rc
+  local name=$1 want=$2 file=$3
   shift 3
   timeout -k 5 "$(cap "$want")" "$@" >>"$file" 2>&1
-  rc=$?
-  mark "$name" "$rc" "$file"
-  record "$name" "$rc"
+  LAST_RC=$?
+  mark "$name" "$LAST_RC" "$file"
+  record "$name" "$LAST_RC"
+}
+measured() {  # measured NAME JSON ROW...: a part that ended 0 fails when a row it was to measure has no figure
+  (( LAST_RC == 0 )) || return 0  # bench/gpu.py and checkpoint.py write the row's error in the JSON and go on
+  local bad
+  bad=$($PY - "$@" 2>>"$LOG" <<'EOF'
+import json, sys
+from pathlib import Path
+name, path, *wanted = sys.argv[1:]
+try:
+    rows = {r.get("name") or f"{r['shape']}/{r['mode']}": r for r in json.loads(Path(path).read_text())["rows"]}
+except (OSError, ValueError, KeyError) as e:
+    rows = {}
+    print(f"== {name}: {path}: {type(e).__name__} {e}", file=sys.stderr)
+for w in wanted:
+    why = "not in the JSON" if w not in rows else rows[w].get("error") or rows[w].get("resume_error")
+    if why:
+        print(w)
+        print(f"== {name}: row {w}: {why}", file=sys.stderr)
+EOF
+  )
+  [[ -z $bad ]] || FAILED+=("$1 (rc 0, not measured: $(paste -sd, <<<"$bad"))")
 }
 if [[ -z $DRY ]] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -90,11 +112,13 @@ from corpus import prepared; prepared(None, Path('$CORPUS'), $CORPUS_BYTES, val_
 # (1) checkpoints of the 1.1B model: blocking <= 1 s, resume's first step <= 15 s, throughput >= 0.97
 part "checkpoint.py --shape 1b" 240 "$LOG" $PY bench/checkpoint.py --device cuda --shape 1b --data "$CORPUS" \
   --out "$OUT" $DRY
+measured "checkpoint.py --shape 1b" "$OUT/$CKPT.json" 1b/async 1b/sync
 rm -rf "$BENCH_WORK"  # a part stopped by its cap leaves its checkpoints (13.2 GB each) behind
 
 # (2) the seed shape: naive fp32 loop against all techniques (8 chunks a compiled call, and 1): >= 2x
 part "gpu.py seed rows" 150 "$LOG" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 60 \
   --rows seed/naive-fp32,seed/all,seed/all-chunk-a-call $DRY
+measured "gpu.py seed rows" "$OUT/$GPU.json" seed/naive-fp32 seed/all seed/all-chunk-a-call
 
 # (3) MoE, loop/grouped pair: grouped MFU >= 35%
 part moe.py 90 "$LOG" $PY bench/moe.py --device cuda --pairs 1 --data "$CORPUS" --out "$OUT" $DRY
@@ -102,6 +126,7 @@ part moe.py 90 "$LOG" $PY bench/moe.py --device cuda --pairs 1 --data "$CORPUS" 
 # (4) the 1.1B model compiled (MFU >= 50%) and the transformers peer
 part "gpu.py 1.1B compile and peer rows" 190 "$LOG" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 90 \
   --rows big/bf16-compile,big/peer-hf-compile $DRY
+measured "gpu.py 1.1B compile and peer rows" "$OUT/$GPU.json" big/bf16-compile big/peer-hf-compile
 
 # (5) the gpu test tier, with what is left (the dry run only collects it: pytest's rc 5, none collected, fails)
 : >"$OUT/tests.txt"

@@ -73,6 +73,18 @@ def test_the_last_line_names_only_the_failed_parts_and_one_out_of_time(tmp_path)
         f"== FAILED: gpu.py seed rows (rc 124, out of time), moe.py (rc 3) ({len(ALL)} parts; "), proc.stdout
 
 
+def test_a_part_that_ends_0_with_a_row_in_error_fails(tmp_path):
+    """bench/gpu.py writes a row's error in its JSON and exits 0: the part fails on the rows it was to measure."""
+    rows = '{"rows": [{"name": "seed/naive-fp32"}, {"name": "seed/all", "error": "exit 1: boom"}]}'
+    cases = f"""  "- "*) exec {sys.executable} "$@" ;;
+  *bench/gpu.py*seed/naive-fp32*) echo '{rows}' >"$OUT/gpu-dry-run.json" ;;"""
+    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(_interpreter(tmp_path, cases, "exit 0")))
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "gpu.py seed rows (rc 0, not measured: seed/all,seed/all-chunk-a-call)" in _last_line(proc), proc.stdout
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "== gpu.py seed rows: row seed/all: exit 1: boom" in log and "== gpu.py seed rows rc=0 " in log, log
+
+
 def test_an_interpreter_without_torch_stops_the_script_before_any_part(tmp_path):
     no_torch = tmp_path / "python"
     no_torch.write_text("#!/usr/bin/env bash\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
