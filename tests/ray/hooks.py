@@ -217,8 +217,8 @@ class HoldOnceFromDonor(TrainerCallback):
 def _from_donor(trainer: Trainer) -> bool:
     """Whether the trainer's state came last from a checkpoint outside its run dir (a donor's: an exploit
     loaded in place, or a run started from another trial's checkpoint)."""
-    last = trainer.last_checkpoint
-    return last is not None and Path(trainer.run_dir) not in Path(last).parents
+    last = trainer.last_checkpoint  # a local path, or a bucket's location: compared as text
+    return last is not None and not str(last).startswith(str(trainer.run_dir).rstrip("/") + "/")
 
 
 class _SaveReplaced:

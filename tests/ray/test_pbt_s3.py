@@ -125,7 +125,8 @@ def test_pbt_in_a_bucket_interrupted_after_the_exploit_resumes(ray_on_s3, s3, da
     exp = load_experiment(path)
     save(exp)
     first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
-    assert not first.finished and len(first.events) == 1
+    errors = [r.get("error") for r in first.reports if r.get("failed")]
+    assert not first.finished and len(first.events) == 1, errors
     resumed = run_experiment(exp, resume=True, verbose=0)
     assert resumed.finished
     weak = _trial_of(exp.exp_dir, 1e-4)
