@@ -8,11 +8,13 @@ the log before or after it); `collect` merges them into Parquet tables:
   yielded (the trial gave its Train-run slot to a waiting member after this report: time-sharing),
   running (members holding a slot when it got its own), and where the interval's time outside training
   steps went (`TIME_PARTS`: slot_s, start_s, decision_s, exploit_s, eval_s, checkpoint_s; null in logs
-  written before they existed)
+  written before they existed), pin (the report's committed checkpoint), member (the trial's index in the
+  population)
 - `EXP_DIR/lineage.parquet`: one row per exploit: time, step (where the trial continues: the donor's
   checkpoint step), trial, donor, donor_time (when the donor reported that checkpoint), old_hparams,
   new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's),
-  exploit_id (the scheduler's decision), from_step (the trial's own step when it loaded the donor's)
+  exploit_id (the population's decision), from_step (the trial's own step when it loaded the donor's), pin
+  (the trial's own pin of the donor's checkpoint: what it loaded)
 
 An exploit is recorded by the trial that restores a checkpoint another trial wrote - the event as it
 really happened, whichever scheduler (PBT, PB2) decided it - once per decision, however often Tune
