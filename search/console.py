@@ -57,9 +57,13 @@ def _not_a_staging_race(record: logging.LogRecord) -> bool:
 
 
 class ExperimentReporter(tune.CLIReporter):
-    def __init__(self, *args: Any, exp_dir: str, slots: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, exp_dir: str, slots: str | None = None, population: tuple[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.exp_dir, self.slots = exp_dir, slots  # slots: the time-sharing actor's name (search.slots)
+        self.population = population  # (scheduler name, the population actor's name): search.population
         self.tails: dict[str, _Tail] = {}  # each trial's current run's metrics, read as they grow
 
     def report(self, trials: list[Any], done: bool, *sys_info: str) -> None:
@@ -79,7 +83,17 @@ class ExperimentReporter(tune.CLIReporter):
             return held_by_workers() + self._turns()
         if line.startswith("Result logdir:"):
             return f"Experiment folder: {self.exp_dir}"
+        if line.startswith("Using FIFO scheduling algorithm") and self.population is not None:
+            return self._exploits()  # Tune's FIFO runs the trials; the population decides (search.population)
         return line
+
+    def _exploits(self) -> str:
+        name, actor = self.population
+        try:
+            summary = ray.get(ray.get_actor(actor).summary.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - a status line is never worth failing the experiment
+            return f"{name.upper()}: population-based training"
+        return f"{name.upper()}: {summary['exploits']} exploits decided"
 
     def _turns(self) -> str:
         if self.slots is None:

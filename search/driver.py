@@ -202,6 +202,7 @@ def run_experiment(
                     max_report_frequency=30,
                     exp_dir=str(exp_dir),
                     slots=turns,
+                    population=(exp.scheduler.name, population_name(exp_dir)) if population else None,
                 ),
                 # No checkpoint of ours in Tune: the trials' pins and lineage logs are the record.
                 checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=0, checkpoint_at_end=False),

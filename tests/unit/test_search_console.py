@@ -59,3 +59,21 @@ def test_no_cpus_held_yet_reads_as_starting(monkeypatch):
     assert console.held_by_workers() == "Held by Train workers: none yet (their runs are starting)"
     monkeypatch.setattr(console.ray, "available_resources", lambda: {"CPU": 1.5})
     assert console.held_by_workers() == "Held by Train workers: 0.5/2 CPUs"
+
+
+def test_the_scheduler_line_counts_the_populations_exploits(monkeypatch):
+    """Tune runs the trials under its FIFO scheduler; the line a user reads names the population's rule and
+    what it decided (the population actor's summary), not "Using FIFO scheduling algorithm."."""
+
+    class _Actor:
+        class summary:  # noqa: N801 - the shape of an actor method: .remote()
+            @staticmethod
+            def remote():
+                return {"exploits": 3, "members": {}}
+
+    monkeypatch.setattr(console.ray, "get_actor", lambda name: _Actor if name == "pop-1" else None)
+    monkeypatch.setattr(console.ray, "get", lambda value, timeout=None: value)
+    reporter = ExperimentReporter(metric_columns=["val_loss"], exp_dir="/x", population=("pbt", "pop-1"))
+    assert reporter._line("Using FIFO scheduling algorithm.") == "PBT: 3 exploits decided"
+    plain = ExperimentReporter(metric_columns=["val_loss"], exp_dir="/x")  # ASHA, random search: Tune's own line
+    assert plain._line("Using FIFO scheduling algorithm.") == "Using FIFO scheduling algorithm."
