@@ -119,7 +119,8 @@ class PopulationEvents(tune.Callback):
         e = result.get("exploit")
         if e:
             changes = ", ".join(f"{k} {_short(e['old'].get(k))} -> {_short(v)}" for k, v in e["new"].items() if e["old"].get(k) != v)
-            logger.info("exploit: %s <- %s at step %d: %s", trial, e["donor"], e["step"], changes or "same values")
+            donor = str(trial).removesuffix(trial.trial_id) + e["donor"]  # named as Tune names the trial
+            logger.info("exploit: %s <- %s at step %d: %s", trial, donor, e["step"], changes or "same values")
 
 
 def _short(value: Any) -> str:
