@@ -219,7 +219,8 @@ class Population:
     def _decide(self, m: Member, lower: list[Member], upper: list[Member]) -> Decision | None:
         rng = random.Random(f"{self.seed}:{m.index}:{m.decisions}")
         m.decisions += 1
-        donors = [d for d in upper if d.pin is not None and d is not m]
+        # a member at the end of its budget gives nothing to train on: its recipient would skip its own rest
+        donors = [d for d in upper if d.pin is not None and d is not m and not d.done]
         if m not in lower or not donors:
             return None
         donor = rng.choice(donors)

@@ -271,3 +271,18 @@ def test_the_actor_answers_at_once_when_asynchronous_and_a_member_that_left_is_n
         assert (await sync.decision("t2", 10, 0.01))["donor"] == "t0"
 
     asyncio.run(scenario())
+
+
+def test_a_member_that_finished_its_budget_is_no_donor():
+    """Asynchronous PBT, a member ahead at the end of the budget (step 40 of 40): a recipient copying it
+    would jump to the end with nothing left to train (`make demo` ended such a trial failed)."""
+    pop = _population(size=3, quantile_fraction=0.5)
+    _report(pop, "t0", 40, 1.0, 1e-2)  # done
+    _report(pop, "t1", 30, 2.0, 1e-3)
+    assert _report(pop, "t2", 30, 5.0, 1e-4)
+    decision = pop.decide("t2")
+    assert decision is None or decision.donor == "t1"
+    pop2 = _population(size=2, quantile_fraction=0.5)
+    _report(pop2, "t0", 40, 1.0, 1e-2)
+    assert _report(pop2, "t1", 30, 5.0, 1e-4)
+    assert pop2.decide("t1") is None, "the only better member has finished: no exploit"
