@@ -186,9 +186,14 @@ def _refused_token(error: BaseException) -> bool:
 
 
 def stop_ray() -> None:
-    """`ray.shutdown()` of a Ray that `ensure_ray` started, and its reaper's release."""
+    """`ray.shutdown()` of a Ray that `ensure_ray` started, and its reaper's release. A Train run's `fit()`
+    returns while its controller actor is still exiting: shut down then, the controller was SIGTERMed mid-exit
+    and printed a traceback under `raytrain tune`'s last table. It is waited for first, briefly."""
     import ray
 
+    deadline = time.monotonic() + 10.0
+    while train_controllers_of_this_job() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the GCS's actor table: no event to wait on
     ray.shutdown()
     while _REAPERS:
         _REAPERS.pop().stop()
@@ -351,11 +356,6 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
         end_train_runs(train_controllers_of_this_job(own=True) - controllers)
         thread.join(60)
         raise
-    # `fit()` returns while the run's controller actor is still exiting: a Ray shut down next (the end of
-    # `raytrain tune` on a local Ray) SIGTERMed it mid-exit, a traceback on the console. Wait for it, briefly.
-    deadline = time.monotonic() + 10.0
-    while train_controllers_of_this_job(own=True) - controllers and time.monotonic() < deadline:
-        time.sleep(0.1)  # the GCS's actor table: no event to wait on
     if "error" in box:
         failed = _read_failed(run_dir)
         if failed is not None:

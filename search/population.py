@@ -28,7 +28,6 @@ rebuilt population decides as the original would have.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import random
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from search.schedulers import SchedulerConfig
+from search.slots import experiment_actor_name
 from search.space import SearchSpace
 
 __all__ = ["BoundedExplore", "Decision", "Member", "Population", "PopulationActor", "population_name"]
@@ -406,5 +406,4 @@ def _answer(decision: Decision | None) -> Any:
 
 
 def population_name(exp_dir: Any) -> str:
-    """The actor's name: one per experiment folder (the same after --resume)."""
-    return f"raytrain-population-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
+    return experiment_actor_name("population", exp_dir)

@@ -81,9 +81,14 @@ def start_slots(name: str, capacity: int) -> Any:
     return _SLOTS.options(name=name, scheduling_strategy=on_this_node()).remote(capacity)
 
 
+def experiment_actor_name(kind: str, exp_dir: Any) -> str:
+    """An experiment's actor of `kind`: one per experiment folder (the same after --resume); in the driver's
+    job's namespace."""
+    return f"raytrain-{kind}-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
+
+
 def slots_name(exp_dir: Any) -> str:
-    """One per experiment folder (the same after --resume); in the driver's job's namespace."""
-    return f"raytrain-slots-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
+    return experiment_actor_name("slots", exp_dir)
 
 
 class SlotRelease(tune.Callback):
