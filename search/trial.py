@@ -218,19 +218,16 @@ class TrialRun(tune.Trainable):
         """Before the next interval: the population's decision on the report of `step` ("go", or an
         exploit, which a live run loads in place)."""
         decision = self._decision(step)
-        if decision == "go":
+        try:  # the donor's pin, made this trial's own (hard links): the donor may prune its pins from now on
+            pin, meta = self._adopt_pin(location(decision["pin"])) if decision != "go" else (None, None)
+        except FileNotFoundError:  # pruned already (it reported `keep` times since): no exploit after all
+            pin = None
+        if pin is None:
             if self.runner is not None and self.runner.waits_at(step):
                 self.runner.go(step)
             return
         values = {k: decision["values"][k] for k in self.exp.search_space}
         changed = {k for k in values if values[k] != self.hparams.get(k)}
-        try:  # the donor's pin, made this trial's own (hard links): the donor may prune its pins from now on
-            pin = self._adopt_pin(location(decision["pin"]))
-        except FileNotFoundError:  # pruned already (it reported `keep` times since): no exploit after all
-            if self.runner is not None and self.runner.waits_at(step):
-                self.runner.go(step)
-            return
-        meta = _read_meta(pin)
         self._log_exploit(decision, values, pin)  # the one record: a restart after it continues from `pin`
         self.exploited = {"donor": decision["donor"], "step": meta["step"], "old": dict(self.hparams), "new": values}
         self.hparams = values
@@ -294,14 +291,15 @@ class TrialRun(tune.Trainable):
         self._prune_pins(keep=pin)
         return pin
 
-    def _adopt_pin(self, donor_pin: Path) -> Path:
-        """A donor's pin made one of this trial's (its metadata still names the donor's trial and step)."""
+    def _adopt_pin(self, donor_pin: Path) -> tuple[Path, dict[str, Any]]:
+        """A donor's pin made one of this trial's, and its metadata (which still names the donor's trial and
+        step)."""
         meta = _read_meta(donor_pin)
         pin = self._new_pin(meta["step_dir"])
         link_tree(donor_pin / meta["step_dir"], pin / meta["step_dir"])
         write_json_atomic(pin / META, meta, indent=None)
         self._prune_pins(keep=pin)
-        return pin
+        return pin, meta
 
     def _new_pin(self, step_dir: str) -> Path:
         return self.dir / PINS / f"{time.time_ns():020d}-{step_dir}-{uuid.uuid4().hex[:6]}"
