@@ -116,6 +116,7 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/checkpoint.py --data $(DATA)
 	$(PY) bench/no_ray.py --data $(DATA)
 	$(PY) bench/data.py
+	$(PY) bench/cli.py
 
 bench-cluster: $(STAMP)
 	# root: test hosts from network namespaces; bring-up, first step and recovery from a lost host

@@ -11,8 +11,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from raytrain_ext._version import __version__
-from trainers._base import ConfigError, NonFiniteLossError
-from trainers.checkpoint import CheckpointError
+from trainers._base import CheckpointError, ConfigError, NonFiniteLossError
 from trainers.config import RunConfig, load_config
 from trainers.tracking import with_trackers
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
-from ray import tune
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
 
 from search.space import FACTORS, LINEAR_STEP
 from trainers._base import StrictModel
+
+if TYPE_CHECKING:  # Ray loads when a scheduler is built: an experiment YAML is read and checked without it
+    from ray.tune.schedulers import TrialScheduler
 
 __all__ = ["MEMBER", "TIME_ATTR", "SchedulerConfig", "build_scheduler", "population_space"]
 
@@ -34,6 +35,8 @@ BURN_IN = "50%"
 def population_space(members: list[dict[str, Any]]) -> dict[str, Any]:
     """One trial per member, each starting from its own hyperparameters (flat dotted keys, so that
     PBT/PB2 mutate them where they are)."""
+    from ray import tune
+
     keys = sorted({k for m in members for k in m})
     space: dict[str, Any] = {MEMBER: tune.grid_search(list(range(len(members))))}
     space.update({k: tune.sample_from(partial(_member_value, members, k)) for k in keys})
@@ -101,6 +104,8 @@ class SchedulerConfig(StrictModel):
 def build_scheduler(cfg: SchedulerConfig, max_steps: int) -> TrialScheduler:
     """Tune's scheduler: ASHA's early stopping, else FIFO (random search; PBT and PB2 decide through
     `search.population`). Metric and mode are left to `TuneConfig` (Tune refuses them in both places)."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
     if cfg.name == "asha":
         return ASHAScheduler(
             time_attr=TIME_ATTR,

@@ -29,6 +29,11 @@ class NonFiniteLossError(RuntimeError):
     """Too many NaN/inf steps in a row; the last good checkpoint is left as it was. The CLI exits 1."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read: missing or changed files, or none left to fall back to (here, not in
+    `trainers.checkpoint`, so that the command line catches it without importing torch)."""
+
+
 def first_line(e: BaseException) -> str:
     """An exception's message in one console line (its first, at most 300 characters)."""
     return (str(e).strip().splitlines() or [""])[0][:300]

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainers._base import ConfigError, first_line
+from trainers._base import CheckpointError, ConfigError, first_line
 from trainers.checkpoint_files import (
     COMMITTED,
     MODEL_KEY,
@@ -138,10 +138,6 @@ def default_threads() -> int:
     """Writer/reader/checksum threads per rank when `checkpoint.threads` is 0: what the host offers, at
     most 8 (DCP's writers are bounded by the disk beyond that)."""
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read: missing or changed files, or none left to fall back to."""
 
 
 _LEFTOVERS = ("step_*.partial", ".install-*", ".replaced-*")  # staging and renamed-aside folders

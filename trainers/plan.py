@@ -50,7 +50,6 @@ from typing import Any, Literal
 from trainers._base import ConfigError, format_bytes, parse_bytes  # sizes live in _base; importable here too
 from trainers.config import RunConfig, apply_overrides, parse_config
 from trainers.layout import ParallelLayout, block_costs, split_stages
-from trainers.loss import chunk_tokens
 from trainers.models.config import ModelConfig
 from trainers.models.flops import (
     block_params,
@@ -864,6 +863,8 @@ def _activation_changes(cfg: RunConfig, world_size: int, device_type: DeviceType
     refuses) is left out."""
     out: list[tuple[dict[str, Any], str]] = []
     if not cfg.memory.loss_chunk:
+        from trainers.loss import chunk_tokens  # torch's module: a plan that needs no chunk reads without it
+
         chunk = chunk_tokens(cfg.model.vocab_size, device_type)
         out.append(({"memory.loss_chunk": chunk}, f"chunk the output projection and loss, {chunk} tokens a "
                      f"chunk (no tokens x vocab logits)"))

@@ -15,14 +15,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import PositiveInt
 
 from trainers._base import StrictModel
 from trainers.run_dir import PROFILE
-from trainers.torch_compat import dump_memory_snapshot, record_memory_history, stop_memory_history
+
+if TYPE_CHECKING:  # torch loads with the first profiled step: a config that names a profile reads without it
+    import torch
 
 __all__ = ["ProfileConfig", "StepProfiler", "build_profiler", "span"]
 
@@ -39,7 +40,11 @@ _recording = False  # ranges are created only while a profiler records
 
 def span(name: str) -> contextlib.AbstractContextManager:
     """A named range in the trace while a profile records; otherwise a shared no-op context."""
-    return torch.profiler.record_function(name) if _recording else _NULL
+    if not _recording:
+        return _NULL
+    import torch
+
+    return torch.profiler.record_function(name)
 
 
 class StepProfiler:
@@ -62,6 +67,10 @@ class _TorchStepProfiler(StepProfiler):
         global _recording
         if self._prof is not None or self.done or not self.first <= step <= self.last:
             return  # a run resumed inside the window profiles the rest of it
+        import torch
+
+        from trainers.torch_compat import record_memory_history
+
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -105,6 +114,8 @@ class _TorchStepProfiler(StepProfiler):
                     flush=True,
                 )
             return f"skipped: needs CUDA (device {self.device.type})"
+        from trainers.torch_compat import dump_memory_snapshot, stop_memory_history
+
         path = self.out_dir / f"rank{self.rank}-memory.pickle"
         dump_memory_snapshot(str(path))
         stop_memory_history()

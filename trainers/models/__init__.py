@@ -1,44 +1,45 @@
 """The Llama-form decoder (Mixtral-form MoE when `ModelConfig.moe` is set), and its counts.
 
-Single-device code: parallelism is applied from outside (see `trainers.parallel`).
+Single-device code: parallelism is applied from outside (see `trainers.parallel`). The names below load on
+first use, so that a config (`trainers.models.config`) or a count (`trainers.models.flops`) reads without torch.
 """
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from trainers.models.config import ModelConfig, MoEConfig
-from trainers.models.flops import active_param_count, flops_per_token, param_count
-from trainers.models.llama import Transformer
-from trainers.models.moe import MoE, moe_layers, moe_stats, set_aux_grad_scale
+if TYPE_CHECKING:
+    from trainers.models.config import ModelConfig, MoEConfig
+    from trainers.models.flops import active_param_count, flops_per_token, param_count
+    from trainers.models.llama import Transformer, build_model
+    from trainers.models.moe import MoE, moe_layers, moe_stats, set_aux_grad_scale
 
-__all__ = [
-    "MoE",
-    "ModelConfig",
-    "MoEConfig",
-    "Transformer",
-    "active_param_count",
-    "build_model",
-    "flops_per_token",
-    "moe_layers",
-    "moe_stats",
-    "param_count",
-    "set_aux_grad_scale",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    "ModelConfig": "trainers.models.config",
+    "MoEConfig": "trainers.models.config",
+    "active_param_count": "trainers.models.flops",
+    "flops_per_token": "trainers.models.flops",
+    "param_count": "trainers.models.flops",
+    "Transformer": "trainers.models.llama",
+    "build_model": "trainers.models.llama",
+    "MoE": "trainers.models.moe",
+    "moe_layers": "trainers.models.moe",
+    "moe_stats": "trainers.models.moe",
+    "set_aux_grad_scale": "trainers.models.moe",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str | None = None, loss_chunk: int = 0) -> Transformer:
-    """Build on `device` (default: torch's default device) and init the weights; "meta" leaves them
-    for `model.to_empty(device=...)` then `model.init_weights()`. Seeds nothing: the caller seeds.
-    `loss_chunk`: tokens per chunk of the loss with targets (see `Transformer`); 0 = the whole logits.
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:  # a submodule (`from trainers.models import llama`) is then imported as one
+        raise AttributeError(f"module 'trainers.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
 
-    Built on meta first, so the weights depend only on `init_weights` and the RNG state (not on what
-    the module constructors draw): an eager build and a meta build + init_weights give the same model.
-    """
-    with torch.device("meta"):
-        model = Transformer(cfg, loss_chunk)
-    device = torch.device(device) if device is not None else torch.get_default_device()
-    if device.type != "meta":
-        model.to_empty(device=device)
-        model.init_weights()
-    return model
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -17,7 +17,7 @@ from trainers.loss import chunked_lm_loss, lm_loss, lm_loss_compiled
 from trainers.models.config import ModelConfig
 from trainers.models.moe import MoE
 
-__all__ = ["Attention", "FeedForward", "Transformer", "TransformerBlock", "apply_rotary_emb", "rope_cos_sin"]
+__all__ = ["Attention", "FeedForward", "Transformer", "TransformerBlock", "build_model", "apply_rotary_emb", "rope_cos_sin"]
 
 # Projections that write into the residual stream: init std / sqrt(2 * n_layers) (GPT-2), so the
 # residual's variance does not grow with depth.
@@ -188,3 +188,20 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.embed_tokens is not None and self.norm is not None:
             return F.linear(h, self.embed_tokens.weight)
         return h
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None, loss_chunk: int = 0) -> Transformer:
+    """Build on `device` (default: torch's default device) and init the weights; "meta" leaves them
+    for `model.to_empty(device=...)` then `model.init_weights()`. Seeds nothing: the caller seeds.
+    `loss_chunk`: tokens per chunk of the loss with targets (see `Transformer`); 0 = the whole logits.
+
+    Built on meta first, so the weights depend only on `init_weights` and the RNG state (not on what
+    the module constructors draw): an eager build and a meta build + init_weights give the same model.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg, loss_chunk)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
