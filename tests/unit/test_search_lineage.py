@@ -6,8 +6,6 @@ import json
 import math
 import shutil
 
-import pytest
-
 from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
 
 

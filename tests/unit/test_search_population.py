@@ -172,7 +172,7 @@ def _pb2_proposals(space_raw: dict, best_log10_lr: float, proposals: int = 4) ->
             loss[i] -= 0.1 * math.exp(-((math.log10(lr) - best_log10_lr) ** 2))
             pop.record(f"t{i}", i, step, loss[i], {"optimizer.lr": lr, "train.accum": 4}, f"/pins/t{i}/{step}")
     out = []
-    for k in range(proposals):
+    for _ in range(proposals):
         worst = min(pop.members.values(), key=lambda m: m.score if m.pin else math.inf)
         trial = f"t{[i for i in range(6) if f't{i}' == worst.trial][0]}"
         decision = pop.decide(trial)

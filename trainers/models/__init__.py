@@ -30,7 +30,19 @@ _EXPORTS = {
     "set_aux_grad_scale": "trainers.models.moe",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "MoE",
+    "ModelConfig",
+    "MoEConfig",
+    "Transformer",
+    "active_param_count",
+    "build_model",
+    "flops_per_token",
+    "moe_layers",
+    "moe_stats",
+    "param_count",
+    "set_aux_grad_scale",
+]
 
 
 def __getattr__(name: str) -> Any:
