@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull several GB of CUDA packages on a CPU machine.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,tracking,hf,s3,deepspeed]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
 	touch $(STAMP)
 
 $(DATA)/manifest.json: | $(STAMP)
@@ -79,7 +79,7 @@ $(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt
 	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q torch==2.13.0
 	grep -v '^ray==' constraints.txt | cat - constraints-compat.txt > $(COMPAT_VENV)/constraints.txt
-	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed]'
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)

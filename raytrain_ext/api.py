@@ -49,6 +49,10 @@ def train(
     cfg = run_config(config, overrides)
     if no_ray and callbacks:
         raise ConfigError("--callback is built in Ray's workers; fix: drop --no-ray, or the --callback")
+    if no_ray:
+        from trainers.fault_tolerance import refuse_without_ray
+
+        refuse_without_ray(cfg, "--no-ray")
     if not no_ray:
         from raytrain_ext.launcher import train as train_on_ray
 

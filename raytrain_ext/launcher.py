@@ -46,6 +46,7 @@ from raytrain_ext.worker import (
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, env_default, free_port, scoped_environ
 from trainers.config import RunConfig
+from trainers.fault_tolerance import check_fault_tolerance, per_step
 from trainers.layout import check_world_sizes
 from trainers.metrics import MetricsTail, read_metrics
 from trainers.preflight import check_inputs
@@ -100,6 +101,14 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
     for spec in callbacks:
         _check_callback(spec)
     check_world_sizes(cfg, cfg.scaling.sizes)
+    check_fault_tolerance(cfg)
+    if per_step(cfg) and not ray_compat.has_torchft_config():
+        import ray
+
+        raise ConfigError(
+            f"scaling.fault_tolerance=per_step needs Ray Train's torchft replica groups (Ray 2.60 or newer), and "
+            f"this is Ray {ray.__version__}; fix: pip install 'ray[train]>=2.60', or scaling.fault_tolerance=none"
+        )
 
 
 def _check_callback(spec: str) -> None:
@@ -216,7 +225,7 @@ def build_trainer(
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raytrain_ext.network import NodeAddressTorchConfig
+    from raytrain_ext.network import NodeAddressTorchConfig, replica_groups_config
 
     cfg = run_config_for_workers(cfg)
     s = cfg.scaling
@@ -238,7 +247,9 @@ def build_trainer(
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
         callbacks=list(ray_callbacks),
         **ray_compat.train_logging_config(ray_log_level),  # ray.train.LoggingConfig where there is one
-        worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(s.cpus_per_worker), 1))}},
+        worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(s.cpus_per_worker), 1)),
+                                         # torchft's Rust side logs every quorum and commit at info
+                                         **({"RUST_LOG": os.environ.get("RUST_LOG", "warn")} if per_step(cfg) else {})}},
     )
     return TorchTrainer(
         train_fn,
@@ -248,7 +259,9 @@ def build_trainer(
             "loop": loop,
             "ray_log_level": ray_log_level,
         },
-        torch_config=NodeAddressTorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=(replica_groups_config if per_step(cfg) else NodeAddressTorchConfig)(
+            backend="nccl" if s.use_gpu else "gloo"
+        ),
         scaling_config=scaling,
         run_config=run,
     )
@@ -283,7 +296,7 @@ def train(
         watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name, bar=progress)
         try:
             watcher.start()
-            with WorkerLogs(run_dir):  # a lost worker: one line here, the tracebacks in the run's log
+            with WorkerLogs(run_dir, replica_groups=per_step(cfg)):  # a lost worker: one line here, the tracebacks in the run's log
                 result = _run_restarting_controller(
                     lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level, loop, ray_run), run_dir, cfg
                 )
@@ -507,6 +520,15 @@ def event_line(row: dict[str, Any]) -> str | None:
         return (
             f"step {row['step']}: resized {row['old_world_size']} -> {row['new_world_size']} "
             f"workers (accumulation {row['accumulation']})"
+        )
+    if row.get("event") == "replicas":
+        old, new = row["old_replicas"], row["new_replicas"]
+        how = "lost a replica group; the others train on" if new < old else "a replica group is back"
+        return f"step {row['step']}: {how}: {old} -> {new} groups (accumulation {row['accumulation']})"
+    if row.get("event") == "healed":
+        return (
+            f"step {row['step']}: replica group {row['group']} healed from group {row['from_group']}'s memory in "
+            f"{row['heal_s']:.1f} s"
         )
     if row.get("event") == "resume":
         line = f"resumed from step {row['step']} on {row['world_size']} workers"

@@ -21,7 +21,7 @@ from ray.train.torch import TorchConfig
 
 from raytrain_ext import ray_compat
 
-__all__ = ["NodeAddressTorchConfig", "interface_of", "pin_gloo_interface"]
+__all__ = ["NodeAddressTorchConfig", "interface_of", "pin_gloo_interface", "replica_groups_config"]
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
@@ -59,3 +59,23 @@ class NodeAddressTorchConfig(TorchConfig):
 
 def _pin_every_worker(worker_group: Any) -> None:
     worker_group.execute(pin_gloo_interface)
+
+
+def name_replica_group() -> None:
+    """In a Train worker of a per-step fault-tolerant run, before its Trainer: its replica group (its world
+    rank: one worker a group) and the address torchft's manager gives its peers (the node's Ray address, as
+    gloo's above)."""
+    import ray
+    import ray.train
+
+    from trainers.fault_tolerance import GROUP_ENV, HOST_ENV
+
+    os.environ[GROUP_ENV] = str(ray.train.get_context().get_world_rank())
+    os.environ[HOST_ENV] = ray.util.get_node_ip_address()
+
+
+def replica_groups_config(backend: str) -> Any:
+    """Ray Train's torchft config for `scaling.fault_tolerance: per_step` (`trainers.fault_tolerance`)."""
+    from trainers.fault_tolerance import LIGHTHOUSE
+
+    return ray_compat.torchft_config(_pin_every_worker, LIGHTHOUSE, backend)

@@ -60,6 +60,50 @@ def torch_backend_with(before_start: Callable[[Any], None]) -> type:
     return Backend
 
 
+def has_torchft_config() -> bool:
+    """Ray Train's torchft replica groups (`ray.train.v2.torch.torchft_config`, Ray 2.60 on)."""
+    import importlib.util
+
+    return importlib.util.find_spec("ray.train.v2.torch.torchft_config") is not None
+
+
+def torchft_config(
+    before_start: Callable[[Any], None], lighthouse: dict[str, Any], backend: str, log_level: str = "warn"
+) -> Any:
+    """Ray Train's `TorchftConfig` (a torchft lighthouse on the driver's node, one replica group per worker,
+    a failed group replaced alone) whose backend runs `before_start(group)` before each group's process
+    group: at the start, on all of them, and on a group that replaces a lost one."""
+    # ray/train/v2/torch/torchft_config.py: `_TorchftBackend.on_start(worker_group, backend_config)` starts the
+    # lighthouse, then each replica group's process group; `TorchftConfig.backend_cls` names the backend.
+    import ray
+    from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    class Backend(_TorchftBackend):
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            before_start(worker_group)
+            super().on_start(worker_group, backend_config)
+
+        def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
+            # Ray's, with the lighthouse's Rust log at `log_level` (at INFO it prints every quorum of every
+            # step on the driver's console): made here first, Ray's method then reads its address.
+            if self.lighthouse_actor is None:
+                self.lighthouse_actor = LighthouseServerActor.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node_id=ray.get_runtime_context().get_node_id(), soft=False
+                    ),
+                    runtime_env={"env_vars": {"RUST_LOG": log_level}},
+                ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+            return super()._maybe_create_lighthouse_actor(backend_config)
+
+    class Config(TorchftConfig):
+        @property
+        def backend_cls(self):
+            return Backend
+
+    return Config(lighthouse_kwargs=dict(lighthouse), backend=backend)
+
+
 # ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py: Ray Train's elastic scaling policy
 # sizes a worker group from the resources this detached actor reserves for it, and the actor re-reads the
 # node table only every `TICK_INTERVAL_S` (20 s). After a host is lost or joins, a

@@ -31,9 +31,11 @@ import ray.train
 from ray.train import Checkpoint
 
 from raytrain_ext import ray_compat
+from raytrain_ext.network import name_replica_group
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, checkpoint_step
 from trainers.config import RunConfig, parse_config, with_values
+from trainers.fault_tolerance import per_step
 from trainers.launch import run_local
 from trainers.run_dir import RunDir
 from trainers.storage import absolute, is_within, location, write_json_atomic
@@ -197,11 +199,16 @@ def train_fn(config: dict[str, Any]) -> None:
     resume = start.get("checkpoint") or resume_point(cfg, given)
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": str(resume)})})
     had_checkpoint = given is not None or _has_checkpoint(cfg)
+    # Per-step fault tolerance: `ray.train.report` is a barrier over every worker, which a lost replica group
+    # would hold; the run dir's committed checkpoints are the record (Ray is given none).
+    report = [] if per_step(cfg) else [ReportToRay()]
+    if per_step(cfg):
+        name_replica_group()
     try:
         users = [load_callback(spec) for spec in config.get("callbacks", [])]
         run_local(
             cfg,
-            callbacks=[ReportToRay(), *([loop] if loop is not None else []), *users],
+            callbacks=[*report, *([loop] if loop is not None else []), *users],
             progress=False,
             hold_lock=False,
             loop=getattr(loop, "run", None),

@@ -88,7 +88,13 @@ def split_tracebacks(lines: list[str], open_before: bool) -> tuple[list[str], li
     return console, moved, inside
 
 
-def lost_worker(lines: list[str], restart_step: int | None, experiment: bool = False) -> tuple[str, str] | None:
+# A per-step fault-tolerant run (`scaling.fault_tolerance: per_step`) loses one replica group, not the run.
+REPLICA_GROUP_LOST = "the other replica groups train on, and Ray replaces its group, which heals from a live one"
+
+
+def lost_worker(
+    lines: list[str], restart_step: int | None, experiment: bool = False, replica_groups: bool = False
+) -> tuple[str, str] | None:
     """(pid, the console line) when `lines` tell of a Train worker process that died, else None. In an
     experiment (`raytrain tune`) the run is a trial's, which restarts from its own newest checkpoint."""
     text = "\n".join(lines)
@@ -115,10 +121,8 @@ def lost_worker(lines: list[str], restart_step: int | None, experiment: bool = F
             f"newest checkpoint; tracebacks in the experiment folder's {WORKER_LOG}"
         )
     restart = f"step {restart_step}" if restart_step is not None else "its start (no checkpoint yet)"
-    return pid.group(1), (
-        f"raytrain: lost Train worker pid {pid.group(1)}{on} ({how}); the group restarts from {restart}; "
-        f"tracebacks in {WORKER_LOG}"
-    )
+    then = REPLICA_GROUP_LOST if replica_groups else f"the group restarts from {restart}"
+    return pid.group(1), f"raytrain: lost Train worker pid {pid.group(1)}{on} ({how}); {then}; tracebacks in {WORKER_LOG}"
 
 
 def newest_committed_step(run_dir: Any) -> int | None:
@@ -137,8 +141,10 @@ class WorkerLogs:
     trial's actor hosting a run) is left as it is. `experiment`: `run_dir` is an experiment folder, whose
     trials' runs these are (`raytrain tune`'s driver)."""
 
-    def __init__(self, run_dir: Path | Any, out: Any = None, experiment: bool = False) -> None:
-        self.run_dir, self.out, self.experiment = run_dir, out, experiment
+    def __init__(
+        self, run_dir: Path | Any, out: Any = None, experiment: bool = False, replica_groups: bool = False
+    ) -> None:
+        self.run_dir, self.out, self.experiment, self.replica_groups = run_dir, out, experiment, replica_groups
         self.printer: Callable[[dict[str, Any]], None] | None = None
         self.open: dict[Any, bool] = {}
         self.told: set[str] = set()
@@ -169,6 +175,8 @@ class WorkerLogs:
     def _after_loss(self, host: LostHost) -> str:
         if self.experiment:
             return "the trials that ran there go on from their newest checkpoints"
+        if self.replica_groups:
+            return REPLICA_GROUP_LOST
         step = newest_committed_step(self.run_dir)
         return f"the run goes on without it from {f'step {step}' if step is not None else 'its start'}"
 
@@ -206,7 +214,7 @@ class WorkerLogs:
             text = "".join(f"{stamp} ({source} pid={data.get('pid')}) {line}\n" for line in moved)
             append_bytes(RunDir(self.run_dir).worker_log, text.encode())
             restart = None if self.experiment else newest_committed_step(self.run_dir)
-            lost = lost_worker(moved, restart, self.experiment)
+            lost = lost_worker(moved, restart, self.experiment, self.replica_groups)
             if lost is not None and self.hosts is not None and self.hosts.is_lost(data.get("ip")):
                 lost = None  # its host is lost: HostWatcher's line says so, with the cause
             if lost is not None and lost[0] not in self.told:

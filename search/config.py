@@ -394,6 +394,12 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
         try:
             cfg = exp.run_config(hparams, run_dir=str(exp.exp_dir / "probe"))
             check_engine_installed(cfg)  # a space may choose the engine
+            if cfg.scaling.fault_tolerance != "none":
+                raise ConfigError(
+                    "scaling.fault_tolerance=per_step in a trial: a trial's exploits and pauses restore its "
+                    "whole worker group, which torchft's replica groups do not follow yet; fix: "
+                    "scaling.fault_tolerance=none in the base run (a trial's lost worker restarts its group)"
+                )
         except ConfigError as e:
             raise ConfigError(f"{label}: {e}") from None
     # A bucket: there, with credentials, writable (storage) and readable (data), in one line each, first.

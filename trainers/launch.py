@@ -9,6 +9,7 @@ import torch
 
 from trainers.autofit import resolve_fit
 from trainers.config import RunConfig
+from trainers.fault_tolerance import refuse_without_ray
 from trainers.layout import ParallelLayout
 from trainers.parallel import build_engine
 from trainers.parallel.distributed import init_from_env, leave_groups
@@ -36,6 +37,7 @@ def run_local(
     import torch.distributed as dist
 
     if not dist.is_initialized():  # every layout rule before joining a group: each rank says the same line
+        refuse_without_ray(cfg, "torchrun or a single process")
         ParallelLayout.of(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
     lock = None
     if hold_lock and int(os.environ.get("RANK", "0")) == 0:

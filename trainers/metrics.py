@@ -185,6 +185,22 @@ class MetricsLog:
                 sink.start(step, keep)
         self._started = True
 
+    def set_writer(self, enabled: bool) -> None:
+        """Per-step fault tolerance: the replica group that writes the records changes when groups are lost;
+        a new writer appends to what the last one wrote (no TensorBoard or trackers on such a run)."""
+        if enabled and not self.enabled:
+            self.local.parent.mkdir(parents=True, exist_ok=True)
+        elif self.enabled and not enabled and self._file is not None:
+            self._file.close()
+            self._file = None
+        self.enabled = enabled
+
+    def append(self, record: dict[str, Any]) -> None:
+        """One record from a process that is not the writer (a replica group that healed: how, and how long)."""
+        self.local.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.local, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return

@@ -145,9 +145,20 @@ class Trainer:
         self._fitting = False  # inside fit(): restore() is refused (a callback cannot move the step)
         self._fit_started = False  # on_fit_start has run (at the first fit call)
         self._ended = False  # the run reached train.steps, stopped or failed: its log is closed
-        self._restore(*resume)
-        if resume[0] is None:
-            self.set_hparams({})  # the learning-rate schedule (a restore sets it up itself)
+        self._replicas: int | None = None  # the live replica groups of the last step (per-step fault tolerance)
+        # A replica group's first quorum, before any checkpoint is read: one that joins live groups ahead of it
+        # takes their state from memory (no other engine heals: False).
+        healed = self.engine.join((self._replica_state, self._load_replica_state))
+        self.log.set_writer(self.engine.is_main)
+        if healed:
+            self.set_hparams({})
+            self.log.append({"kind": "event", "event": "healed", "step": self.step, "time": time.time(),
+                             **self.engine.healed_from, "replicas": self.engine.replicas})
+        else:
+            self._restore(*resume)
+            self.engine.committed_step(self.step)
+            if resume[0] is None:
+                self.set_hparams({})  # the learning-rate schedule (a restore sets it up itself)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     @property
@@ -321,6 +332,8 @@ class Trainer:
         try:
             while self.step < end and self.stop_reason is None:
                 record = self.train_step()
+                if record is None:  # not committed: the same step again, in the next quorum
+                    continue
                 self._collect(wait=False)  # a background save that committed: its event and callbacks
                 if self.stop_reason is not None:  # a callback asked (after this step, or at a commit)
                     break
@@ -368,10 +381,24 @@ class Trainer:
             self.run_dir, self.step, self.train_loss, self.val_loss, self.last_checkpoint, self.stop_reason
         )
 
-    def train_step(self) -> dict[str, Any]:
-        cfg, step = self.cfg, self.step
-        self.profiler.before_step(step + 1)
+    def _replica_state(self) -> dict[str, Any]:
+        """What a replica group that heals takes from a live one, beside the engine's model and optimizer."""
+        return {"step": self.step, "bad_steps": self.bad_steps, "rng": torch.get_rng_state()}
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
+        torch.set_rng_state(state["rng"])
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One step; None when it did not commit (per-step fault tolerance: a replica group was lost inside it,
+        and the next quorum trains the same samples again)."""
+        cfg = self.cfg
         t0 = time.perf_counter()
+        self.engine.begin_step()  # a replica group's quorum (a group behind heals here): may move the step
+        step = self.step
+        self.profiler.before_step(step + 1)
+        if self.engine.replicas is not None:
+            self._follow_replicas()
         batch = cfg.train.global_batch_size
         sample_ids = self.sampler.window_ids(step * batch, batch)  # global batch t = samples [tB, (t+1)B)
         micro_batches = np.split(
@@ -387,6 +414,9 @@ class Trainer:
         loss = self.engine.forward_backward(self._batches(micro_batches, data_s), self.accum)
         with span("communication"):
             loss_value = float(self.engine.reduce_mean(loss))
+        if not self.engine.should_commit():
+            self.engine.zero_grad()
+            return None
         t_opt = time.perf_counter()
         grad_norm, bad = math.nan, True
         if math.isfinite(loss_value):
@@ -418,6 +448,8 @@ class Trainer:
             world_size=self.engine.world_size,
             skipped=not ok,
         )
+        if self.engine.replicas is not None:
+            record["replicas"] = self.engine.replicas
         if self.engine.loss_scale != 1.0:
             record["loss_scale"] = self.engine.loss_scale
         record.update(self.engine.moe_stats())
@@ -428,6 +460,17 @@ class Trainer:
         for cb in self.callbacks:
             cb.after_step(self, record)
         return record
+
+    def _follow_replicas(self) -> None:
+        """Per-step fault tolerance: the step's number of live replica groups sets the accumulation (the global
+        batch is kept), and the group that writes the records may change with it."""
+        replicas = self.engine.replicas
+        self.accum = self.cfg.train.accumulation(self.engine.dp_size)
+        self.log.set_writer(self.engine.is_main)
+        if self._replicas is not None and replicas != self._replicas:
+            self._emit("event", event="replicas", old_replicas=self._replicas, new_replicas=replicas,
+                       accumulation=self.accum)
+        self._replicas = replicas
 
     def _batches(self, micro_batches: list[np.ndarray], data_s: list[float]):
         for ids in micro_batches:
@@ -453,11 +496,9 @@ class Trainer:
         cfg = self.cfg
         # The same validation windows at every world size (a global count, split across dp ranks), so
         # val_loss does not jump when an elastic run resumes at another size.
-        dp = self.engine.dp_size
+        rank, dp = self.engine.eval_shard()
         count = min(cfg.train.eval_batches * cfg.train.micro_batch_size, self.val_data.num_windows) // dp * dp
-        ids = shard_for_rank(
-            eval_window_ids(self.val_data.num_windows, count), self.engine.dp_rank, self.engine.dp_size
-        )
+        ids = shard_for_rank(eval_window_ids(self.val_data.num_windows, count), rank, dp)
         chunks = np.array_split(ids, max(len(ids) // cfg.train.micro_batch_size, 1))
         batches = (tuple(t.to(self.device) for t in self.val_data.get(chunk)) for chunk in chunks)
         total = self.engine.eval_loss(batches)
@@ -482,6 +523,8 @@ class Trainer:
         the commit is reported (event, callbacks) at a later step boundary by `_collect`. At most one save is
         in flight: this one waits for the one before to commit (`wait_s`). False when that commit's callbacks
         stopped the run: nothing is saved then."""
+        if not self.engine.saves:  # per-step fault tolerance: one replica group writes the run's checkpoints
+            return True
         start = time.perf_counter()
         self._collect(wait=True)
         if self.stop_reason is not None:

@@ -307,3 +307,49 @@ class EvalAccuracy(TrainerCallback):
         import math
 
         record["accuracy"] = math.exp(-record["val_loss"])
+
+
+class ReplicaLog(TrainerCallback):
+    """Per-step fault tolerance: each replica group appends, at every step it commits, its pid, the time, the
+    number of live groups, the window ids it trained on in that step's attempt (an attempt that did not
+    commit is forgotten), and a digest of its weights, to replicas/group<G>.jsonl. `kill_group` SIGKILLs its
+    own process inside step `kill_step` (after its first micro-batch's samples are read): a lost group with
+    the step in flight. It fires once in the run (a marker file), not in the group Ray starts in its place."""
+
+    def __init__(self, kill_step: int = 0, kill_group: int = -1) -> None:
+        self.kill_step, self.kill_group = kill_step, kill_group
+        self._ids: list[int] = []
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        import signal
+
+        group = int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0"))
+        self.path = trainer.run_dir / "replicas" / f"group{group}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        marker = trainer.run_dir / "replicas" / "killed"
+        begin, get = trainer.engine.begin_step, trainer.train_data.get
+
+        def begin_step() -> None:
+            self._ids = []  # a new attempt at a step
+            begin()
+
+        def recording_get(ids):
+            self._ids.extend(int(i) for i in ids)
+            if group == self.kill_group and trainer.step + 1 == self.kill_step and not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return get(ids)
+
+        trainer.engine.begin_step, trainer.train_data.get = begin_step, recording_get
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        import hashlib
+
+        digest = hashlib.sha256()
+        for p in trainer.model.parameters():
+            digest.update(p.detach().cpu().numpy().tobytes())
+        line = {"step": trainer.step, "group": int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0")),
+                "pid": os.getpid(), "time": time.time(), "replicas": record.get("replicas"),
+                "ids": self._ids, "weights": digest.hexdigest(), "loss": record["loss"]}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")

@@ -149,6 +149,30 @@ class Engine:
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def eval_shard(self) -> tuple[int, int]:
+        """(rank, ranks) that split the validation windows."""
+        return self.dp_rank, self.dp_size
+
+    # ------------------------------------------------------- per-step fault tolerance (no-ops but there)
+    # A replica-group engine (`trainers.parallel.replicas`) forms a quorum of the live groups at every step.
+
+    replicas: int | None = None  # live replica groups of this step (metrics.jsonl's `replicas`)
+    saves = True  # whether this process takes part in a checkpoint (every rank does: saves are collective)
+
+    def join(self, trainer_state: Any) -> bool:
+        """The first quorum; True when this process took its state from a live peer instead of a checkpoint."""
+        return False
+
+    def committed_step(self, step: int) -> None:
+        """The step the trainer restored (or starts at)."""
+
+    def begin_step(self) -> None:
+        """Before a step reads its samples (its quorum: `dp_rank`/`dp_size` may change)."""
+
+    def should_commit(self) -> bool:
+        """After the step's gradients are averaged: False, and the step is trained again."""
+        return True
+
     def close(self) -> None:
         """Release what `setup` acquired beyond the model (e.g. a process group the engine started)."""
 

@@ -1,0 +1,120 @@
+"""Per-step fault tolerance (`scaling.fault_tolerance: per_step`): the rules a run must meet, checked before any
+worker starts, and the numbers the replica groups run on.
+
+Each Ray worker is one torchft replica group (Ray 2.60's `TorchftConfig` makes groups of one worker), holding
+the whole model; torchft averages the groups' gradients every step and commits the step only where every
+live group says so (`Manager.should_commit`). What that means for a run:
+
+- **Batch.** The global batch is kept whatever the number of live groups: step `t` trains samples
+  `[tB, (t+1)B)` of the run's order, split evenly over the groups in that step's quorum, each taking more
+  micro-batches when there are fewer of them. So `train.global_batch_size` must split over any count from 1 to
+  `scaling.num_workers` (`check_fault_tolerance`).
+- **Data order.** A step that does not commit (a group was lost inside it) is trained again, with the same
+  samples, by the groups of the next quorum: no sample is skipped or trained twice in a committed step.
+- **Healing.** A group Ray starts in place of a lost one joins the quorum before it reads a checkpoint; when
+  the others are ahead it takes weights, optimizer state, step, RNG and loss scale from a live group's memory
+  (torchft's transport over its process group), else (the whole run starting) every group restores the run's
+  newest committed checkpoint, as a resumed run does.
+- **Records.** The live group with the lowest index writes metrics.jsonl (each committed step once, with
+  `replicas`, the groups that trained it) and the checkpoints; disk checkpoints stay the record of the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from trainers._base import ConfigError
+
+__all__ = [
+    "FT_EXTRA",
+    "GROUP_ENV",
+    "HOST_ENV",
+    "LIGHTHOUSE",
+    "check_fault_tolerance",
+    "per_step",
+    "refuse_without_ray",
+]
+
+FT_EXTRA = "pip install 'raytrain-ext[ft]'"
+GROUP_ENV = "RAYTRAIN_REPLICA_GROUP"  # this worker's replica group index (set by the Ray worker)
+HOST_ENV = "RAYTRAIN_NODE_ADDRESS"  # the address its peers reach it at (Ray's node address), for torchft
+
+# torchft's lighthouse (Ray starts it on the driver's node). A group that stops heartbeating for
+# `heartbeat_timeout_ms` is out of the next quorum; a quorum forms once every live group has joined, or
+# `join_timeout_ms` after the first did (a group still starting does not hold the others up for longer).
+# A straggler (a busy host) is left out of a step after `join_timeout_ms`, and heals at the next.
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 5000, "heartbeat_timeout_ms": 1500, "quorum_tick_ms": 50}
+TIMEOUT_S = 30.0  # torchft's collectives, commit votes and state transfers (a cut-off peer: this long)
+
+
+def per_step(cfg) -> bool:
+    return cfg.scaling.fault_tolerance == "per_step"
+
+
+def check_fault_tolerance(cfg) -> None:
+    """The rules of a per-step fault-tolerant run, each refused in one line naming the field and the fix."""
+    if not per_step(cfg):
+        return
+    key = "scaling.fault_tolerance=per_step"
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"{key} needs torchft, which is not installed; fix: {FT_EXTRA}")
+    p, s = cfg.parallel, cfg.scaling
+    if p.engine != "ddp" or max(p.pp, p.tp, p.ep) > 1:
+        raise ConfigError(
+            f"parallel.engine={p.engine} (pp {p.pp}, tp {p.tp}, ep {p.ep}) with {key}: each replica group is one "
+            f"Ray worker holding the whole model (Ray's torchft groups have one worker), so there is nothing to "
+            f"shard inside a group; fix: parallel.engine=ddp with pp, tp and ep 1, or scaling.fault_tolerance=none"
+        )
+    if s.elastic:
+        raise ConfigError(
+            f"scaling.min_workers/max_workers with {key}: a lost replica group is replaced in place, at the same "
+            f"size; fix: scaling.num_workers=N, or scaling.fault_tolerance=none for an elastic run"
+        )
+    groups = s.sizes.start
+    if groups < 2:
+        raise ConfigError(
+            f"scaling.num_workers={groups} with {key}: one replica group has no peer to train on through its "
+            f"loss or to heal from; fix: scaling.num_workers=2 or more"
+        )
+    t = cfg.train
+    for live in range(1, groups + 1):
+        if t.global_batch_size % (t.micro_batch_size * live):
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} with {key}: the global batch is kept when groups "
+                f"are lost, so it must split into micro-batches of {t.micro_batch_size} over any {live} of the "
+                f"{groups} groups; fix: a global batch that is a multiple of {t.micro_batch_size * _lcm(groups)}"
+            )
+    if cfg.tracking.mlflow is not None or cfg.tracking.wandb is not None:
+        raise ConfigError(
+            f"tracking with {key}: the writer of a run's records moves between groups as they are lost, and a "
+            f"tracker's run lives in one process; fix: drop tracking.mlflow/wandb (metrics.jsonl has every step), "
+            f"or scaling.fault_tolerance=none"
+        )
+    if "://" in str(cfg.out_dir):
+        raise ConfigError(
+            f"run_dir={cfg.out_dir} with {key}: the groups append to one metrics.jsonl, which needs a file system; "
+            f"fix: a run_dir on a disk every node mounts (NFS, EFS), or scaling.fault_tolerance=none"
+        )
+
+
+def refuse_without_ray(cfg, how: str) -> None:
+    """`--no-ray` and torchrun have no replica groups to lose."""
+    if per_step(cfg):
+        raise ConfigError(
+            f"scaling.fault_tolerance=per_step runs replica groups on Ray Train, not {how}; fix: `raytrain train` "
+            f"on Ray, or --set scaling.fault_tolerance=none"
+        )
+
+
+def replica_group() -> int:
+    return int(os.environ.get(GROUP_ENV, "0"))
+
+
+def _lcm(n: int) -> int:
+    import math
+
+    out = 1
+    for k in range(2, n + 1):
+        out = out * k // math.gcd(out, k)
+    return out
