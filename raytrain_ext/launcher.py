@@ -100,8 +100,8 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
     check_resume(cfg, check_inputs(cfg))
     for spec in callbacks:
         _check_callback(spec)
-    check_world_sizes(cfg, cfg.scaling.sizes)
-    check_fault_tolerance(cfg)
+    check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are of one worker each
+    check_world_sizes(cfg, range(1, 2) if per_step(cfg) else cfg.scaling.sizes)
     if per_step(cfg) and not ray_compat.has_torchft_config():
         import ray
 

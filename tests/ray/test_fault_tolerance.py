@@ -82,7 +82,7 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
         assert sorted(ids) == sorted(int(i) for i in want), f"step {step}: a sample skipped or trained twice"
 
     # The losses of a run that lost nothing: one process, the same global batch (micro-batches accumulated).
-    # Judged at rel 1e-4: the groups' means are averaged in another order than one process sums them, and
+    # Judged at rel 1e-5 (seen: 1.6e-6 at most over 300 steps): the groups' means are averaged in another order than one process sums them, and
     # those float differences grow a little over the steps; a skipped or repeated sample moves a step's loss
     # by ~1e-2.
     ref_dir = tmp_path / "reference"
@@ -90,4 +90,4 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
     run_local(ref, progress=False)
     want = {r["step"]: r["loss"] for r in read_metrics(ref_dir / "metrics.jsonl", "train")}
     got = {r["step"]: r["loss"] for r in rows}
-    assert got == pytest.approx(want, rel=1e-4)
+    assert got == pytest.approx(want, rel=1e-5)
