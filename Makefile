@@ -117,6 +117,7 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/no_ray.py --data $(DATA)
 	$(PY) bench/data.py
 	$(PY) bench/cli.py
+	$(PY) bench/ft.py --data $(DATA)
 
 bench-cluster: $(STAMP)
 	# root: test hosts from network namespaces; bring-up, first step and recovery from a lost host

@@ -33,7 +33,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         callbacks=args.callbacks,
         ray_log_level=args.ray_log_level,
     )
+    per_step = any("replicas" in r for r in result.metrics if r.get("kind") == "train")
     sizes = "" if args.no_ray else f", workers per attempt {result.world_sizes}"
+    if per_step and result.goodput is not None:  # replica groups come and go within one attempt
+        sizes = f", goodput {result.goodput:.2f}"
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"done: step {result.step}, val_loss {val}{sizes}; results in {result.run_dir}")
     return 0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunResult", "summarize"]
+__all__ = ["RunResult", "goodput", "summarize"]
 
 
 @dataclass
@@ -24,6 +24,9 @@ class RunResult:
     world_sizes: list[int]  # the world size of each attempt, in order (resizes and restarts)
     best_val_loss: float | None = None
     best_train_loss: float | None = None
+    # The share of the wall time that trained committed steps at full speed: committed steps x the median step
+    # time at full size, over the time from the first step's start to the last step's end (`goodput`).
+    goodput: float | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def to_dataframe(self, kind: str | None = None) -> Any:
@@ -53,8 +56,20 @@ def summarize(run_dir: Path, checkpoint: str | Path | None = None) -> RunResult:
         world_sizes=[r["world_size"] for r in starts if "world_size" in r],
         best_val_loss=_least(r.get("val_loss") for r in evals),
         best_train_loss=_least(r.get("loss") for r in train_rows),
+        goodput=goodput(train_rows),
         metrics=rows,
     )
+
+
+def goodput(train_rows: list[dict[str, Any]]) -> float | None:
+    """Committed steps x their median time at full size (the most replica groups, or workers, any step had) over
+    the wall time from the first step's start to the last step's end: 1.0 for a run that never lost time."""
+    if len(train_rows) < 2:
+        return None
+    size = [r.get("replicas", r.get("world_size", 1)) for r in train_rows]
+    full = sorted(r["step_time_s"] for r, n in zip(train_rows, size) if n == max(size))
+    wall = train_rows[-1]["time"] - (train_rows[0]["time"] - train_rows[0]["step_time_s"])
+    return round(min(len(train_rows) * full[len(full) // 2] / wall, 1.0), 4) if wall > 0 else None
 
 
 def _least(values: Any) -> float | None:
