@@ -55,7 +55,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("trainers.config",)),
     # what a run is made of, each reading its part of the config: the model, the data, the loss,
     # Hugging Face folders, checkpoints and the run's records, tracking, optimizer and precision, and the
-    # checks of the inputs on disk before any worker starts (preflight)
+    # checks of the inputs on disk before any worker starts (preflight), and the rules of a per-step fault-
+    # tolerant run (fault_tolerance)
     (
         "components",
         (
@@ -75,6 +76,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "trainers.optim",
             "trainers.precision",
             "trainers.preflight",
+            "trainers.fault_tolerance",
         ),
     ),
     # the parallel layout pp x dp x tp (x ep): its rules at a world size, the ranks, the meshes, the
