@@ -38,13 +38,16 @@ finetune-demo: $(STAMP)
 
 # pytest's exit 5 ("no tests collected") is not a failure where PYTEST_ARGS chose the tests (a -k that selects
 # none); without them a tier that collects nothing fails (CI would pass a tier that ran nothing)
+# Two pytest processes for the default and slow tiers, the Ray tests in turn on one (tests/conftest.py); `XDIST=`
+# runs a tier in one process.
+XDIST ?= -n 2 --dist loadgroup
 NO_TESTS_OK = { rc=$$?; [ $$rc -eq 5 ] && [ -n "$(strip $(PYTEST_ARGS))" ] || exit $$rc; }
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not cluster" $(PYTEST_ARGS) || $(NO_TESTS_OK)
+	$(PY) -m pytest -q -m "not slow and not cluster" $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)
 
 test-slow: $(STAMP)
 	# the slow tier: larger Ray, PBT and multi-process cases (README: test tiers)
-	$(PY) -m pytest -q -m "slow and not cluster" $(PYTEST_ARGS) || $(NO_TESTS_OK)
+	$(PY) -m pytest -q -m "slow and not cluster" $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)
 
 # The oldest Ray in pyproject.toml's range (README: Ray versions): a second venv with the same pins as
 # constraints.txt but that Ray (constraints-compat.txt), then on it the unit tests that reach Ray and a smoke set

@@ -58,6 +58,22 @@ def tiny_config(corpus_dir, tmp_path):
     return make
 
 
+# pytest-xdist (`make test`, `make test-slow`: `-n 2 --dist loadgroup`): most of a tier's wall time is waiting
+# (Ray's polls and restarts, processes starting), so two pytest processes share the cores. Tests that start a
+# local Ray run in turn on one of them (two local Rays on one machine would size themselves to the same cores
+# and find each other's state API), and the bench scripts' dry runs, which share bench/_work, on one too.
+_SERIAL_MODULES = {"test_bench_pbt_quality.py": "ray"}  # a unit test whose harness starts a local Ray
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if item.get_closest_marker("ray") or _SERIAL_MODULES.get(name) == "ray":
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif name.startswith("test_bench_"):
+            item.add_marker(pytest.mark.xdist_group("bench"))
+
+
 # Set by a library, once per process, not by a test: inductor's first CUDA compile points Triton at CUDA's ptxas;
 # its first compile anywhere records how to read a tensor's data pointer; Ray's first import sets
 # RAY_CLIENT_MODE=0 (ray/_private/client_mode_hook.py: a test run alone that imports Ray was reported as leaking it).
