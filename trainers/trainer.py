@@ -395,6 +395,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         self.engine.begin_step()  # a replica group's quorum (a group behind heals here): may move the step
+        quorum_s = time.perf_counter() - t0
         step = self.step
         self.profiler.before_step(step + 1)
         if self.engine.replicas is not None:
@@ -448,8 +449,8 @@ class Trainer:
             world_size=self.engine.world_size,
             skipped=not ok,
         )
-        if self.engine.replicas is not None:
-            record["replicas"] = self.engine.replicas
+        if self.engine.replicas is not None:  # per-step fault tolerance: the step's live groups, its quorum's time
+            record.update(replicas=self.engine.replicas, quorum_s=quorum_s)
         if self.engine.loss_scale != 1.0:
             record["loss_scale"] = self.engine.loss_scale
         record.update(self.engine.moe_stats())

@@ -48,6 +48,7 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert {r["replicas"] for r in rows[KILL_STEP:KILL_STEP + 3]} == {GROUPS - 1}, "trained on without group 1"
     assert rows[-1]["replicas"] == GROUPS, "group 1 came back before the end"
+    assert all(0 <= r["quorum_s"] < r["step_time_s"] for r in rows)
 
     lines = _replica_lines(run_dir)
     killed_pid = int((run_dir / "replicas" / "killed").read_text())
