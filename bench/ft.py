@@ -134,6 +134,8 @@ def one_kill(data: str, work: Path, warm_steps: int = 30, steps: int = 400) -> d
         "killed_at_step": next(r["step"] for r in rows if r.get("kind") == "train" and r["time"] > at) - 1,
         "steps": steps,
         "step_time_s_median": sorted(r["step_time_s"] for r in rows if r.get("kind") == "train")[steps // 2],
+        # what a quorum costs every step (a round trip to the lighthouse, healing included where there was one)
+        "quorum_s_median": sorted(r["quorum_s"] for r in rows if r.get("kind") == "train")[steps // 2],
     }
 
 
