@@ -38,9 +38,10 @@ finetune-demo: $(STAMP)
 
 # pytest's exit 5 ("no tests collected") is not a failure where PYTEST_ARGS chose the tests (a -k that selects
 # none); without them a tier that collects nothing fails (CI would pass a tier that ran nothing)
-# Two pytest processes for the default and slow tiers, the Ray tests in turn on one (tests/conftest.py); `XDIST=`
-# runs a tier in one process.
-XDIST ?= -n 2 --dist loadgroup
+# One pytest process by default. `XDIST="-n 4 --dist loadgroup"` shares a tier over pytest processes, the Ray tests
+# in turn on one of them (tests/conftest.py): for a machine with cores to spare. On 2 cores it was slower (the
+# default tier 22 min against 17-18: its multi-process tests and training runs fight for the same cores).
+XDIST ?=
 NO_TESTS_OK = { rc=$$?; [ $$rc -eq 5 ] && [ -n "$(strip $(PYTEST_ARGS))" ] || exit $$rc; }
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not cluster" $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)

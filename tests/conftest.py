@@ -58,9 +58,8 @@ def tiny_config(corpus_dir, tmp_path):
     return make
 
 
-# pytest-xdist (`make test`, `make test-slow`: `-n 2 --dist loadgroup`): most of a tier's wall time is waiting
-# (Ray's polls and restarts, processes starting), so two pytest processes share the cores. Tests that start a
-# local Ray run in turn on one of them (two local Rays on one machine would size themselves to the same cores
+# pytest-xdist (`make test XDIST="-n 4 --dist loadgroup"`, for a machine with cores to spare: on 2 cores a tier is
+# slower so, docs/development.md). Tests that start a local Ray run in turn on one pytest process (two local Rays on one machine would size themselves to the same cores
 # and find each other's state API), and the bench scripts' dry runs, which share bench/_work, on one too.
 _SERIAL_MODULES = {"test_bench_pbt_quality.py": "ray"}  # a unit test whose harness starts a local Ray
 
