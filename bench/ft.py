@@ -6,7 +6,8 @@
 Every run is `raytrain train` in a fresh process (a local Ray), three workers of one CPU-sized tiny model:
 - **kill**: per-step fault tolerance, the worker of replica group 1 SIGKILLed once the run is warm. From each
   process's committed-step times (`StepTimes`, written by the workers): `survivor_max_step_gap_s`, the longest
-  gap between two committed steps of a group that was not killed, over the whole run after the start;
+  gap between two committed steps of a group that was not killed, from the kill to the end (the pause and the
+  replacement's heal; `survivor_max_step_gap_whole_run_s` counts the start's joins too);
   `back_at_full_size_s`, from the kill to the first step trained by three groups again (Ray notices the loss,
   starts a worker, it imports, joins and heals); `heal_s` (the transfer, from the `healed` event).
 - **soak**, both paths under the same schedule: a worker (groups in turn) SIGKILLed every `--every` seconds for
@@ -121,13 +122,15 @@ def one_kill(data: str, work: Path, warm_steps: int = 30, steps: int = 400) -> d
         lines[int(path.stem.split("-")[1])] = [json.loads(x) for x in path.read_text().splitlines()]
     survivors = [pid for pid, rows in lines.items() if pid != killed and rows and rows[0]["time"] < at
                  and rows[-1]["step"] == steps]
-    gaps = [b["time"] - a["time"] for pid in survivors for a, b in zip(lines[pid], lines[pid][1:])
-            if a["step"] >= 5]
+    # After the kill: the pause it caused and the replacement's heal (the start's joins are not the kill's).
+    gaps = [b["time"] - a["time"] for pid in survivors for a, b in zip(lines[pid], lines[pid][1:]) if b["time"] > at]
+    whole = [b["time"] - a["time"] for pid in survivors for a, b in zip(lines[pid], lines[pid][1:]) if a["step"] >= 5]
     rows = read_metrics(run_dir / "metrics.jsonl")
     back = next(r for r in rows if r.get("kind") == "train" and r["time"] > at and r.get("replicas") == GROUPS)
     healed = [r for r in rows if r.get("event") == "healed" and r["time"] > at]
     return {
         "survivor_max_step_gap_s": round(max(gaps), 3),
+        "survivor_max_step_gap_whole_run_s": round(max(whole), 3),  # from step 5: the start's joins too
         "survivors": len(survivors),
         "back_at_full_size_s": round(back["time"] - at, 3),
         "heal_s": healed[0]["heal_s"] if healed else None,

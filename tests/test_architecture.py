@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what every layer shares, importing none of ours: ConfigError, strict pydantic models, dotted keys,
     # the byte sizes users write (parse_bytes); a run's progress on the console (a bar or plain lines); the
     # private names of torch and of DeepSpeed we use
-    ("base", ("trainers._base", "trainers.progress", "trainers.torch_compat", "trainers.deepspeed_compat")),
+    ("base", ("trainers._base", "trainers._lazy", "trainers.progress", "trainers.torch_compat", "trainers.deepspeed_compat")),
     # files, local or in a bucket, behind one interface
     ("storage", ("trainers.storage",)),
     # the names of a run dir's files, read and written through storage

@@ -3,8 +3,9 @@ instant, and `trainers.Trainer` imports torch only when asked for."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainers._lazy import lazy_names
 
 if TYPE_CHECKING:
     from trainers._base import ConfigError
@@ -36,13 +37,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:  # a submodule (`from trainers import loss`) is then imported as one
-        raise AttributeError(f"module 'trainers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(globals(), _EXPORTS)

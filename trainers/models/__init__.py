@@ -6,8 +6,9 @@ first use, so that a config (`trainers.models.config`) or a count (`trainers.mod
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainers._lazy import lazy_names
 
 if TYPE_CHECKING:
     from trainers.models.config import ModelConfig, MoEConfig
@@ -45,13 +46,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:  # a submodule (`from trainers.models import llama`) is then imported as one
-        raise AttributeError(f"module 'trainers.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(globals(), _EXPORTS)
