@@ -332,15 +332,6 @@ def test_an_exploit_of_a_donor_behind_rolls_back_once_with_one_current_report_pe
     assert read_reports(exp_dir) == result.reports
 
 
-@pytest.mark.slow  # two more experiments (~4 min on 2 cores)
-@pytest.mark.parametrize("scheduler", ["pb2", "random"])
-def test_pb2_and_random_search_make_one_start_per_trial(ray_pbt, corpus_dir, tmp_path, scheduler):
-    result = _run(tmp_path, corpus_dir, scheduler, {"name": scheduler})
-    trials = {r["trial"] for r in result.reports}
-    assert len(trials) == 2 and {t: _starts(result.exp_dir, t) for t in trials} == dict.fromkeys(trials, 1)
-    assert {r["step"] for r in result.reports if r["step"] == STEPS} == {STEPS}
-
-
 @pytest.mark.slow  # ~2 min on 2 cores
 def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(ray_pbt, corpus_dir, tmp_path):
     result = _run(
@@ -393,7 +384,8 @@ def test_synchronous_pbt_replaces_a_member_whose_run_is_killed_for_good(ray_pbt,
 @pytest.mark.slow  # ~40 s on 2 cores
 def test_a_trial_whose_run_fails_is_named_in_the_result(ray_pbt, corpus_dir, tmp_path):
     """Random search, one member's run raising at its step 2 (every attempt): that trial reports the failure
-    and ends, the other reaches the budget; the result names the failed trial (`raytrain tune` exits 1)."""
+    and ends, the other reaches the budget in one Train run; the result names the failed trial (`raytrain
+    tune` exits 1)."""
     result = _run(tmp_path, corpus_dir, "failing", {"name": "random"}, steps=INTERVAL,
                   callbacks=["tests.ray.hooks:RaiseAtStep(step=2, lr=0.0001)"])
     strong, weak = _trial_of(result.exp_dir, 1e-2), _trial_of(result.exp_dir, 1e-4)
@@ -401,15 +393,17 @@ def test_a_trial_whose_run_fails_is_named_in_the_result(ray_pbt, corpus_dir, tmp
     (failed,) = [r for r in result.reports if r["trial"] == weak]
     assert failed["failed"] and "injected failure at step 2" in failed["error"]
     assert [r["step"] for r in result.reports if r["trial"] == strong and not r["abandoned"]] == [INTERVAL]
+    assert _starts(result.exp_dir, strong) == 1
 
 
 @pytest.mark.slow  # ~60 s on 2 cores
 def test_a_callbacks_own_eval_metric_ranks_the_population_with_mode_max(ray_pbt, corpus_dir, tmp_path):
-    """`metric: eval/accuracy, mode: max`: the value a callback adds to each eval record reaches the trials'
-    reports, the scheduler and the result; the best trial is the one with the highest accuracy reported."""
+    """PB2, `metric: eval/accuracy, mode: max`: the value a callback adds to each eval record reaches the
+    trials' reports, the scheduler and the result; the best trial is the one with the highest accuracy
+    reported; PB2's exploits are in place too (one Train run per trial)."""
     path = lr_experiment(
         tmp_path, corpus_dir, "accuracy", metric="eval/accuracy", mode="max",
-        callbacks=["tests.ray.hooks:EvalAccuracy"],
+        callbacks=["tests.ray.hooks:EvalAccuracy"], scheduler={"name": "pb2", "interval": INTERVAL},
     )
     exp = load_experiment(path)
     save(exp)
@@ -424,3 +418,4 @@ def test_a_callbacks_own_eval_metric_ranks_the_population_with_mode_max(ray_pbt,
         evals = [e for p in (Path(result.exp_dir) / "runs" / r["trial"]).glob("*/metrics.jsonl")
                  for e in read_metrics(p, "eval") if e["step"] == STEPS]
         assert evals and evals[-1]["accuracy"] == pytest.approx(r["metric"], rel=1e-12)
+    assert {t: _starts(result.exp_dir, t) for t in final} == dict.fromkeys(final, 1)

@@ -3,13 +3,13 @@ here; credentials from the environment), run with `raytrain tune` as a user woul
 shared file system:
 
 - the weaker trial exploits the stronger one in place (synchronous PBT at the first interval): its next
-  loss is the donor's, read from the run's metrics in the bucket;
+  loss is the donor's, read from the run's metrics in the bucket; the experiment, interrupted after the
+  exploit (SIGINT, as Ctrl-C), continues with `raytrain tune --resume` from the bucket to the same end,
+  with the exploit once;
 - every file of the experiment is in the bucket (Tune's state and metadata-only checkpoints, the pins made
   by the store's own copies, the lineage logs and tables), nothing in the local folders;
 - `raytrain tune report s3://...` writes its plots and summary there, and `raytrain tune replay s3://...`
-  retrains the exploited trial's schedule from scratch to the loss it reported;
-- the experiment interrupted after the exploit (SIGINT, as Ctrl-C) continues with `--resume` from the
-  bucket to the same end.
+  retrains the exploited trial's schedule from scratch to the loss it reported.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from raytrain_ext.cli import main
 from search.config import load_experiment
-from search.lineage import read_events
+from search.lineage import read_events, read_reports
 from search.replay import replay
 from tests.ray.test_pbt import INTERVAL, STEPS, InterruptAfterExploit, _train_rows, _trial_of
 from tests.ray.test_pbt import _experiment as pbt_experiment
@@ -52,27 +52,43 @@ def data_in_bucket(s3, corpus_dir):
     return bucket, data
 
 
-@pytest.mark.slow  # ~1 min on 2 cores (the default tier keeps the bucket unit tests: storage_s3, hf_s3, cluster_storage)
-def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_bucket, tmp_path, capsys):
+@pytest.mark.slow  # ~3 min on 2 cores (the default tier keeps the bucket unit tests: storage_s3, hf_s3, cluster_storage)
+def test_pbt_in_a_bucket_interrupted_after_the_exploit_resumes_reports_and_replays(
+    ray_on_s3, s3, data_in_bucket, tmp_path, capsys
+):
+    from search.config import save
+    from search.driver import run_experiment
+
     bucket, data = data_in_bucket
     uri = f"s3://{bucket}/tune/pbt"
-    path = _experiment(tmp_path, data, f"s3://{bucket}/tune", "pbt")
+    path = _experiment(tmp_path, data, f"s3://{bucket}/tune", "pbt", callbacks=["tests.ray.hooks:HoldOnceFromDonor()"])
+    exp = load_experiment(path)
+    save(exp)
     cwd = os.getcwd()
     os.chdir(tmp_path)  # a relative path written by mistake would land here
     try:
-        assert main(["tune", str(path), "--quiet"]) == 0
+        # Ctrl-C once the exploited trial holds at its first step from the donor; `raytrain tune --resume`
+        # continues from the bucket to the end
+        first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
+        errors = [r.get("error") for r in first.reports if r.get("failed")]
+        assert not first.finished and len(first.events) == 1, errors
+        assert main(["tune", str(path), "--resume", "--quiet"]) == 0
     finally:
         os.chdir(cwd)
     exp_dir = location(uri)
 
-    # The exploit, in place, from the donor's pin in the bucket.
+    # The exploit, once (after the resume too), in place, from the donor's pin in the bucket: the exploited
+    # trial's steps after it are the donor's continuation, however the interrupt split the runs.
     strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
     (event,) = read_events(exp_dir)
     assert (event["trial"], event["donor"], event["step"]) == (weak, strong, INTERVAL)
     weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
     assert weak_rows[INTERVAL + 1]["loss"] == pytest.approx(strong_rows[INTERVAL + 1]["loss"], rel=1e-6)
     assert weak_rows[INTERVAL]["loss"] > strong_rows[INTERVAL + 1]["loss"] + 0.5
-    assert sorted(weak_rows) == list(range(1, STEPS + 1)), "each step once in the live run's metrics"
+    assert sorted(weak_rows) == list(range(1, STEPS + 1)), "each step once in the runs' metrics"
+    last = {r["trial"]: r for r in sorted(read_reports(exp_dir), key=lambda r: r["time"])}
+    assert len(last) == 2 and {r["step"] for r in last.values()} == {STEPS}
+    assert last[weak]["hparams"] != {"optimizer.lr": 1e-4} and not last[weak]["failed"]
 
     # Everything in the bucket: Tune's state (no checkpoint of ours), the pins, the lineage.
     keys = s3.keys(bucket, "tune/pbt/")
@@ -111,31 +127,3 @@ def test_pbt_in_a_bucket_exploits_reports_and_replays(ray_on_s3, s3, data_in_buc
 def _sizes(s3, bucket: str, prefix: str) -> dict[str, int]:
     pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return {obj["Key"]: obj["Size"] for page in pages for obj in page.get("Contents", [])}
-
-
-@pytest.mark.slow  # ~3 min on 2 cores: an experiment interrupted and resumed
-def test_pbt_in_a_bucket_interrupted_after_the_exploit_resumes(ray_on_s3, s3, data_in_bucket, tmp_path):
-    from search.config import save
-    from search.driver import run_experiment
-
-    bucket, data = data_in_bucket
-    path = _experiment(
-        tmp_path, data, f"s3://{bucket}/tune", "resume", callbacks=["tests.ray.hooks:HoldOnceFromDonor()"]
-    )
-    exp = load_experiment(path)
-    save(exp)
-    first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
-    errors = [r.get("error") for r in first.reports if r.get("failed")]
-    assert not first.finished and len(first.events) == 1, errors
-    resumed = run_experiment(exp, resume=True, verbose=0)
-    assert resumed.finished
-    weak = _trial_of(exp.exp_dir, 1e-4)
-    last = {r["trial"]: r for r in sorted(resumed.reports, key=lambda r: r["time"])}
-    assert len(last) == 2 and {r["step"] for r in last.values()} == {STEPS}
-    assert last[weak]["hparams"] != {"optimizer.lr": 1e-4} and not last[weak]["failed"]
-    assert len(read_events(exp.exp_dir)) == 1, "the exploit once, after the resume too"
-    # The exploited trial's steps after the exploit are the donor's continuation: step 11's loss is the
-    # donor's, however the interrupt split the runs.
-    strong = _trial_of(exp.exp_dir, 1e-2)
-    weak_rows, strong_rows = _train_rows(exp.exp_dir, weak), _train_rows(exp.exp_dir, strong)
-    assert weak_rows[INTERVAL + 1]["loss"] == pytest.approx(strong_rows[INTERVAL + 1]["loss"], rel=1e-6)

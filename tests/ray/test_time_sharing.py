@@ -1,12 +1,13 @@
-"""PBT with a population twice what the cluster holds (issue 25): 4 members, each a Train run of 1 worker
-of 1 CPU, on a local Ray of 2 CPUs. Members take turns at the 2 slots (`search.slots`), yielding at
-report boundaries, so every member reaches every interval and PBT exploits as on a full cluster (before,
-Tune's concurrency limit ran the members one after another: 0 exploits).
+"""PBT with a population larger than the cluster holds (issue 25): 4 members (synchronous) or 3
+(asynchronous), each a Train run of 1 worker of 1 CPU, on a local Ray of 2 CPUs. Members take turns at
+the 2 slots (`search.slots`), yielding at report boundaries, so every member reaches every interval and PBT
+exploits as on a full cluster (before, Tune's concurrency limit ran the members one after another: 0
+exploits).
 
 Asynchronous and synchronous PBT: every member reaches the budget; at most 2 Train runs at once and 2 at
 some point; each member yields; each (trial, step) is reported once on its branch; and exploits happen
-at every decision round (synchronous: the bottom member of each round copies the top; asynchronous:
-counted over the rounds, as each member is decided on when it reports)."""
+(synchronous: the bottom member of each round copies the top; asynchronous: at least one, as each member
+is decided on when it reports)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ from tests.ray.conftest import RUNTIME_ENV, local_ray
 from tests.ray.test_pbt import lr_experiment
 from trainers.metrics import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~2 min each on 2 cores: 16 Train-run starts
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 3-4 min each on 2 cores: 9-12 Train-run starts
 
-INTERVAL, STEPS, POPULATION = 10, 40, 4
+# Three reports a member, two decision rounds (the last report decides nothing): each member yields and
+# resumes twice.
+INTERVAL, STEPS = 10, 30
+LRS = {True: (1e-2, 3e-3, 3e-4, 1e-4), False: (1e-2, 3e-4, 1e-4)}  # by `synch`: the population
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,8 @@ def _time_shared(tmp: Path, corpus: Path, synch: bool):
         tmp,
         corpus,
         name,
-        lrs=(1e-2, 3e-3, 3e-4, 1e-4),
-        population=POPULATION,
+        lrs=LRS[synch],
+        population=len(LRS[synch]),
         resources={"workers": 1, "cpus_per_worker": 1.0},  # 2 fit on the 2 CPUs: half the population
         scheduler={
             "name": "pbt",
@@ -63,7 +67,7 @@ def test_a_population_larger_than_the_cluster_takes_turns_and_exploits(ray_two_c
     exp_dir = Path(result.exp_dir)
     reports, events = read_reports(exp_dir), read_events(exp_dir)
     trials = sorted({r["trial"] for r in reports})
-    assert len(trials) == POPULATION and result.finished
+    assert len(trials) == len(LRS[synch]) and result.finished
 
     # every member reaches every interval and the budget; each (trial, step) once on its current branch:
     # reported by the member, or inherited from a donor that was ahead when the member exploited it
@@ -91,12 +95,14 @@ def test_a_population_larger_than_the_cluster_takes_turns_and_exploits(ray_two_c
         assert len(runs) >= 2, trial
 
     # exploits as on a full cluster: synchronous PBT's bottom member copies the top at each round
-    # (steps 10, 20, 30; the last report decides nothing); asynchronous PBT decides each member when it
-    # reports, so at least one exploit in all and donors only from the top half
+    # (steps 10 and 20; the last report decides nothing); asynchronous PBT decides each member when it
+    # reports, so at least one exploit in all (the weakest member, 1e-4, is the bottom one when it reports
+    # step 10 after the two others did) and donors only from the top
     rounds = Counter(e["from_step"] for e in events)
+    decided = list(range(INTERVAL, STEPS, INTERVAL))
     if synch:
-        assert sorted(rounds) == [10, 20, 30] and all(n >= 1 for n in rounds.values()), rounds
+        assert sorted(rounds) == decided and all(n >= 1 for n in rounds.values()), rounds
     else:
-        assert len(events) >= 2, rounds
+        assert len(events) >= 1, rounds
     for e in events:  # the exploited member continues from its donor's checkpoint at the donor's step
-        assert e["donor"] != e["trial"] and e["step"] in (10, 20, 30)
+        assert e["donor"] != e["trial"] and e["step"] in decided
