@@ -2,6 +2,8 @@
 
     python bench/ft.py --data data/stdlib                      # a 10-minute soak per path (~25 min in all)
     python bench/ft.py --data data/stdlib --minutes 3 --every 30
+    python bench/ft.py --data data/stdlib --kill-only        # the kill alone (~3 min): the JSON's kill fields
+                                                             # and `kill.provenance`; the soaks' kept as they were
 
 Every run is `raytrain train` in a fresh process (a local Ray), three workers of one CPU-sized tiny model:
 - **kill**: per-step fault tolerance, the worker of replica group 1 SIGKILLed once the run is warm. From each
@@ -192,13 +194,25 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10.0, help="each soak's length")
     p.add_argument("--every", type=float, default=60.0, help="seconds between kills in a soak")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--kill-only", action="store_true",
+                   help="measure the kill again; keep the soaks of the results file (each part says its commit)")
     args = p.parse_args()
     started, load = time.time(), os.getloadavg()
     work = ROOT / "bench" / "_work" / "ft"
     work.mkdir(parents=True, exist_ok=True)
     data = str(Path(args.data).resolve())
+    out = Path(args.out)
     kill = one_kill(data, work)
     print("kill:", json.dumps(kill), flush=True)
+    if args.kill_only:
+        result = json.loads((out / "ft.json").read_text())
+        soak_provenance = result["soak"].get("provenance") or {
+            k: result[k] for k in ("command", "date", "git_commit", "loadavg_before", "loadavg_after") if k in result}
+        kill["provenance"] = provenance(started, load)
+        result.update(survivor_max_step_gap_s=kill["survivor_max_step_gap_s"],
+                      back_at_full_size_s=kill["back_at_full_size_s"], kill=kill)
+        result["soak"]["provenance"] = soak_provenance
+        return _write(result, out)
     ft = soak(data, work, True, args.minutes, args.every)
     print("soak, per-step:", json.dumps(ft), flush=True)
     restart = soak(data, work, False, args.minutes, args.every)
@@ -214,7 +228,10 @@ def main() -> int:
         "hosts": "a local Ray on this machine; a 'lost host' is a SIGKILLed worker process (not the cluster tier)",
         **provenance(started, load),
     }
-    out = Path(args.out)
+    return _write(result, out)
+
+
+def _write(result: dict[str, Any], out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ft.json").write_text(json.dumps(result, indent=1) + "\n")
     _plot(result, out / "ft.png")
