@@ -1,6 +1,7 @@
-"""The driver of a run on its own local Ray, interrupted (Ctrl-C) or SIGKILLed mid-run: its workers and
-everything its Ray started end within seconds, and the same command continues the run with each step
-once and the losses of the attempts before it."""
+"""The driver of a run on its own local Ray, interrupted (Ctrl-C) or SIGKILLed mid-run (while a checkpoint
+is being written in the background): its workers and everything its Ray started end within seconds, and
+the same command continues the run from the last committed checkpoint with each step once and the losses of
+the attempts before it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.conftest import tiny_raw
 from tests.ray.test_train_on_ray import _sample_lines, assert_each_sample_once
 from trainers.metrics import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 131 s on 2 cores: three Ray starts
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~2.5 min on 2 cores: three Ray starts
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 24, 4
@@ -113,21 +114,22 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
     assert last.startswith("raytrain: interrupted; run the same command again to continue from step "), last
     wait_for(lambda: not _alive_in_session(first.pid), 30, "the interrupted run's processes to end")
 
-    # SIGKILL: the driver cannot clean up; its reaper ends the workers and what its Ray started.
-    second = _start(run)
-    sessions.append(second.pid)
+    # SIGKILL while rank 1's background writer holds a checkpoint uncommitted: the driver cannot clean up;
+    # its reaper ends the workers and what its Ray started, and the half-written checkpoint is never loaded.
     resumed_at = _steps_done(run_dir)
-    wait_for(
-        lambda: _steps_done(run_dir) >= resumed_at + EVERY + 2 or second.poll() is not None, 240, "steps"
-    )
+    held = (resumed_at // EVERY + 2) * EVERY  # a save of the second attempt, after its first
+    marks = tmp_path / "marks"
+    kill_in_write = ["--callback", f"tests.ray.hooks:KillMeMidSave(step={held}, rank=1, marker_dir={str(marks)!r})"]
+    second = _start(run, *kill_in_write)
+    sessions.append(second.pid)
+    wait_for(lambda: (marks / "pid").exists() or second.poll() is not None, 240, f"a writer inside the save of {held}")
     assert second.poll() is None, second.communicate()[1][-3000:]
     second.kill()
     second.wait(timeout=10)
     wait_for(lambda: not _alive_in_session(second.pid), 15, "the killed driver's workers and Ray to end")
-    killed_at = _steps_done(run_dir)
-    assert killed_at < STEPS
+    assert _steps_done(run_dir) < STEPS and not (run_dir / "checkpoints" / f"step_{held:08d}").exists()
 
-    third = _start(run)
+    third = _start(run, *kill_in_write)  # the same command: the marker says the writer already held once
     sessions.append(third.pid)
     _, err = third.communicate(timeout=300)
     assert third.returncode == 0, err[-3000:]
@@ -143,7 +145,7 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
             first_loss.setdefault(r["step"], r["loss"])
     assert all(first_loss[r["step"]] == r["loss"] for r in rows)
     resumes = [e["step"] for e in read_metrics(run_dir / "metrics.jsonl", "event") if e["event"] == "resume"]
-    assert len(resumes) == 2 and resumes[0] >= EVERY and resumes[1] >= resumes[0]
+    assert len(resumes) == 2 and resumes[0] >= EVERY and resumes[1] == held - EVERY, (resumes, held)
 
 
 def test_a_killed_worker_is_one_console_line_and_its_tracebacks_go_to_the_runs_log(corpus_dir, tmp_path, sessions):

@@ -114,14 +114,14 @@ def test_install_keeps_the_users_torch_and_leaves_deepspeed_to_its_extra(corpus_
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     py, pip = venv / "bin" / "python", (venv / "bin" / "python", "-m", "pip")
-    _run(*pip, "install", "-q", wheels[-1], cwd=tmp_path)
+    _run(*pip, "install", "-q", "--no-compile", wheels[-1], cwd=tmp_path)  # no .pyc now: imports make theirs
     lap("venv and the user's torch")
 
     def torch_version() -> str:
         return _run(py, "-c", "import torch; print(torch.__version__)", cwd=tmp_path).stdout.strip()
 
     users_torch = torch_version()
-    _run(*pip, "install", "-q", "-c", constraints, src, cwd=tmp_path)
+    _run(*pip, "install", "-q", "--no-compile", "-c", constraints, src, cwd=tmp_path)
     lap("pip install raytrain-ext")
     assert torch_version() == users_torch
     listed = _run(*pip, "list", "--format", "json", cwd=tmp_path).stdout
@@ -157,7 +157,7 @@ def test_install_keeps_the_users_torch_and_leaves_deepspeed_to_its_extra(corpus_
     for name in ("tests", "examples"):
         shutil.copytree(ROOT / name, unit / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy2(ROOT / "pyproject.toml", unit / "pyproject.toml")  # pytest's settings
-    _run(*pip, "install", "-q", "-c", constraints, "pytest", cwd=tmp_path)
+    _run(*pip, "install", "-q", "--no-compile", "-c", constraints, "pytest", cwd=tmp_path)
     out = _run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_config.py", cwd=unit).stdout
     assert re.search(r"\d+ passed", out) and "failed" not in out, out[-2000:]
     lap("unit tier piece (test_config.py)")
