@@ -2,6 +2,7 @@
 losses of an uninterrupted run, bit for bit, each step once.
 
     python bench/chaos.py --data data/stdlib [--steps 100 --kills 10 --seed 0] [--out bench/results/chaos.json]
+    python bench/chaos.py --data data/stdlib --steps 30 --kills 1 --targets controller     (the slow tier's)
 
 The run (tiny-dense, ddp, 2 workers on the driver's own local Ray, fp32, a checkpoint every 10 steps) is
 started as a user starts it. Before each kill the bench picks a target (in shuffled rounds of the three) and a step: a Ray Train worker
@@ -141,7 +142,8 @@ def _reference(data: str, out: Path, steps: int, mode: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl", "train")}
 
 
-def chaos(data: str, out: Path, steps: int, kills: int, seed: int, mode: str = "async") -> dict[str, Any]:
+def chaos(data: str, out: Path, steps: int, kills: int, seed: int, mode: str = "async",
+          targets: tuple[str, ...] = TARGETS) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     reference = _reference(data, out, steps, mode)
     run_dir, log, rng = out / "chaos", out / "chaos.log", random.Random(seed)
@@ -153,8 +155,8 @@ def chaos(data: str, out: Path, steps: int, kills: int, seed: int, mode: str = "
     # the last checkpoint interval: a kill after the last step would leave the next attempt nothing to do.
     last = steps - EVERY
     bounds = [round(last * k / (kills + 1)) for k in range(1, kills + 2)]
-    # Targets in shuffled rounds of all three: any 3 kills in a row hit each kind once.
-    order = [t for _ in range(0, kills, len(TARGETS)) for t in rng.sample(TARGETS, len(TARGETS))]
+    # Targets in shuffled rounds of all of them: any 3 kills in a row hit each of three kinds once.
+    order = [t for _ in range(0, kills, len(targets)) for t in rng.sample(targets, len(targets))]
     try:
         for k in range(kills):
             target, at = order[k], rng.randint(bounds[k], max(bounds[k], bounds[k + 1] - 1))
@@ -230,12 +232,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-mode", default="async", choices=("async", "sync"))
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"what a kill may hit, of {','.join(TARGETS)}")
     p.add_argument("--work", default=str(ROOT / "bench" / "_work" / "chaos"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos.json"))
     args = p.parse_args(argv)
     env = environment(args)
+    targets = tuple(t for t in args.targets.split(",") if t)
+    if not targets or set(targets) - set(TARGETS):
+        p.error(f"--targets {args.targets}: choose of {','.join(TARGETS)}")
     result = chaos(str(Path(args.data).resolve()), Path(args.work), args.steps, args.kills, args.seed,
-                   args.checkpoint_mode)
+                   args.checkpoint_mode, targets)
     result["environment"] = {**env, "loadavg_at_end": os.getloadavg()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
