@@ -348,7 +348,8 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 
     def fit() -> None:
         try:
-            with env_default(PREEMPTION_WATCHER, "0"), _start_timeout(cfg):
+            with env_default(PREEMPTION_WATCHER, "0"), env_default(HEALTH_CHECK, _health_check_s(cfg)), \
+                    _start_timeout(cfg):
                 box["result"] = trainer.fit()
         except BaseException as e:
             box["error"] = e
@@ -380,6 +381,15 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 # Ray Train's preemption watcher (an actor started with every Train run) serves spot-instance drains: off
 # unless the user sets it. The controller takes it from the environment of the process that starts it.
 PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+# How often Ray Train's controller polls its workers: a finished or lost worker is noticed at the next poll.
+# Ray polls every 2 s; a group of up to 64 workers is polled every 0.5 s (a poll is one call per worker), so
+# a run ends, and a lost worker's restart begins, 0.75 s sooner on average. A user's value wins.
+HEALTH_CHECK = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def _health_check_s(cfg: RunConfig) -> str:
+    return "0.5" if cfg.scaling.sizes[-1] <= 64 else "2"
 
 
 # How long Ray Train's controller waits for a worker group's placement group before it decides again. An
