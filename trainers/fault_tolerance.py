@@ -43,9 +43,9 @@ HOST_ENV = "RAYTRAIN_NODE_ADDRESS"  # the address its peers reach it at (Ray's n
 # torchft's lighthouse (Ray starts it on the driver's node). A group that stops heartbeating for
 # `heartbeat_timeout_ms` is out of the next quorum; a quorum forms once every live group has joined, or
 # `join_timeout_ms` after the first did (a group still starting does not hold the others up for longer).
-# A straggler (a busy host) is left out of a step after `join_timeout_ms`, and heals at the next. At 5 s the
-# live groups waited 7 s after a kill between two steps, until the replacement joined (bench/ft.py); at 1 s
-# they went on after 1.5 s, and the replacement healed in 15 s from the kill all the same.
+# A straggler (a busy host) is left out of a step after `join_timeout_ms` (1 s), and heals at the next.
+# Open: after a kill between two steps the live groups' next quorum waited 7.0-7.5 s, until Ray's replacement
+# joined, in 3 of 4 runs of bench/ft.py at a join timeout of 5 s or 1 s (1.45 s in the fourth): not this bound.
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1500, "quorum_tick_ms": 50}
 TIMEOUT_S = 30.0  # torchft's collectives, commit votes and state transfers (a cut-off peer: this long)
 
