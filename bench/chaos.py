@@ -155,7 +155,7 @@ def chaos(data: str, out: Path, steps: int, kills: int, seed: int, mode: str = "
     # the last checkpoint interval: a kill after the last step would leave the next attempt nothing to do.
     last = steps - EVERY
     bounds = [round(last * k / (kills + 1)) for k in range(1, kills + 2)]
-    # Targets in shuffled rounds of all of them: any 3 kills in a row hit each of three kinds once.
+    # Targets in shuffled rounds of all of them: any len(targets) kills in a row hit each target once.
     order = [t for _ in range(0, kills, len(targets)) for t in rng.sample(targets, len(targets))]
     try:
         for k in range(kills):
