@@ -209,8 +209,7 @@ def main() -> int:
         soak_provenance = result["soak"].get("provenance") or {
             k: result[k] for k in ("command", "date", "git_commit", "loadavg_before", "loadavg_after") if k in result}
         kill["provenance"] = provenance(started, load)
-        result.update(survivor_max_step_gap_s=kill["survivor_max_step_gap_s"],
-                      back_at_full_size_s=kill["back_at_full_size_s"], kill=kill)
+        result.update(_kill_fields(kill), kill=kill)
         result["soak"]["provenance"] = soak_provenance
         return _write(result, out)
     ft = soak(data, work, True, args.minutes, args.every)
@@ -218,8 +217,7 @@ def main() -> int:
     restart = soak(data, work, False, args.minutes, args.every)
     print("soak, restart:", json.dumps(restart), flush=True)
     result = {
-        "survivor_max_step_gap_s": kill["survivor_max_step_gap_s"],
-        "back_at_full_size_s": kill["back_at_full_size_s"],
+        **_kill_fields(kill),
         "goodput": ft["goodput"],
         "restart_goodput": restart["goodput"],
         "targets": {"survivor_max_step_gap_s": 3.0, "back_at_full_size_s": 20.0, "goodput": 0.85},
@@ -229,6 +227,11 @@ def main() -> int:
         **provenance(started, load),
     }
     return _write(result, out)
+
+
+def _kill_fields(kill: dict[str, Any]) -> dict[str, float]:
+    """The JSON's headline fields that the kill measures."""
+    return {k: kill[k] for k in ("survivor_max_step_gap_s", "back_at_full_size_s")}
 
 
 def _write(result: dict[str, Any], out: Path) -> int:
