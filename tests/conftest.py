@@ -8,9 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch._dynamo  # noqa: F401  (sets TORCHINDUCTOR_CACHE_DIR on first import: do it before the leak guard)
 
-from trainers.config import RunConfig, parse_config
+# One compute thread in the test process and, inherited, in every process a test starts (torchrun ranks, CLI
+# runs, local Rays). Torch's default on 2 cores is 2 threads whose OpenMP barriers spin: beside any other load
+# (a second process, the host taking a core away) a step waits for a thread that is not running. Measured
+# 2026-11-29 beside a busy core: the examples' two training tests 281 s with 2 threads, 62 s with 1; idle the
+# difference is small. The trainer's own choice (`trainers/launch.py`: scaling.cpus_per_worker where
+# OMP_NUM_THREADS is unset) has tests of its own that unset it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  (sets TORCHINDUCTOR_CACHE_DIR on first import: do it before the leak guard)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+from trainers.config import RunConfig, parse_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")

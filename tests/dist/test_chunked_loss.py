@@ -23,7 +23,6 @@ MODELS = {
 LAYOUTS = {
     "fsdp": {"engine": "fsdp"},
     "pp2-1f1b": {"engine": "fsdp", "pp": 2},  # 2 micro-batches through the schedule
-    "pp2-zbv": {"engine": "fsdp", "pp": 2, "pipeline_schedule": "zbv", "virtual_stages": 2},
     "tp2": {"engine": "fsdp", "tp": 2},  # vocabulary-parallel, against loss_parallel's whole logits
 }
 
@@ -42,16 +41,15 @@ def _raw(corpus: Path, run_dir: Path, model: dict, chunk: int, parallel: dict) -
     )
 
 
-SLOW = ("pp2-zbv", "tp2")  # the slow tier: each ~25 s more on 2 cores
+SLOW = ("tp2",)  # the slow tier: ~25 s more on 2 cores (a zbv case went for CI's time: pp2-1f1b has a schedule's loss)
 
 
 @pytest.mark.parametrize(
     "layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in LAYOUTS]
 )
 def test_chunked_loss_equals_the_whole_loss(layout, corpus_dir, tmp_path):
-    blocks = 4 if layout == "pp2-zbv" else 2  # zbv: 2 stages on each of the 2 ranks, a block each
     raws = {
-        f"{name}-{chunk}": _raw(corpus_dir, tmp_path / f"{name}-{chunk}", {**model, "n_layers": blocks}, chunk,
+        f"{name}-{chunk}": _raw(corpus_dir, tmp_path / f"{name}-{chunk}", model, chunk,
                                 LAYOUTS[layout])
         for name, model in MODELS.items()
         for chunk in (0, 24)

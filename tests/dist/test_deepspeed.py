@@ -40,15 +40,14 @@ FP32_RTOL = 1e-5
 # under autocast. Measured over these 10 steps: losses within 3.1e-4 relative, grad norms within 3e-3.
 BF16_LOSS_RTOL, BF16_NORM_RTOL = 2e-3, 2e-2
 
+# The stages at their extremes (CI's time: ZeRO-0, 1 and 2 without offload, bf16 at ZeRO-0 and a 2 -> 1 reshard at
+# ZeRO-2 went; ZeRO-2 on two Ray workers against torchrun stays in the default tier)
 PARITY = {  # 2 processes, fp32, against the single-process run "ref"
-    "zero0": {"zero_stage": 0},
-    "zero1": {"zero_stage": 1},
-    "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3},
     "zero2-offload": {"zero_stage": 2, "offload": "optimizer"},
 }
-BF16 = {"zero0-bf16": 0, "zero3-bf16": 3}  # 2 processes, against "ref-bf16"
-RESHARD = {"2to1": (2, 1, 2), "1to2": (1, 2, 3)}  # saved at, resumed at, ZeRO stage
+BF16 = {"zero3-bf16": 3}  # 2 processes, against "ref-bf16"
+RESHARD = {"1to2": (1, 2, 3)}  # saved at, resumed at, ZeRO stage
 STOP = 5  # the resharding runs stop after the checkpoint of this step and resume from it
 
 
@@ -140,7 +139,7 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, dict[str, Any]]:
         stop = STOP if half == "first" else None
         return deepspeed(f"{name}-{half}", {"zero_stage": stage}, run=f"reshard-{name}", stop_after=stop)
 
-    # Three spawns, in the order the resharding halves need: saved at 1 -> resumed at 2 -> saved at 2 -> 1.
+    # Two spawns, in the order the resharding halves need: saved at 1 -> resumed at 2.
     spawns = [
         (1, [job("ref"), job("ref-bf16", precision={"dtype": "bf16"}), reshard("1to2", "first")]),
         (
@@ -148,11 +147,9 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, dict[str, Any]]:
             [
                 *(deepspeed(name, parallel) for name, parallel in PARITY.items()),
                 *(deepspeed(name, {"zero_stage": stage}, "bf16") for name, stage in BF16.items()),
-                reshard("2to1", "first"),
                 reshard("1to2", "second"),
             ],
         ),
-        (1, [reshard("2to1", "second")]),
     ]
     results: dict[str, Any] = {}
     for world, jobs in spawns:
@@ -186,7 +183,7 @@ def _compare(ref: dict, got: dict, loss_rtol: float, norm_rtol: float) -> None:
 # --------------------------------------------------------------------------------------------- parity
 
 
-# The runs of these three (96 s on 2 cores) are the slow tier's; the default tier keeps DeepSpeed on two Ray
+# The runs of these three are the slow tier's; the default tier keeps DeepSpeed on two Ray
 # workers against torchrun (tests/ray/test_train_on_ray.py) and the one-process and refusal tests below.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,21 +154,6 @@ class KillMeAfterExploit(TrainerCallback):
             _hold("waiting for SIGKILL after the exploit")
 
 
-class KillMemberAtStep(TrainerCallback):
-    """In the run whose learning rate is `lr`, on rank 0 at `step`: write the pid to pids/rank0 and wait
-    to be killed (once per run dir)."""
-
-    def __init__(self, step: int, lr: float) -> None:
-        self.step, self.lr = step, lr
-
-    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        pid_file = trainer.run_dir / "pids" / "rank0"
-        if trainer.step == self.step and trainer.cfg.optimizer.lr == self.lr and _rank() == 0:
-            if not pid_file.exists():
-                _write_atomic(pid_file, str(os.getpid()))
-                _hold(f"waiting for SIGKILL at step {self.step}")
-
-
 class WaitForReports(TrainerCallback):
     """In the run whose learning rate is `lr`, at `at`: wait until the experiment's lineage in `exp_dir` holds
     `count` reports of `step` (the population's other members caught up), so that an asynchronous PBT decides
@@ -267,36 +251,6 @@ class KillMeMidSave(TrainerCallback):
                 _hold(f"waiting for SIGKILL inside the save of step {self.step}")
 
         trainer.checkpointer.backend = _SaveReplaced(inner, save)
-
-
-class SlowWrites(TrainerCallback):
-    """A slow disk for asynchronous saves: each background write of a step up to `upto` waits until training
-    has gone `steps` steps past the step it holds (the run's last save is not held: nothing trains after
-    it; nor one a loop waits for before it trains on, a PBT decision's: give `upto` below it). Forces the
-    order the tests check (training goes on while a checkpoint is written; reports come at its commit)."""
-
-    def __init__(self, steps: int = 2, upto: int | None = None) -> None:
-        self.steps, self.upto = steps, upto
-        self.trained = threading.Condition()
-        self.step = 0
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        inner = trainer.checkpointer.backend
-
-        def save(path, state, **kwargs):
-            step = _step_of(path)
-            if step < trainer.cfg.train.steps and (self.upto is None or step <= self.upto):
-                with self.trained:
-                    if not self.trained.wait_for(lambda: self.step >= step + self.steps, HOLD_TIMEOUT_S):
-                        raise TimeoutError(f"training never reached step {step + self.steps}")
-            inner.save(path, state, **kwargs)
-
-        trainer.checkpointer.backend = _SaveReplaced(inner, save)
-
-    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        with self.trained:
-            self.step = trainer.step
-            self.trained.notify_all()
 
 
 class EvalAccuracy(TrainerCallback):

@@ -5,7 +5,7 @@ exploits the stronger one at the first interval, deterministically):
   step (not a fresh model's), and its learning rate is the explored one;
 - in place: one Train run per trial (the exploit loads into the live run), in synchronous and
   asynchronous PBT, PB2 and random search; a worker killed right after an in-place exploit resumes the
-  exploited state; a synchronous population whose member's run is killed for good goes on and replaces it;
+  exploited state;
 - a trial whose loss goes NaN is replaced through exploit and finishes with the population;
 - a driver interrupted (SIGINT) after an exploit resumes with `--resume` semantics: the exploited trial
   continues from the donor's checkpoint with its new hyperparameters, the scheduler's count of exploits
@@ -361,24 +361,6 @@ def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(ray_
     new_lr = [e for e in result.events if e["trial"] == weak][0]["new_hparams"]["optimizer.lr"]
     assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
     assert sorted(weak_rows) == list(range(1, STEPS + 1)), "each step once"
-
-
-@pytest.mark.slow  # ~2 min on 2 cores
-def test_synchronous_pbt_replaces_a_member_whose_run_is_killed_for_good(ray_pbt, corpus_dir, tmp_path):
-    result = _run(
-        tmp_path,
-        corpus_dir,
-        "dead",
-        {},
-        overrides={"scaling.max_failures": 0},
-        callbacks=["tests.ray.hooks:KillMemberAtStep(step=5, lr=0.0001)"],
-    )
-    strong, weak = _trial_of(result.exp_dir, 1e-2), _trial_of(result.exp_dir, 1e-4)
-    weak_reports = [r for r in result.reports if r["trial"] == weak]
-    assert weak_reports[0]["failed"] and weak_reports[0]["step"] == INTERVAL
-    (event,) = [e for e in result.events if e["trial"] == weak]
-    assert event["donor"] == strong and math.isinf(event["score"])
-    assert result.finished and weak_reports[-1]["step"] == STEPS and not weak_reports[-1]["failed"]
 
 
 @pytest.mark.slow  # ~40 s on 2 cores

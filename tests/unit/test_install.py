@@ -67,7 +67,9 @@ def test_top_level_packages_shadow_nothing_here():
 
 
 def _clean_env() -> dict[str, str]:
-    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    # PYTHONDONTWRITEBYTECODE: the venv's installs skip byte-compiling, so its imports write their own .pyc
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "PYTHONDONTWRITEBYTECODE")
     return {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1"}
 
 
