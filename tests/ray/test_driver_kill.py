@@ -102,10 +102,13 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump(raw))
 
-    # Ctrl-C in a terminal: SIGINT to the whole foreground group, Ray's processes included.
-    first = _start(run)
+    # Ctrl-C in a terminal: SIGINT to the whole foreground group, Ray's processes included. The workers hold
+    # after step EVERY + 2 until then: a run of 24 tiny steps could otherwise end between a poll and the signal.
+    first = _start(run, "--callback", f"tests.ray.hooks:HoldAtStep(step={EVERY + 2}, world=2)")
     sessions.append(first.pid)
-    wait_for(lambda: _steps_done(run_dir) >= EVERY + 2 or first.poll() is not None, 240, "a few steps")
+    held_mark = run_dir / "held" / f"step{EVERY + 2}_world2_rank0"
+    wait_for(lambda: held_mark.exists() or first.poll() is not None, 240, f"the workers to hold after step {EVERY + 2}")
+    assert first.poll() is None, first.communicate()[1][-3000:]
     os.killpg(first.pid, signal.SIGINT)
     _, err = first.communicate(timeout=60)
     assert first.returncode == 130, err[-3000:]
