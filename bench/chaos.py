@@ -2,7 +2,7 @@
 losses of an uninterrupted run, bit for bit, each step once.
 
     python bench/chaos.py --data data/stdlib [--steps 100 --kills 10 --seed 0] [--out bench/results/chaos.json]
-    python bench/chaos.py --data data/stdlib --steps 30 --kills 1 --targets controller     (the slow tier's)
+    python bench/chaos.py --data data/stdlib --steps 30 --kills 1 --targets controller     (one kind of kill)
 
 The run (tiny-dense, ddp, 2 workers on the driver's own local Ray, fp32, a checkpoint every 10 steps) is
 started as a user starts it. Before each kill the bench picks a target (in shuffled rounds of the three) and a step: a Ray Train worker
