@@ -25,6 +25,11 @@
 # part that ends 0 with a row it was to measure missing or in error (gpu.py and checkpoint.py go on) fails too.
 set -u
 cd "$(dirname "$0")/.."
+# Each part is a fresh process (resume_profile's resume one more): with PYTHONDONTWRITEBYTECODE set (this
+# workplace's shells set it) and a venv without bytecode, each compiled torch from source at its start, which
+# the resume row then counted (3.0 s of `compile` in bench/results/resume_profile_gpu.txt). The first part
+# writes what it imports where it may; a read-only venv stays as it is.
+unset PYTHONDONTWRITEBYTECODE
 START=$(date +%s)
 DRY=""
 [[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
