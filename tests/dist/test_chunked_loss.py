@@ -49,8 +49,7 @@ SLOW = ("tp2",)  # the slow tier: ~25 s more on 2 cores (a zbv case went for CI'
 )
 def test_chunked_loss_equals_the_whole_loss(layout, corpus_dir, tmp_path):
     raws = {
-        f"{name}-{chunk}": _raw(corpus_dir, tmp_path / f"{name}-{chunk}", model, chunk,
-                                LAYOUTS[layout])
+        f"{name}-{chunk}": _raw(corpus_dir, tmp_path / f"{name}-{chunk}", model, chunk, LAYOUTS[layout])
         for name, model in MODELS.items()
         for chunk in (0, 24)
     }

@@ -1,8 +1,8 @@
-"""DeepSpeed engine on 1 and 2 gloo processes: ZeRO 0-3 (and CPU offload) reproduce a single-process run,
-checkpoints move between world sizes through DeepSpeed's universal format, and bad DeepSpeed input fails
+"""DeepSpeed engine on 1 and 2 gloo processes: ZeRO-3 and ZeRO-2 with CPU offload reproduce a single-process
+run, checkpoints move between world sizes through DeepSpeed's universal format, and bad DeepSpeed input fails
 before training with one line.
 
-The multi-process runs are grouped into three spawns in the `runs` fixture (process start and the DeepSpeed
+The multi-process runs are grouped into two spawns in the `runs` fixture (process start and the DeepSpeed
 import cost more than 10 tiny steps); the tests read its results. The only JIT op build is DeepSpeed's
 cpu_adam for the offload run (30-120 s measured on a fresh cache, then kept in ~/.cache/torch_extensions).
 """
