@@ -45,10 +45,10 @@ finetune-demo: $(STAMP)
 
 # pytest's exit 5 ("no tests collected") is not a failure where PYTEST_ARGS chose the tests (a -k that selects
 # none); without them a tier that collects nothing fails (CI would pass a tier that ran nothing)
-# One pytest process by default. `XDIST="-n 4 --dist loadgroup"` shares a tier over pytest processes, the Ray tests
-# in turn on one of them (tests/conftest.py): for a machine with cores to spare. On 2 cores it was slower (the
-# default tier 22 min against 17-18: its multi-process tests and training runs fight for the same cores).
-XDIST ?=
+# Two pytest processes (pytest-xdist): the Ray tests in turn on one, the gloo-rank tests in turn, the single-process
+# tests around them (tests/conftest.py). One process left a core idle half the time: the default tier used 25 of
+# its 56 core-minutes on 2 cores (2026-11-29). `XDIST=` runs a tier in one process.
+XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 NO_TESTS_OK = { rc=$$?; [ $$rc -eq 5 ] && [ -n "$(strip $(PYTEST_ARGS))" ] || exit $$rc; }
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not cluster" $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)

@@ -70,19 +70,48 @@ def tiny_config(corpus_dir, tmp_path):
     return make
 
 
-# pytest-xdist (`make test XDIST="-n 4 --dist loadgroup"`, for a machine with cores to spare: on 2 cores a tier is
-# slower so, docs/development.md). Tests that start a local Ray run in turn on one pytest process (two local Rays on one machine would size themselves to the same cores
-# and find each other's state API), and the bench scripts' dry runs, which share bench/_work, on one too.
-_SERIAL_MODULES = {"test_bench_pbt_quality.py": "ray"}  # a unit test whose harness starts a local Ray
+# pytest-xdist: `make test` and `make test-slow` share a tier over two pytest processes (Makefile: XDIST, `--dist
+# loadscope`), by the scopes below. The Ray tests run in turn on one of them (two local Rays on one machine would
+# size themselves to the same cores and find each other's state API), with a unit test whose harness starts a
+# local Ray; the gloo-rank tests in turn too, beside them; the rest, one compute thread each, fill in a module at a
+# time (a module's fixtures built once). The bench scripts' dry runs, which share bench/_work, run on one process.
+# (xdist's own `loadgroup` and its `xdist_group` marks do nothing on pytest 9.2: xdist 3.8 sets a node id
+# attribute that pytest no longer reads.)
+_RAY_MODULES = {"test_bench_pbt_quality.py"}  # a unit test whose harness starts a local Ray
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The scope a test runs in under `--dist loadscope`: all of a scope runs in turn on one pytest process."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    if path.startswith("tests/ray/") or name in _RAY_MODULES:
+        return "ray"
+    if path.startswith("tests/dist/"):
+        return "dist"
+    if name.startswith("test_bench_"):
+        return "bench"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByProcesses(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # xdist's extension point for loadscope's units
+            return xdist_scope(nodeid)
+
+    return ByProcesses(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.path.name
-        if item.get_closest_marker("ray") or _SERIAL_MODULES.get(name) == "ray":
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif name.startswith("test_bench_"):
-            item.add_marker(pytest.mark.xdist_group("bench"))
+        for mark in ("ray", "dist"):
+            if item.get_closest_marker(mark) and xdist_scope(item.nodeid) != mark:
+                raise pytest.UsageError(f"{item.nodeid} is marked {mark} but would not run in the {mark} scope: "
+                                        f"move it to tests/{mark}/ or name its module in tests/conftest.py")
 
 
 # Set by a library, once per process, not by a test: inductor's first CUDA compile points Triton at CUDA's ptxas;
