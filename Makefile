@@ -57,7 +57,9 @@ test-slow: $(STAMP)
 	# the slow tier: larger Ray, PBT and multi-process cases (README: test tiers); the compat smoke set's slow
 	# tests run once in CI, on the oldest Ray (make test-compat), and the cluster tier runs their properties on
 	# this venv's Ray (a host killed then back: elastic; `ray job submit` from a client host)
-	$(PY) -m pytest -q -m "slow and not cluster" $(addprefix --deselect ,$(COMPAT_SMOKE)) $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)
+	# then the tests that assert a wall-clock bound, with nothing beside them
+	$(PY) -m pytest -q -m "slow and not cluster and not alone" $(addprefix --deselect ,$(COMPAT_SMOKE)) $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)
+	$(PY) -m pytest -q -m "slow and not cluster and alone" $(PYTEST_ARGS) || $(NO_TESTS_OK)
 
 # The oldest Ray in pyproject.toml's range (README: Ray versions): a second venv with the same pins as
 # constraints.txt but that Ray (constraints-compat.txt), then on it the unit tests that reach Ray and a smoke set

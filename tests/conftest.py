@@ -108,6 +108,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("alone") and not item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid} is marked alone: only `make test-slow` runs such tests by "
+                                    "themselves (Makefile); mark it slow too")
         for mark in ("ray", "dist"):
             if item.get_closest_marker(mark) and xdist_scope(item.nodeid) != mark:
                 raise pytest.UsageError(f"{item.nodeid} is marked {mark} but would not run in the {mark} scope: "

@@ -18,7 +18,7 @@ from trainers.data.dataset import GlobalSampler, TokenWindows
 from trainers.launch import run_local
 from trainers.metrics import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.alone]  # a bound on the survivors' gap (3 s)
 
 STEPS, KILL_STEP, GROUPS, BATCH = 300, 40, 3, 24
 FT = {"fault_tolerance": "per_step", "num_workers": GROUPS, "cpus_per_worker": 0.5, "max_failures": 3}
