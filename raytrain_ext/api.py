@@ -54,9 +54,13 @@ def train(
 
         refuse_without_ray(cfg, "--no-ray")
     if not no_ray:
+        from raytrain_ext.run_checks import check_run
+
+        check_run(cfg, callbacks)  # before Ray's imports too: a bad layout is one line at once, not after ~7 s
         from raytrain_ext.launcher import train as train_on_ray
 
-        return train_on_ray(cfg, address=address, progress=progress, callbacks=callbacks, ray_log_level=ray_log_level)
+        return train_on_ray(cfg, address=address, progress=progress, callbacks=callbacks, ray_log_level=ray_log_level,
+                            checked=True)
     from raytrain_ext.result import summarize
     from trainers.launch import run_local
     from trainers.preflight import check_inputs

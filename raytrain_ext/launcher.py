@@ -14,7 +14,6 @@ that our retention has deleted since. On a multi-node cluster `run_dir` and `dat
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -35,10 +34,10 @@ from raytrain_ext.cleanup import (
 )
 from raytrain_ext.reaper import Reaper
 from raytrain_ext.result import RunResult, summarize
+from raytrain_ext.run_checks import check_run
 from raytrain_ext.worker import (
     FAILURE_KINDS,
     RAY_LOG_LEVEL,
-    load_callback,
     newest_checkpoint,
     pointed_to,
     train_fn,
@@ -46,17 +45,14 @@ from raytrain_ext.worker import (
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, env_default, free_port, scoped_environ
 from trainers.config import RunConfig
-from trainers.fault_tolerance import check_fault_tolerance, per_step
-from trainers.layout import check_world_sizes
+from trainers.fault_tolerance import per_step
 from trainers.metrics import MetricsTail, read_metrics
-from trainers.preflight import check_inputs
 from trainers.progress import LineProgress, progress_bar
-from trainers.resume import check_resume, continue_hint
+from trainers.resume import continue_hint
 from trainers.run_dir import FAILED, RunDir
 from trainers.run_lock import RunDirLock
 from trainers.storage import (
     absolute,
-    check_run_storage,
     poll_interval,
     ray_storage,
     remove_file,
@@ -87,40 +83,6 @@ def run_config_for_workers(cfg: RunConfig) -> RunConfig:
     """Absolute paths: Ray workers do not run in the driver's working directory (URIs stay as they are)."""
     data = cfg.data.model_copy(update={"path": absolute(cfg.data.path)})
     return cfg.model_copy(update={"run_dir": absolute(cfg.out_dir), "data": data})
-
-
-def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
-    """Everything that can be checked before a worker starts: inputs on disk, that the checkpoint it would
-    resume from fits this config, that the callbacks import, and that every world size the run may take
-    is a valid layout (`trainers.layout.check_world_sizes`, the rules the workers run: engine, pp/tp/ep
-    degrees, the global batch = micro x accumulation x dp, the pipeline's microbatches), so a bad one gets
-    the workers' own line before any worker starts. A run dir or data in a bucket: that the bucket is there,
-    credentials too, and (run dir) an object can be written, first."""
-    check_run_storage(cfg)
-    check_resume(cfg, check_inputs(cfg))
-    for spec in callbacks:
-        _check_callback(spec)
-    check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are of one worker each
-    check_world_sizes(cfg, range(1, 2) if per_step(cfg) else cfg.scaling.sizes)
-    if per_step(cfg) and not ray_compat.has_torchft_config():
-        import ray
-
-        raise ConfigError(
-            f"scaling.fault_tolerance=per_step needs Ray Train's torchft replica groups (Ray 2.60 or newer), and "
-            f"this is Ray {ray.__version__}; fix: pip install 'ray[train]>=2.60', or scaling.fault_tolerance=none"
-        )
-
-
-def _check_callback(spec: str) -> None:
-    """The module of a `--callback` spec must be importable here (the workers import it again)."""
-    module = spec.partition("(")[0].partition(":")[0].strip()
-    if not module or ":" not in spec:
-        load_callback(spec)  # its one-line refusal of the form
-    top = module.split(".")[0]
-    if importlib.util.find_spec(top) is None and not (Path.cwd() / top).exists():
-        raise ConfigError(
-            f"callback {spec!r}: no module named {top!r}; fix: install it or put it on PYTHONPATH on every node"
-        )
 
 
 def check_fits_local(cfg: RunConfig, cpus: float, gpus: int) -> None:
@@ -275,13 +237,16 @@ def train(
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
     loop: Callable[[], Any] | None = None,
+    checked: bool = False,
 ) -> RunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError/CheckpointError with the
     workers' cause when the run ended on an error that a restart cannot fix, and KeyboardInterrupt
-    (naming where the run will continue) on Ctrl-C or SIGTERM."""
+    (naming where the run will continue) on Ctrl-C or SIGTERM. `checked`: the caller ran `check_run` on
+    `cfg` and `callbacks` already (`raytrain_ext.train` does, before this module's imports)."""
     import ray
 
-    check_run(cfg, callbacks)  # before Ray starts
+    if not checked:
+        check_run(cfg, callbacks)  # before Ray starts
     cfg = run_config_for_workers(cfg)
     run_dir = cfg.out_dir
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))

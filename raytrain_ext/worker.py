@@ -18,7 +18,6 @@ The launcher reads `FAILED.json` and raises the error in the driver.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from ray.train import Checkpoint
 
 from raytrain_ext import ray_compat
 from raytrain_ext.network import name_replica_group
+from raytrain_ext.run_checks import load_callback
 from trainers._base import ConfigError, NonFiniteLossError
 from trainers.checkpoint import CheckpointError, checkpoint_step
 from trainers.config import RunConfig, parse_config, with_values
@@ -126,28 +126,6 @@ def pointed_to(ray_checkpoint: Checkpoint) -> Any:
     """The committed checkpoint (a location) that a checkpoint Ray holds points to."""
     with ray_checkpoint.as_directory() as folder:
         return absolute(location(json.loads((Path(folder) / POINTER).read_text())["uri"]))
-
-
-def load_callback(spec: str) -> TrainerCallback:
-    """`package.module:Name` or `package.module:Name(key=value, ...)` with JSON-like literal values."""
-    target, _, args = spec.partition("(")
-    module, sep, name = target.partition(":")
-    if not sep:
-        raise ConfigError(f"callback {spec!r} is not module:Name; fix: e.g. mypkg.hooks:MyCallback")
-    try:
-        factory = getattr(importlib.import_module(module.strip()), name.strip())
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            f"callback {spec!r}: {e}; fix: make {module.strip()} importable on every node (installed, or "
-            f"on PYTHONPATH) and check the name"
-        ) from None
-    kwargs: dict[str, Any] = {}
-    if args.strip(")").strip():
-        import ast
-
-        call = ast.parse(f"f({args.rstrip(')')})", mode="eval").body
-        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
-    return factory(**kwargs)
 
 
 def _write_failed(run_dir: Path, error: BaseException) -> None:

@@ -69,6 +69,7 @@ from trainers.checkpoint_files import (
     STEP_DIR,
     TRAINER_STATE,
     checkpoint_step,
+    committed_checkpoints,
     delete_checkpoint,
     install_checkpoint,
     is_complete,
@@ -377,9 +378,7 @@ class Checkpointer:
 
     def candidates(self) -> list[Path]:
         """Complete (committed) checkpoints, newest first: the order a restore tries them in."""
-        names = [n for n in list_names(self.root, "step_*") if STEP_DIR.match(n)]
-        done = [self.root / n for n in sorted(names) if is_complete(self.root / n)]
-        return done[::-1]
+        return committed_checkpoints(self.root)
 
     @staticmethod
     def verify(path: Path, threads: int = 0) -> str | None:

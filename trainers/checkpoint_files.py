@@ -29,6 +29,7 @@ from trainers.storage import (
 
 __all__ = [
     "COMMITTED",
+    "committed_checkpoints",
     "DCP_METADATA",
     "DCP_MODEL_PREFIX",
     "DEEPSPEED_MODEL_STATES",
@@ -78,6 +79,13 @@ def is_complete(path: Path) -> bool:
     complete; on an object store (no rename) the marker is the last object a save writes."""
     path = location(path)
     return STEP_DIR.match(path.name) is not None and (path / COMMITTED).is_file()
+
+
+def committed_checkpoints(root: Any) -> list[Path]:
+    """The complete (committed) step folders under `root`, newest first: the order a restore tries them in."""
+    root = location(root)
+    names = [n for n in list_names(root, "step_*") if STEP_DIR.match(n)]
+    return [root / n for n in sorted(names, reverse=True) if is_complete(root / n)]
 
 
 def checkpoint_step(path: Any) -> int:

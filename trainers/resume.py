@@ -58,14 +58,16 @@ def check_compatible(saved: dict[str, Any] | None, now: dict[str, Any], checkpoi
 
 
 def resume_candidate(cfg: RunConfig) -> Path | None:
-    """The checkpoint a start of `cfg` would restore first (its newest complete one, or the given one)."""
-    from trainers.checkpoint import Checkpointer, is_complete
+    """The checkpoint a start of `cfg` would restore first (its newest complete one, or the given one).
+    Reads files only (trainers.checkpoint_files): the command line asks it before torch is imported."""
+    from trainers.checkpoint_files import committed_checkpoints, is_complete
 
     resume = cfg.checkpoint.resume
     if resume == "none":
         return None
     if resume == "auto":
-        return Checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.keep).latest()
+        done = committed_checkpoints(cfg.out_dir / "checkpoints")
+        return done[0] if done else None
     from trainers.storage import location
 
     return location(resume) if is_complete(location(resume)) else None
@@ -74,13 +76,13 @@ def resume_candidate(cfg: RunConfig) -> Path | None:
 def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
     """Before any worker starts: the checkpoint this run would resume from was saved with the same
     shape-defining keys. An unreadable record is left for the restore to report (it falls back)."""
-    from trainers.checkpoint import Checkpointer
+    from trainers.checkpoint_files import read_trainer_state
 
     path = resume_candidate(cfg)
     if path is None:
         return
     try:
-        saved = Checkpointer.trainer_state(path).get("compat")
+        saved = read_trainer_state(path).get("compat")
     except (OSError, ValueError):
         return
     check_compatible(saved, compat_of(cfg, manifest), path)

@@ -60,6 +60,33 @@ def test_the_command_line_answers_without_torch_or_ray(argv, code, says):
     assert got["heavy"] == [], f"`raytrain {' '.join(argv)}` imported {got['heavy']}"
 
 
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (["scaling.num_workers=4"], "parallel.engine=none at world size 4"),
+        (["scaling.num_workers=3", "parallel.engine=ddp", "train.global_batch_size=8", "train.micro_batch_size=4"],
+         "train.global_batch_size=8"),
+    ],
+    ids=["engine-at-4-workers", "batch-over-3-workers"],
+)
+def test_a_layout_that_cannot_run_is_refused_without_torch_or_ray(sets, says, corpus_dir, tmp_path):
+    """The checks of `launcher.train` (raytrain_ext/run_checks.py) answer before Ray's imports: the inputs on
+    disk, the resume point (a committed checkpoint of the run is there, so its record is read) and every world
+    size's layout."""
+    run_dir = tmp_path / "run"
+    step = run_dir / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    (step / "COMMITTED").write_text("{}")
+    args = ["--set", f"data.path={corpus_dir}", "--set", f"run_dir={run_dir}"]
+    for item in sets:
+        args += ["--set", item]
+    got = run_cli("train", "examples/tiny-dense.yaml", *args)
+    assert got["code"] == 2 and says in got["stderr"], got
+    assert len(got["stderr"].strip().splitlines()) == 1, got["stderr"]
+    assert got["heavy"] == [], f"the layout check imported {got['heavy']}"
+
+
 def test_the_python_api_imports_without_torch_or_ray():
     code = (
         "import sys\n"
