@@ -90,9 +90,10 @@ def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
 
 def continue_hint(run_dir: Any) -> str:
     """What an interrupted run tells its user: the same command continues, from which step."""
-    from trainers.checkpoint import Checkpointer
+    from trainers.checkpoint_files import committed_checkpoints
     from trainers.run_dir import RunDir
 
-    latest = Checkpointer(RunDir(run_dir).checkpoints, 1).latest()
+    done = committed_checkpoints(RunDir(run_dir).checkpoints)
+    latest = done[0] if done else None
     where = f"from step {int(latest.name.split('_')[-1])}" if latest else "from the start (no checkpoint yet)"
     return f"interrupted; run the same command again to continue {where} ({run_dir})"
