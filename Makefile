@@ -17,22 +17,13 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 setup: $(STAMP)
 
-# The bytecode the test and run processes need, written once at setup in one process (not on first import, where
-# a clean checkout's first Ray start had each of its processes compile the same modules side by side): all of
-# the packages a Ray or Train worker imports from (Ray's agents, torch.distributed, DeepSpeed, torchft), and
-# the imported part of the large ones (transformers' 2,900 modules are mostly models we never load).
-# compileall exits 1 on a package's deliberately broken test files; the import line is the check.
-BYTECODE = $(1) -m compileall -q -j 2 $$($(1) -c 'import importlib.util as u, os; print(" ".join(os.path.dirname(u.find_spec(m).origin) for m in ("ray", "torch", "torchft", "deepspeed", "pyarrow")))') >/dev/null || true; \
-	$(1) -c 'import torch, ray.train.torch, ray.tune, transformers, safetensors, mlflow, sklearn.gaussian_process, moto.server, boto3, pytest, raytrain_ext.worker, search.driver'
-
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull several GB of CUDA packages on a CPU machine.
-	# --no-compile: no .pyc for the thousands of modules nothing imports; BYTECODE below writes the ones we need
-	# (tests/unit/test_install.py's installs: 202 -> 140 s with --no-compile).
+	# --no-compile: no .pyc for the thousands of modules nothing imports (Ray's dashboard, RLlib, ...); a module
+	# is compiled when first imported (tests/unit/test_install.py's installs: 202 -> 140 s with it).
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
-	$(call BYTECODE,$(PY))
 	touch $(STAMP)
 
 $(DATA)/manifest.json: | $(STAMP)
@@ -108,7 +99,6 @@ $(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt | $(STAMP
 		> "$$($(COMPAT_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_raytrain_main_venv.pth"
 	grep -v '^ray==' constraints.txt | cat - constraints-compat.txt > $(COMPAT_VENV)/constraints.txt
 	$(COMPAT_PY) -m pip install -q --no-compile -c $(COMPAT_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
-	$(call BYTECODE,$(COMPAT_PY))
 	$(COMPAT_PY) -c "import ray, torch; print('test-compat: ray', ray.__version__, 'from', ray.__file__)"
 	touch $(COMPAT_STAMP)
 
