@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from trainers._base import free_port, scoped_environ
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Workers import tests.ray.hooks; make the repo importable in every process Ray starts.
@@ -21,11 +23,25 @@ def ray_local():
     assert not ray.is_initialized(), "a Ray from another test module is still running"
     with ray_env_restored():
         # address="local": a new Ray of its own, never one a developer started on this machine (`ray start`)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False)
+        with own_state_api() as port:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, dashboard_port=port,
+                     runtime_env=RUNTIME_ENV, log_to_driver=False)
         try:
             yield ray
         finally:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def own_state_api():
+    """A port for a new local Ray's dashboard, and RAY_API_SERVER_ADDRESS naming it while `ray.init` starts the
+    Ray's processes, which inherit it (as `raytrain_ext.launcher.ensure_ray` does): Ray's state API, called inside
+    those processes (Ray Train's PlacementGroupCleaner), otherwise looks for "the" Ray of the machine, and with two
+    test modules' Rays side by side (tests/conftest.py: xdist_scope) it would ask the other one. A Ray without a
+    dashboard gets a port nothing serves: its state API calls fail there, never reach another Ray."""
+    port = free_port()
+    with scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
+        yield port
 
 
 # Kept after a module's Ray: this process's Ray client caches the auth mode of its first `ray.init`, so a
@@ -61,7 +77,9 @@ def local_ray(runtime_env: dict):
         import tensorboardX  # noqa: F401  (Tune's logger imports it, and it sets CRC32C_SW_MODE on import)
         from ray.tune.schedulers.pb2 import PB2  # noqa: F401  (its scikit-learn sets KMP_* on import)
 
-        ray.init(address="local", num_cpus=2, include_dashboard=True, runtime_env=runtime_env, log_to_driver=False)
+        with own_state_api() as port:
+            ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=port,
+                     runtime_env=runtime_env, log_to_driver=False)
         try:
             yield ray
         finally:
