@@ -71,25 +71,13 @@ def tiny_config(corpus_dir, tmp_path):
 
 
 # pytest-xdist: `make test` and `make test-slow` share a tier over two pytest processes (Makefile: XDIST, `--dist
-# loadscope`), by the scopes below: each is a unit that runs in turn on one process, its module fixtures built
-# once. A Ray test module is a scope of its own, so two of them (never more: a process runs one test at a time)
-# may run side by side, each with its own local Ray and state API (tests/ray/conftest.py); the Ray tests are the
-# tiers' critical path (2026-11-29, a clean clone: 20.5 of the default tier's 21.5 min were Ray tests in turn on
-# one process while the other process idled). The gloo-rank tests run in turn, as one scope; the bench scripts'
-# dry runs, which share bench/_work, on one process; every other module is a scope.
+# loadscope`), by the scopes below. The Ray tests run in turn on one of them (two local Rays on one machine would
+# size themselves to the same cores and find each other's state API), with a unit test whose harness starts a
+# local Ray; the gloo-rank tests in turn too, beside them; the rest, one compute thread each, fill in a module at a
+# time (a module's fixtures built once). The bench scripts' dry runs, which share bench/_work, run on one process.
 # (xdist's own `loadgroup` and its `xdist_group` marks do nothing on pytest 9.2: xdist 3.8 sets a node id
 # attribute that pytest no longer reads.)
 _RAY_MODULES = {"test_bench_pbt_quality.py"}  # a unit test whose harness starts a local Ray
-# xdist hands out scopes in collection order, each to the first process free: the Ray modules go first, the
-# longest of them (by `--durations` on this machine) at the head, so the two processes end together; a module not
-# listed here follows the listed ones. Only an order: a stale list costs time, never a test.
-_LONGEST_FIRST = (
-    "tests/ray/test_pbt.py", "tests/ray/test_time_sharing.py", "tests/ray/test_train_on_ray.py",
-    "tests/ray/test_api.py", "tests/ray/test_tune_state.py", "tests/ray/test_chaos.py",
-    "tests/ray/test_async_saves.py", "tests/ray/test_driver_kill.py", "tests/ray/test_pbt_s3.py",
-    "tests/ray/test_ray_s3.py", "tests/ray/test_ray_model_parallel.py", "tests/ray/test_ray_crash_proof.py",
-    "tests/dist/",
-)
 
 
 def xdist_scope(nodeid: str) -> str:
@@ -97,20 +85,12 @@ def xdist_scope(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
     if path.startswith("tests/ray/") or name in _RAY_MODULES:
-        return f"ray:{path}"
+        return "ray"
     if path.startswith("tests/dist/"):
         return "dist"
     if name.startswith("test_bench_"):
         return "bench"
     return path
-
-
-def _queue_position(nodeid: str) -> tuple[int, int]:
-    path = nodeid.split("::", 1)[0]
-    for i, head in enumerate(_LONGEST_FIRST):
-        if path.startswith(head):
-            return (0, i)
-    return (1 if xdist_scope(nodeid).startswith("ray:") else 2, 0)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -132,11 +112,9 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked alone: only `make test-slow` runs such tests by "
                                     "themselves (Makefile); mark it slow too")
         for mark in ("ray", "dist"):
-            if item.get_closest_marker(mark) and not xdist_scope(item.nodeid).startswith(mark):
-                raise pytest.UsageError(f"{item.nodeid} is marked {mark} but would not run in a {mark} scope: "
+            if item.get_closest_marker(mark) and xdist_scope(item.nodeid) != mark:
+                raise pytest.UsageError(f"{item.nodeid} is marked {mark} but would not run in the {mark} scope: "
                                         f"move it to tests/{mark}/ or name its module in tests/conftest.py")
-    if hasattr(config, "workerinput"):  # an xdist worker: its collection's order is the one scopes are handed out in
-        items.sort(key=lambda item: _queue_position(item.nodeid))  # stable: each module stays whole and in order
 
 
 # Set by a library, once per process, not by a test: inductor's first CUDA compile points Triton at CUDA's ptxas;

@@ -36,9 +36,9 @@ def ray_local():
 def own_state_api():
     """A port for a new local Ray's dashboard, and RAY_API_SERVER_ADDRESS naming it while `ray.init` starts the
     Ray's processes, which inherit it (as `raytrain_ext.launcher.ensure_ray` does): Ray's state API, called inside
-    those processes (Ray Train's PlacementGroupCleaner), otherwise looks for "the" Ray of the machine, and with two
-    test modules' Rays side by side (tests/conftest.py: xdist_scope) it would ask the other one. A Ray without a
-    dashboard gets a port nothing serves: its state API calls fail there, never reach another Ray."""
+    those processes (Ray Train's PlacementGroupCleaner), otherwise looks for "the" Ray of the machine, and with
+    another Ray beside this one (a `raytrain tune` driver a test starts, a developer's own) it may ask that one. A
+    Ray without a dashboard gets a port nothing serves: its state API calls fail there, never reach another Ray."""
     port = free_port()
     with scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
         yield port

@@ -133,6 +133,7 @@ def test_a_killed_then_interrupted_driver_resumes_with_each_report_and_exploit_o
     reported step trained twice, no progress lost); each (trial, step) has one current report. Each exploit
     once: an exploit applied before a kill stays in the lineage, and its decision is applied once."""
     steps = 50  # a kill after the first exploit, a Ctrl-C after a report: the last before the budget's end
+    exp_dir = tmp_path / "runs" / "killed"
     path = _experiment(
         tmp_path,
         corpus_dir,
@@ -143,8 +144,14 @@ def test_a_killed_then_interrupted_driver_resumes_with_each_report_and_exploit_o
         budget={"steps": steps},
         # asynchronous: a trial pauses only to be exploited (synchronous PBT restarts every run each interval)
         scheduler={"name": "pbt", "interval": 10, "burn_in": 0, "quantile_fraction": 0.5, "resample_probability": 0.0},
+        # The weak member holds after its report of step 10 until the strong one reported step 10 too, so that
+        # its next decision has a donor to compare with: on a loaded machine the strong member's run started
+        # late enough that the weak one reported every step of the budget first, exploited nobody and the
+        # experiment ended before the first kill (seen 2026-11-29, beside another local Ray).
+        callbacks=[f"tests.ray.hooks:WaitForReports(exp_dir={str(exp_dir)!r}, lr=0.0001, at=10, on='checkpoint', "
+                   "step=10, count=2)"],
     )
-    exp_dir = load_experiment(path).exp_dir
+    assert load_experiment(path).exp_dir == exp_dir
     drivers: list[_Driver] = []
     try:
         kills = _kill_then_ctrl_c(tmp_path, path, exp_dir, drivers, steps)
