@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +123,7 @@ def ensure_ray(address: str | None) -> bool:
                 ) from None
             raise
         return True
-    # Ray's state API, called inside the local Ray's own processes (Ray Train's PlacementGroupCleaner asks
-    # it whether the controller lives), looks for "the" Ray of the machine: with two on one machine (two
-    # runs at once, or a stale /tmp/ray/ray_current_cluster) it asks the wrong one, times out and its
-    # monitor dies with a traceback on the console. The raylet and every worker inherit this process's
-    # environment at `ray.init`: they are told their own dashboard's address.
-    port = free_port()
-    with quiet_logger(ray_compat.TOKEN_SETUP_LOGGER), scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
+    with quiet_logger(ray_compat.TOKEN_SETUP_LOGGER), own_state_api() as port:
         ray.init(
             address="local",  # never another Ray on this machine
             dashboard_port=port,
@@ -143,6 +137,20 @@ def ensure_ray(address: str | None) -> bool:
         )
     _REAPERS.append(Reaper.start(Reaper.local_ray_roots()))
     return True
+
+
+@contextlib.contextmanager
+def own_state_api() -> Iterator[int]:
+    """A free port for the dashboard of a local Ray about to start, and RAY_API_SERVER_ADDRESS naming it for the
+    block. Ray's state API, called inside the local Ray's own processes (Ray Train's PlacementGroupCleaner asks
+    it whether the controller lives), looks for "the" Ray of the machine: with two on one machine (two runs at
+    once, a test's Ray beside a driver it starts, or a stale /tmp/ray/ray_current_cluster) it asks the wrong one,
+    times out and its monitor dies with a traceback on the console. The raylet and every worker inherit the
+    environment at `ray.init`: they are told their own dashboard's address (for a Ray without a dashboard, a port
+    nothing serves: its calls fail there, never reach another Ray)."""
+    port = free_port()
+    with scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
+        yield port
 
 
 def _refused_token(error: BaseException) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainers._base import free_port, scoped_environ
+from raytrain_ext.launcher import own_state_api  # each test Ray with its own state API address
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,18 +30,6 @@ def ray_local():
             yield ray
         finally:
             ray.shutdown()
-
-
-@contextlib.contextmanager
-def own_state_api():
-    """A port for a new local Ray's dashboard, and RAY_API_SERVER_ADDRESS naming it while `ray.init` starts the
-    Ray's processes, which inherit it (as `raytrain_ext.launcher.ensure_ray` does): Ray's state API, called inside
-    those processes (Ray Train's PlacementGroupCleaner), otherwise looks for "the" Ray of the machine, and with
-    another Ray beside this one (a `raytrain tune` driver a test starts, a developer's own) it may ask that one. A
-    Ray without a dashboard gets a port nothing serves: its state API calls fail there, never reach another Ray."""
-    port = free_port()
-    with scoped_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
-        yield port
 
 
 # Kept after a module's Ray: this process's Ray client caches the auth mode of its first `ray.init`, so a
