@@ -6,7 +6,8 @@ as the repository is (examples/, data/stdlib), and what they return is checked a
 - a bad override raises the one line `raytrain train` and `raytrain tune` print;
 - `train()` on a Ray the caller started leaves it running;
 - `tune()`: `best` is the best trial of `to_dataframe()`, which has one row per (trial, step) on the current
-  branch; `lineage` is lineage.parquet; its local Ray is shut down too;
+  branch; `lineage` is lineage.parquet; its local Ray is shut down too; its exploit is loaded into the worse
+  member's live run, which trains on from the donor's weights with the explored hyperparameters;
 - `trainers`' public names run a run in this process.
 
 The blocks that start Ray run in module fixtures, as tests/ray/conftest.py's Ray fixtures do: what ray.init
@@ -15,6 +16,7 @@ leaves in this process's environment (RAY_AUTH_MODE, kept) is there before the t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -31,6 +33,7 @@ import ray  # noqa: F401  (sets RAY_CLIENT_MODE on import: before the leak guard
 from raytrain_ext.cli import main
 from search.lineage import read_events, read_reports
 from tests.ray.conftest import ROOT, ray_env_restored
+from tests.ray.test_pbt import _starts, _train_rows
 from trainers.checkpoint_files import is_complete
 from trainers.metrics import read_metrics
 
@@ -208,6 +211,40 @@ def test_tune_returns_the_best_trial_its_reports_and_its_lineage(tuned, notebook
     (exploit,) = events  # synchronous PBT of 2: the worse member exploits the better at step 10
     assert exploit["step"] == 10 and {exploit["trial"], exploit["donor"]} == {t.trial for t in experiment.trials}
 
+
+
+def test_tune_exploit_continues_from_the_donor_in_place(tuned):
+    """The exploit of the page's experiment (synchronous PBT of two one-worker members, at step 10) is loaded into
+    the worse member's live Train run, which trains on from the donor's step-10 weights with the explored
+    hyperparameters (the one such check of the default tier: tests/ray/test_pbt.py has the rest of PBT)."""
+    experiment, _ = tuned
+    exp_dir = experiment.exp_dir
+    (event,) = read_events(exp_dir)
+    weak, strong = event["trial"], event["donor"]
+    assert event["step"] == 10 and event["old_hparams"] != event["donor_hparams"]
+    # In place: one Train run per trial, the exploit loaded into the weak trial's live run.
+    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
+    (run,) = (exp_dir / "runs" / weak).glob("live-*")
+    (loaded,) = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "exploit"]
+    assert (loaded["step"], loaded["donor"]) == (10, strong)
+    # The loss of step 11 is computed on the weights after step 10: the donor's, not the weak member's own
+    # (trained with other hyperparameters, they gave another loss at step 10).
+    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
+    assert weak_rows[10]["loss"] != strong_rows[10]["loss"]
+    assert weak_rows[11]["loss"] == pytest.approx(strong_rows[11]["loss"], rel=1e-6)
+    # ... and step 11 ran with the explored learning rate (the same schedule factor as the donor's step 11).
+    new_lr, donor_lr = event["new_hparams"]["optimizer.lr"], event["donor_hparams"]["optimizer.lr"]
+    assert new_lr != donor_lr
+    assert weak_rows[11]["lr"] / strong_rows[11]["lr"] == pytest.approx(new_lr / donor_lr)
+    last = {r["trial"]: r for r in sorted(read_reports(exp_dir), key=lambda r: r["time"])}
+    assert last[weak]["step"] == 20 and last[weak]["hparams"] == event["new_hparams"]
+    # Tune keeps no checkpoint of a trial: the exploit's one record is its lineage row, naming the weak member's
+    # own pin of the donor's checkpoint (hard links: nothing copied), whole with the donor's metadata.
+    assert not list(exp_dir.glob("TrialRun_*/checkpoint_*"))
+    pin = Path(event["pin"])
+    assert pin.parent == exp_dir / "runs" / weak / "pins"
+    meta = json.loads((pin / "meta.json").read_text())
+    assert (meta["trial"], meta["step"]) == (strong, 10) and (pin / meta["step_dir"]).is_dir()
 
 def test_train_without_ray_takes_a_dict_or_a_run_config(corpus_dir, tmp_path, monkeypatch):
     from raytrain_ext import train

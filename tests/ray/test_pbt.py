@@ -1,11 +1,10 @@
 """PBT over Ray Train runs (CPU, 1 worker per trial, 2 trials, synchronous PBT so that the weaker trial
 exploits the stronger one at the first interval, deterministically):
 
-- the exploited trial continues from the donor: its first loss after the exploit is the donor's at that
-  step (not a fresh model's), and its learning rate is the explored one;
-- in place: one Train run per trial (the exploit loads into the live run), in synchronous and
-  asynchronous PBT, PB2 and random search; a worker killed right after an in-place exploit resumes the
-  exploited state;
+- an exploit continues from the donor in place (the weaker member's first loss after the exploit is the donor's,
+  in its live Train run, with the explored learning rate): tests/ray/test_api.py's experiment (the Python API's,
+  the same population of two) in the default tier; here, in synchronous and asynchronous PBT (a rollback), PB2
+  and random search, and a worker killed right after an in-place exploit resumes the exploited state;
 - a trial whose loss goes NaN is replaced through exploit and finishes with the population;
 - a driver interrupted (SIGINT) after an exploit resumes with `--resume` semantics: the exploited trial
   continues from the donor's checkpoint with its new hyperparameters, the scheduler's count of exploits
@@ -89,62 +88,6 @@ def _starts(exp_dir: Path, trial: str) -> int:
 
 def _trial_of(exp_dir: Path, lr: float) -> str:
     return next(r["trial"] for r in read_reports(exp_dir) if r["hparams"]["optimizer.lr"] == lr)
-
-
-# --------------------------------------------------------------------------- exploit continues
-
-
-@pytest.fixture(scope="module")
-def strong_and_weak(ray_pbt, corpus_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pbt")
-    path = _experiment(
-        tmp,
-        corpus_dir,
-        "exploit",
-        {"name": "adamw", "lr": 1e-3},
-        {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
-        [{"optimizer.lr": 1e-2}, {"optimizer.lr": 1e-4}],
-        keep_checkpoints=1,
-    )
-    exp = load_experiment(path)
-    save(exp)
-    return run_experiment(exp, verbose=0)
-
-
-def test_exploited_trial_continues_from_the_donor_with_new_hparams(strong_and_weak):
-    result = strong_and_weak
-    exp_dir = result.exp_dir
-    strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
-    (event,) = [e for e in result.events if e["trial"] == weak]
-    assert (event["donor"], event["step"]) == (strong, INTERVAL)
-    assert event["old_hparams"] == {"optimizer.lr": 1e-4} and event["donor_hparams"] == {"optimizer.lr": 1e-2}
-    new_lr = event["new_hparams"]["optimizer.lr"]
-    assert new_lr == pytest.approx(5e-3)  # the donor's 1e-2 x 0.5, or x 2 reflected at the bound 1e-2
-
-    # In place: one Train run per trial, the exploit loaded into the weak trial's live run.
-    assert {t: _starts(exp_dir, t) for t in (strong, weak)} == {strong: 1, weak: 1}
-    (run,) = (exp_dir / "runs" / weak).glob("live-*")
-    (loaded,) = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "exploit"]
-    assert (loaded["step"], loaded["donor"]) == (INTERVAL, strong)
-    weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
-    after = INTERVAL + 1
-    # The loss of step 11 is computed on the weights after step 10: the donor's, not the weak trial's own
-    # (which were still near a fresh model's loss).
-    assert weak_rows[after]["loss"] == pytest.approx(strong_rows[after]["loss"], rel=1e-6)
-    assert weak_rows[INTERVAL]["loss"] > strong_rows[after]["loss"] + 0.5
-    # ... and step 11 ran with the explored learning rate (same schedule factor as the donor's step 11).
-    assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
-    # The population finished the budget; the weak trial's last report carries the new hyperparameters.
-    last = {r["trial"]: r for r in sorted(result.reports, key=lambda r: r["time"])}
-    assert {r["step"] for r in last.values()} == {STEPS}
-    assert last[weak]["hparams"] == {"optimizer.lr": new_lr}
-    # Tune keeps no checkpoint of a trial: the exploit's one record is its lineage row, naming the weak trial's
-    # own pin of the donor's checkpoint (hard links: nothing copied), whole with the donor's metadata.
-    assert not list(exp_dir.glob("TrialRun_*/checkpoint_*"))
-    pin = Path(event["pin"])
-    assert pin.parent == exp_dir / "runs" / weak / "pins"
-    meta = json.loads((pin / "meta.json").read_text())
-    assert (meta["trial"], meta["step"]) == (strong, INTERVAL) and (pin / meta["step_dir"]).is_dir()
 
 
 # ------------------------------------------------------------------ NaN trial, interrupt, resume
