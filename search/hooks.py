@@ -51,7 +51,7 @@ class GateLoop(LatestMetrics):
         super().__init__()
         self.gate_name, self.wait_from = gate, wait_from
         self.gate = None
-        self.branch = 0  # the gate's answers since the last exploit (search.trial.RunGate)
+        self.branch = 0  # the gate's answers since the last exploit (search.gate.RunGate)
         self.start: dict[str, Any] | None = None
 
     def start_point(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ rebuilt population decides as the original would have.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import random
@@ -37,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from search.schedulers import SchedulerConfig
-from search.slots import experiment_actor_name
 from search.space import SearchSpace
 
 __all__ = ["BoundedExplore", "Decision", "Member", "Population", "PopulationActor", "population_name"]
@@ -403,6 +403,13 @@ class PopulationActor:
 
 def _answer(decision: Decision | None) -> Any:
     return GO if decision is None else decision.as_dict()
+
+
+def experiment_actor_name(kind: str, exp_dir: Any) -> str:
+    """An experiment's actor of `kind`: one per experiment folder (the same after --resume); in the driver's
+    job's namespace. (Here, not in `search.slots`: this module is what the population's actor process imports,
+    and `search.slots` imports Tune.)"""
+    return f"raytrain-{kind}-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
 
 
 def population_name(exp_dir: Any) -> str:

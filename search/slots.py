@@ -16,7 +16,6 @@ for one (that member may be the one the barrier waits for).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 from typing import Any
 
@@ -24,6 +23,7 @@ import ray
 from ray import tune
 
 from raytrain_ext.hosts import on_this_node
+from search.population import experiment_actor_name
 
 __all__ = ["SlotRelease", "Slots", "slots_name"]
 
@@ -79,12 +79,6 @@ _SLOTS = ray.remote(num_cpus=0)(Slots)
 
 def start_slots(name: str, capacity: int) -> Any:
     return _SLOTS.options(name=name, scheduling_strategy=on_this_node()).remote(capacity)
-
-
-def experiment_actor_name(kind: str, exp_dir: Any) -> str:
-    """An experiment's actor of `kind`: one per experiment folder (the same after --resume); in the driver's
-    job's namespace."""
-    return f"raytrain-{kind}-{hashlib.sha1(str(exp_dir).encode()).hexdigest()[:12]}"
 
 
 def slots_name(exp_dir: Any) -> str:

@@ -175,12 +175,12 @@ def test_a_rollback_marks_the_abandoned_branch_so_each_trial_step_has_one_curren
 
 
 def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
-    # a live run's gate (search.trial.RunGate), as its workers and its trial call it: the trial answers step 20
+    # a live run's gate (search.gate.RunGate), as its workers and its trial call it: the trial answers step 20
     # with an exploit of a donor at step 10; the run trains 11..20 again and must wait for a new answer at 20
     # (the old one loaded the same exploit a second time, issue 29)
     import asyncio
 
-    from search.trial import RunGate
+    from search.gate import RunGate
 
     async def scenario():
         gate = RunGate()
