@@ -251,6 +251,9 @@ class InterruptAtFirstStart(tune.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+# the slow tier (~40 s and a local Ray of its own on 2 busy cores): the default tier interrupts an experiment after
+# its first reports and resumes it (tests/ray/test_pbt.py); this is the edge before any report
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_report_is_an_interruption(ray_pbt, corpus_dir, tmp_path):  # noqa: F811
     path = _experiment(
         tmp_path,
