@@ -44,10 +44,8 @@ HOST_ENV = "RAYTRAIN_NODE_ADDRESS"  # the address its peers reach it at (Ray's n
 # `heartbeat_timeout_ms` is out of the next quorum; a quorum forms once every live group has joined, or
 # `join_timeout_ms` after the first did (a group still starting does not hold the others up for longer).
 # A straggler (a busy host) is left out of a step after `join_timeout_ms` (1 s), and heals at the next.
-# (A kill between two steps held the live groups 7.0-9.4 s, until Ray's replacement joined: one live group sat in
-# the step's ring allreduce on the connection of another live group, which had seen the loss and was asking for
-# the next quorum, and the lighthouse forms none from fewer than half the heartbeating groups. A group that sees
-# a collective fail now closes its side at once: `ReplicaGroupEngine.forward_backward`; 1.9 s since.)
+# A live group held in a failed step's collective by another live group holds every quorum (more than half the
+# heartbeating groups must join): `ReplicaGroupEngine.forward_backward` closes a failed group's side at once.
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1500, "quorum_tick_ms": 50}
 TIMEOUT_S = 30.0  # torchft's collectives, commit votes and state transfers (a cut-off peer: this long)
 

@@ -212,7 +212,6 @@ def test_tune_returns_the_best_trial_its_reports_and_its_lineage(tuned, notebook
     assert exploit["step"] == 10 and {exploit["trial"], exploit["donor"]} == {t.trial for t in experiment.trials}
 
 
-
 def test_tune_exploit_continues_from_the_donor_in_place(tuned):
     """The exploit of the page's experiment (synchronous PBT of two one-worker members, at step 10) is loaded into
     the worse member's live Train run, which trains on from the donor's step-10 weights with the explored
@@ -230,7 +229,7 @@ def test_tune_exploit_continues_from_the_donor_in_place(tuned):
     # The loss of step 11 is computed on the weights after step 10: the donor's, not the weak member's own
     # (trained with other hyperparameters, they gave another loss at step 10).
     weak_rows, strong_rows = _train_rows(exp_dir, weak), _train_rows(exp_dir, strong)
-    assert weak_rows[10]["loss"] != strong_rows[10]["loss"]
+    assert weak_rows[10]["loss"] != pytest.approx(strong_rows[10]["loss"], rel=1e-3)  # far from the match below
     assert weak_rows[11]["loss"] == pytest.approx(strong_rows[11]["loss"], rel=1e-6)
     # ... and step 11 ran with the explored learning rate (the same schedule factor as the donor's step 11).
     new_lr, donor_lr = event["new_hparams"]["optimizer.lr"], event["donor_hparams"]["optimizer.lr"]
@@ -245,6 +244,7 @@ def test_tune_exploit_continues_from_the_donor_in_place(tuned):
     assert pin.parent == exp_dir / "runs" / weak / "pins"
     meta = json.loads((pin / "meta.json").read_text())
     assert (meta["trial"], meta["step"]) == (strong, 10) and (pin / meta["step_dir"]).is_dir()
+
 
 def test_train_without_ray_takes_a_dict_or_a_run_config(corpus_dir, tmp_path, monkeypatch):
     from raytrain_ext import train
