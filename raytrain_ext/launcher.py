@@ -221,7 +221,7 @@ def build_trainer(
                                          # torchft's Rust side logs every quorum and commit at info
                                          **({"RUST_LOG": os.environ.get("RUST_LOG", "warn")} if per_step(cfg) else {})}},
     )
-    return TorchTrainer(
+    return ray_compat.trainer_without_ray_data(TorchTrainer)(
         train_fn,
         train_loop_config={
             "run": json.loads(cfg.model_dump_json()),

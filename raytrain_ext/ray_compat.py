@@ -35,6 +35,7 @@ __all__ = [
     "set_error_printer",
     "torch_backend_with",
     "train_logging_config",
+    "trainer_without_ray_data",
     "train_report_logger",
     "worker_output_dispatcher",
 ]
@@ -58,6 +59,28 @@ def torch_backend_with(before_start: Callable[[Any], None]) -> type:
             super().on_start(worker_group, backend_config)
 
     return Backend
+
+
+@cache
+def trainer_without_ray_data(trainer_cls: type) -> type:
+    """`trainer_cls` (a Ray Train V2 trainer) that leaves Ray Data out of a run given no Ray Datasets."""
+    # ray/train/v2/api/data_parallel_trainer.py: `_create_default_callbacks()` always adds a `DatasetsCallback`
+    # (ray/train/v2/_internal/callbacks/datasets.py). Without datasets it still starts a `DatasetManager` actor
+    # (its own process importing Ray Data) before each worker group's train context, has every worker import
+    # Ray Data to set a `DataContext` nobody reads, and the controller unpickles one too: ~10 CPU-s of a
+    # 2-core machine per Train-run start, beside the workers' own imports. A worker's context takes
+    # `dataset_shard_provider=None`; `ray.train.get_dataset_shard` is the only reader, and we feed our own data.
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class Trainer(trainer_cls):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    Trainer.__name__ = Trainer.__qualname__ = trainer_cls.__name__
+    return Trainer
 
 
 def has_torchft_config() -> bool:

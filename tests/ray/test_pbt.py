@@ -4,7 +4,8 @@ exploits the stronger one at the first interval, deterministically):
 - an exploit continues from the donor in place (the weaker member's first loss after the exploit is the donor's,
   in its live Train run, with the explored learning rate): tests/ray/test_api.py's experiment (the Python API's,
   the same population of two) in the default tier; here, in synchronous and asynchronous PBT (a rollback), PB2
-  and random search, and a worker killed right after an in-place exploit resumes the exploited state;
+  and random search, and a worker killed right after an in-place exploit resumes the exploited state (that
+  experiment tracked with MLflow: a parent run, a child run per trial with each step once, the exploit a tag);
 - a trial whose loss goes NaN is replaced through exploit and finishes with the population;
 - a driver interrupted (SIGINT) after an exploit resumes with `--resume` semantics: the exploited trial
   continues from the donor's checkpoint with its new hyperparameters, the scheduler's count of exploits
@@ -275,16 +276,26 @@ def test_an_exploit_of_a_donor_behind_rolls_back_once_with_one_current_report_pe
     assert read_reports(exp_dir) == result.reports
 
 
-@pytest.mark.slow  # ~2 min on 2 cores
-def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(ray_pbt, corpus_dir, tmp_path):
-    result = _run(
-        tmp_path,
+@pytest.fixture(scope="module")
+def killed(ray_pbt, corpus_dir, tmp_path_factory):
+    """Synchronous PBT of two members tracked with MLflow (a local store in the experiment folder), the
+    exploited member's worker SIGKILLed at its first step from the donor and its group restarted."""
+    tmp = tmp_path_factory.mktemp("killed")
+    tracking = {"mlflow": {"experiment": "pbt-tracked"}, "flush_every_s": 0.5}
+    return _run(
+        tmp,
         corpus_dir,
         "killed",
         {},
-        overrides={"scaling.max_failures": 1},
+        keep_checkpoints=1,
+        overrides={"scaling.max_failures": 1, "tracking": tracking},
         callbacks=["tests.ray.hooks:KillMeAfterExploit(rank=0)"],
     )
+
+
+@pytest.mark.slow  # ~2 min on 2 cores
+def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(killed):
+    result = killed
     exp_dir = result.exp_dir
     strong, weak = _trial_of(exp_dir, 1e-2), _trial_of(exp_dir, 1e-4)
     (run,) = (exp_dir / "runs" / weak).glob("live-*")
@@ -304,6 +315,46 @@ def test_a_worker_killed_right_after_an_exploit_resumes_the_exploited_state(ray_
     new_lr = [e for e in result.events if e["trial"] == weak][0]["new_hparams"]["optimizer.lr"]
     assert weak_rows[after]["lr"] / strong_rows[after]["lr"] == pytest.approx(new_lr / 1e-2)
     assert sorted(weak_rows) == list(range(1, STEPS + 1)), "each step once"
+
+
+@pytest.mark.slow  # the experiment above
+def test_trials_are_child_runs_of_the_experiments_run(killed):
+    """MLflow: one parent run for the experiment, each trial a child run holding every step once across its
+    Train runs and the killed worker's restart, the exploit as a tag of the exploited trial."""
+    from mlflow import MlflowClient
+
+    exp_dir = killed.exp_dir
+    state = json.loads((exp_dir / "mlflow" / "parent.json").read_text())
+    assert state["tracking_uri"] == f"sqlite:///{exp_dir.resolve() / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(state["tracking_uri"])
+    parent = client.get_run(state["parent_run_id"])
+    assert (parent.info.run_name, parent.info.status) == ("killed", "FINISHED")
+    assert client.get_experiment(parent.info.experiment_id).name == "pbt-tracked"
+    assert parent.data.params["population"] == "2" and parent.data.params["scheduler.name"] == "pbt"
+    assert parent.data.tags["best_trial"] == killed.best_trial
+
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    trials = sorted({r["trial"] for r in read_reports(exp_dir)})
+    assert sorted(c.info.run_name for c in children) == trials, "one child per trial"
+    for child in children:
+        trial = child.info.run_name
+        assert child.info.status == "FINISHED" and child.data.tags["raytrain.trial"] == trial
+        history = client.get_metric_history(child.info.run_id, "loss")
+        assert [m.step for m in history] == list(range(1, STEPS + 1)), "each step once, over its Train runs"
+        rows = _train_rows(exp_dir, trial)
+        assert [m.value for m in history] == pytest.approx([rows[s]["loss"] for s in range(1, STEPS + 1)])
+        assert child.data.params["optimizer.name"] == "adamw"
+
+    (exploit,) = read_events(exp_dir)
+    weak = next(c for c in children if c.info.run_name == exploit["trial"])
+    tag = weak.data.tags[f"exploit.{exploit['step']:08d}"]
+    new_lr = exploit["new_hparams"]["optimizer.lr"]
+    assert tag.startswith(f"from {exploit['donor']} (val_loss ") and f"-> {new_lr:.4g}" in tag
+    assert weak.data.tags["changed.optimizer.lr"] == str(new_lr), "the explored value, next to the first"
+    strong = next(c for c in children if c.info.run_name == exploit["donor"])
+    assert not any(k.startswith("exploit.") for k in strong.data.tags)
 
 
 @pytest.mark.slow  # ~40 s on 2 cores

@@ -128,3 +128,19 @@ def test_ray_init_still_takes_a_system_config():
     source = inspect.getsource(inspect.unwrap(worker.init))
     assert 'kwargs.pop("_system_config"' in source
     assert ray_compat.ray_init_system_config(a=1) == {"_system_config": {"a": 1}}
+
+
+def test_a_trainer_without_ray_datasets_starts_no_ray_data():
+    """ray_compat.trainer_without_ray_data: Ray Train's default callbacks hold its datasets callback (a
+    DatasetManager actor per worker group); the trainer we build leaves it out unless it is given datasets."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    def kinds(trainer) -> set[type]:
+        return {type(c) for c in trainer._create_default_callbacks()}
+
+    ours = ray_compat.trainer_without_ray_data(TorchTrainer)
+    assert ours.__name__ == "TorchTrainer" and issubclass(ours, TorchTrainer)
+    assert DatasetsCallback in kinds(TorchTrainer(lambda: None))  # what Ray does: the premise
+    assert DatasetsCallback not in kinds(ours(lambda: None))
+    assert DatasetsCallback in kinds(ours(lambda: None, datasets={"train": lambda: None}))  # a dataset factory
