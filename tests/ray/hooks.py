@@ -140,8 +140,8 @@ class RaiseAtStep(TrainerCallback):
 
 class KillMeAfterExploit(TrainerCallback):
     """On `rank`, at the first step after a PBT exploit was loaded in place (the trainer's last checkpoint
-    is the trial's pin of the donor's, outside the run dir): write this process's pid to pids/rank<R>, then
-    wait to be killed."""
+    is the trial's pin of the donor's, outside the run dir): once the run's trackers have that step, write
+    this process's pid to pids/rank<R>, then wait to be killed."""
 
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
@@ -150,8 +150,20 @@ class KillMeAfterExploit(TrainerCallback):
         pid_file = trainer.run_dir / "pids" / f"rank{self.rank}"
         exploited = _from_donor(trainer)
         if exploited and _rank() == self.rank and not pid_file.exists():
+            _tracked_up_to(trainer, trainer.step)
             _write_atomic(pid_file, str(os.getpid()))
             _hold("waiting for SIGKILL after the exploit")
+
+
+def _tracked_up_to(trainer: Trainer, step: int) -> None:
+    """Wait until each tracker of the run (trainers.tracking.TrackingSink) has `step` and what came before it
+    (the exploit's record): a kill then lands after the tracker had them, whatever the machine's pace."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    for sink in (s for s in trainer.log.sinks if hasattr(s, "sent_step")):
+        while sink.sent_step < step:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the tracker did not take step {step} within {HOLD_TIMEOUT_S:.0f}s")
+            time.sleep(0.1)
 
 
 class WaitForReports(TrainerCallback):
