@@ -71,19 +71,25 @@ def tiny_config(corpus_dir, tmp_path):
 
 
 # pytest-xdist: `make test` and `make test-slow` share a tier over two pytest processes (Makefile: XDIST, `--dist
-# loadscope`), by the scopes below. The Ray tests run in turn on one of them (two local Rays on one machine would
-# size themselves to the same cores and find each other's state API), with a unit test whose harness starts a
-# local Ray; the gloo-rank tests in turn too, beside them; the rest, one compute thread each, fill in a module at a
-# time (a module's fixtures built once). The bench scripts' dry runs, which share bench/_work, run on one process.
-# (xdist's own `loadgroup` and its `xdist_group` marks do nothing on pytest 9.2: xdist 3.8 sets a node id
-# attribute that pytest no longer reads.)
+# loadscope`), by the scopes below. The Ray tests run in turn on one of them (two local Rays on one machine size
+# themselves to the same cores), with a unit test whose harness starts a local Ray, but for a slow-tier module
+# whose drivers start Rays of their own; the gloo-rank tests in turn too, beside them; the rest, one compute
+# thread each, fill in a module at a time (a module's fixtures built once). The bench scripts' dry runs, which
+# share bench/_work, run on one process. (xdist's own `loadgroup` and its `xdist_group` marks do nothing on
+# pytest 9.2: xdist 3.8 sets a node id attribute that pytest no longer reads.)
 _RAY_MODULES = {"test_bench_pbt_quality.py"}  # a unit test whose harness starts a local Ray
+# Ray modules of the slow tier run in a scope of their own, beside the other Ray tests: their drivers are
+# subprocesses with a Ray each (no module Ray), and the slow tier's other process, done with its own tests
+# by half-time, left a core idle for the other half (2026-11-29: 13 of 27 min at 20-40% idle, vmstat).
+_SECOND_RAY = {"test_driver_kill.py"}
 
 
 def xdist_scope(nodeid: str) -> str:
     """The scope a test runs in under `--dist loadscope`: all of a scope runs in turn on one pytest process."""
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
+    if path.startswith("tests/ray/") and name in _SECOND_RAY:
+        return "ray-2"
     if path.startswith("tests/ray/") or name in _RAY_MODULES:
         return "ray"
     if path.startswith("tests/dist/"):
@@ -112,7 +118,7 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked alone: only `make test-slow` runs such tests by "
                                     "themselves (Makefile); mark it slow too")
         for mark in ("ray", "dist"):
-            if item.get_closest_marker(mark) and xdist_scope(item.nodeid) != mark:
+            if item.get_closest_marker(mark) and xdist_scope(item.nodeid).split("-")[0] != mark:
                 raise pytest.UsageError(f"{item.nodeid} is marked {mark} but would not run in the {mark} scope: "
                                         f"move it to tests/{mark}/ or name its module in tests/conftest.py")
 
