@@ -66,9 +66,9 @@ def trainer_without_ray_data(trainer_cls: type) -> type:
     """`trainer_cls` (a Ray Train V2 trainer) that leaves Ray Data out of a run given no Ray Datasets."""
     # ray/train/v2/api/data_parallel_trainer.py: `_create_default_callbacks()` always adds a `DatasetsCallback`
     # (ray/train/v2/_internal/callbacks/datasets.py). Without datasets it still starts a `DatasetManager` actor
-    # (its own process importing Ray Data) before each worker group's train context, has every worker import
-    # Ray Data to set a `DataContext` nobody reads, and the controller unpickles one too: ~10 CPU-s of a
-    # 2-core machine per Train-run start, beside the workers' own imports. A worker's context takes
+    # (its own process importing Ray Data) before each worker group's train context and has every worker set a
+    # Ray Data `DataContext` nobody reads: 6.9 of the 64 CPU-s of a one-worker run's start on 2 cores (64 -> 56
+    # without it, docs/development.md), beside the workers' own imports. A worker's context takes
     # `dataset_shard_provider=None`; `ray.train.get_dataset_shard` is the only reader, and we feed our own data.
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
