@@ -93,23 +93,26 @@ class HoldAtStep(TrainerCallback):
 
 class KillMeAtStep(TrainerCallback):
     """On `rank`, the first time `step` is reached: write this process's pid to pids/rank<R>, then wait to
-    be killed. A restarted attempt finds the file and runs on. With `after_commit`: at the first step from
-    `step` on at which a checkpoint of step `after_commit` or later is committed (a background save
-    commits a few steps after the step it holds; on a busy machine, more); the step it holds at is
-    written to pids/rank<R>.step first."""
+    be killed. A restarted attempt finds the file and runs on. With `after_commit`: first wait there until
+    the checkpoint of step `after_commit` is committed (a background save commits a few steps after the step
+    it holds; on a busy machine, more): its writer thread commits while this step waits, and no later save
+    can start, so that checkpoint is the newest committed one when the kill comes, whatever the machine's
+    pace (holding at the first later step that saw it committed let the next save commit too on a fast
+    machine). The step it holds at is written to pids/rank<R>.step first."""
 
     def __init__(self, step: int, rank: int, after_commit: int | None = None) -> None:
         self.step, self.rank, self.after_commit = step, rank, after_commit
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         pid_file = trainer.run_dir / "pids" / f"rank{self.rank}"
-        if trainer.step < self.step or _rank() != self.rank or pid_file.exists():
+        if trainer.step != self.step or _rank() != self.rank or pid_file.exists():
             return
-        if self.after_commit is None:
-            if trainer.step != self.step:
-                return
-        elif _committed_step(trainer) < self.after_commit:
-            return
+        if self.after_commit is not None:
+            deadline = time.monotonic() + HOLD_TIMEOUT_S
+            while _committed_step(trainer) < self.after_commit:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"step {self.after_commit}'s checkpoint not committed in {HOLD_TIMEOUT_S:.0f}s")
+                time.sleep(0.05)
         _write_atomic(pid_file.with_name(f"rank{self.rank}.step"), str(trainer.step))
         _write_atomic(pid_file, str(os.getpid()))
         _hold(f"waiting for SIGKILL at step {trainer.step}")

@@ -152,7 +152,7 @@ def test_interrupted_or_killed_driver_ends_its_run_and_the_same_command_continue
 
 
 def test_a_killed_worker_is_one_console_line_and_its_tracebacks_go_to_the_runs_log(corpus_dir, tmp_path, sessions):
-    """Rank 1 of 2 SIGKILLed at step 7 or later, once step 5 is committed (checkpoints every 5): the console says once which worker was lost,
+    """Rank 1 of 2 SIGKILLed at step 7, once step 5 is committed (checkpoints every 5): the console says once which worker was lost,
     how, and from which step the group restarts, then that it resumed; the survivor's gloo error and Ray's
     tracebacks are in the run's workers.log, not on the console."""
     run_dir = tmp_path / "run"
