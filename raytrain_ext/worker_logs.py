@@ -168,7 +168,8 @@ class WorkerLogs:
 
         if ray.is_initialized() and self.printer is not None:  # the process whose console the user watches
             back = ("its trials' runs can use it again" if self.experiment
-                    else "the run grows back at its next resize check")
+                    else "Ray can place a lost replica group there again, which heals from a live one"
+                    if self.replica_groups else "the run grows back at its next resize check")
             self.hosts = HostWatcher(self._say, self._after_loss, back).start()
         return self
 

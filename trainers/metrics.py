@@ -15,6 +15,7 @@ step whose checkpoint was committed. TensorBoard's files are written there too a
 
 from __future__ import annotations
 
+import collections
 import json
 import resource
 import sys
@@ -101,8 +102,18 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     data = read_bytes(location(path))
     if data is None:
         return []
-    rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r.get("kind") == kind]
+    return [r for r in _parse(data) if kind is None or r.get("kind") == kind]
+
+
+def _parse(data: bytes) -> list[dict[str, Any]]:
+    rows = []
+    for line in data.decode(errors="replace").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a row cut by a kill mid-write (its step is written again)
+                continue
+    return rows
 
 
 class MetricsTail:
@@ -135,6 +146,11 @@ class MetricsSink(Protocol):
     def close(self, status: str) -> None: ...
 
 
+# Rows a replica group that is not the writer keeps (`MetricsLog.set_writer`): more than the steps a quorum can
+# commit between a writer's loss and the next writer's first quorum (one).
+HELD_ROWS = 8
+
+
 class MetricsLog:
     def __init__(
         self, run_dir: Path, enabled: bool = True, tensorboard: bool = True, sinks: Sequence[MetricsSink] = ()
@@ -150,6 +166,9 @@ class MetricsLog:
         self._file = None
         self._tb = None
         self._started = False  # the sinks: started once, rewound by a restore in a running trainer
+        # Per-step fault tolerance: a replica group that is not the writer keeps its last rows, which it writes
+        # if it becomes the writer and the file lacks them (a writer lost between a step's commit and its row).
+        self._held: collections.deque[dict[str, Any]] = collections.deque(maxlen=HELD_ROWS)
         if enabled:
             self.local.parent.mkdir(parents=True, exist_ok=True)
 
@@ -190,6 +209,15 @@ class MetricsLog:
         a new writer appends to what the last one wrote (no TensorBoard or trackers on such a run)."""
         if enabled and not self.enabled:
             self.local.parent.mkdir(parents=True, exist_ok=True)
+            data = read_bytes(location(self.path)) or b""
+            if data and not data.endswith(b"\n"):  # the last writer was lost inside a row: end it
+                self.append_text("\n")
+            written = [r["step"] for r in _parse(data) if r.get("kind") == "train"]
+            last = written[-1] if written else 0
+            self.enabled = True
+            for row in [r for r in self._held if r["step"] > last]:
+                self.write(row)
+            self._held.clear()
         elif self.enabled and not enabled and self._file is not None:
             self._file.close()
             self._file = None
@@ -197,12 +225,17 @@ class MetricsLog:
 
     def append(self, record: dict[str, Any]) -> None:
         """One record from a process that is not the writer (a replica group that healed: how, and how long)."""
+        self.append_text(json.dumps(record) + "\n")
+
+    def append_text(self, text: str) -> None:
         self.local.parent.mkdir(parents=True, exist_ok=True)
         with open(self.local, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(text)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
+            if record.get("kind") == "train":
+                self._held.append(record)
             return
         if self._file is None:
             self._file = open(self.local, "a", buffering=1)  # line-buffered: a crash loses no step

@@ -23,6 +23,7 @@ import torch
 
 from trainers._base import NonFiniteLossError
 from trainers.checkpoint import Checkpointer, CheckpointError, Committed, is_complete
+from trainers.checkpoint_files import checkpoint_step
 from trainers.config import ConfigError, RunConfig, check_hparam_keys, with_values
 from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, shard_for_rank
 from trainers.hf.pretrained import load_pretrained, materialize
@@ -151,9 +152,7 @@ class Trainer:
         healed = self.engine.join((self._replica_state, self._load_replica_state))
         self.log.set_writer(self.engine.is_main)
         if healed:
-            self.set_hparams({})
-            self.log.append({"kind": "event", "event": "healed", "step": self.step, "time": time.time(),
-                             **self.engine.healed_from, "replicas": self.engine.replicas})
+            self._healed(self.engine.healed_from)
         else:
             self._restore(*resume)
             self.engine.committed_step(self.step)
@@ -381,13 +380,42 @@ class Trainer:
             self.run_dir, self.step, self.train_loss, self.val_loss, self.last_checkpoint, self.stop_reason
         )
 
+    def _left_behind(self) -> bool:
+        """Per-step fault tolerance: this group was behind the others (a straggler, one cut off and back) and is
+        now alone in its quorum, so no live group is ahead to heal from: the others finished the run, or were
+        all lost. Were it to train on from its own step, the steps the others committed would be trained and
+        recorded twice; it goes on from the run's newest committed checkpoint instead when that is ahead of it
+        (the run's end, when the others finished), as a group Ray starts then would."""
+        was, now = self._replicas, self.engine.replicas
+        if now != 1 or was is None or was <= 1:
+            return False
+        newest = self.checkpointer.latest()
+        if newest is None or checkpoint_step(newest) <= self.step:
+            return False
+        self.log.set_writer(self.engine.is_main)  # alone: its resume is the run's record
+        self._restore(newest, [])
+        self.engine.committed_step(self.step)
+        self._replicas = 1
+        return True
+
+    def _healed(self, heal: dict[str, Any]) -> None:
+        """This replica group took a live one's state: the schedule is rebuilt over the optimizer's new param
+        groups (a loaded optimizer replaces them; the schedule held the old ones, and set a learning rate the
+        optimizer no longer read: the healed group's weights then drifted from its peers'), and it is told."""
+        self.set_hparams({})
+        self.log.append({"kind": "event", "event": "healed", "step": self.step, "time": time.time(), **heal,
+                         "replicas": self.engine.replicas})
+
     def _replica_state(self) -> dict[str, Any]:
         """What a replica group that heals takes from a live one, beside the engine's model and optimizer."""
-        return {"step": self.step, "bad_steps": self.bad_steps, "rng": torch.get_rng_state()}
+        return {"step": self.step, "bad_steps": self.bad_steps, "rng": torch.get_rng_state(), "replicas": self._replicas}
 
     def _load_replica_state(self, state: dict[str, Any]) -> None:
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
         torch.set_rng_state(state["rng"])
+        # the live groups' last step's count: a healed group that becomes the records' writer (the lowest index)
+        # tells the change its return makes
+        self._replicas = state.get("replicas")
 
     def train_step(self) -> dict[str, Any] | None:
         """One step; None when it did not commit (per-step fault tolerance: a replica group was lost inside it,
@@ -396,6 +424,10 @@ class Trainer:
         t0 = time.perf_counter()
         self.engine.begin_step()  # a replica group's quorum (a group behind heals here): may move the step
         quorum_s = time.perf_counter() - t0
+        if (heal := self.engine.take_heal()) is not None:
+            self._healed(heal)
+        elif self._left_behind():
+            return None  # restored to the run's record: its step is the next to train (or the run is done)
         step = self.step
         self.profiler.before_step(step + 1)
         if self.engine.replicas is not None:

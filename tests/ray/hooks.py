@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -279,9 +280,11 @@ class EvalAccuracy(TrainerCallback):
 
 
 class ReplicaLog(TrainerCallback):
-    """Per-step fault tolerance: each replica group appends, at every step it commits, its pid, the time, the
+    """Per-step fault tolerance: each replica group appends, at every step it commits, its pid, host, the time, the
     number of live groups, the window ids it trained on in that step's attempt (an attempt that did not
-    commit is forgotten), and a digest of its weights, to replicas/group<G>.jsonl. `kill_group` SIGKILLs its
+    commit is forgotten), and a digest of its weights, to replicas/group<G>.jsonl; and the step's window ids
+    once its vote commits it, to replicas/group<G>.commits.jsonl (a group lost after its gradients were
+    averaged, before the step's end, trained its share of a step its peers commit). `kill_group` SIGKILLs its
     own process inside step `kill_step` (after its first micro-batch's samples are read): a lost group with
     the step in flight. It fires once in the run (a marker file), not in the group Ray starts in its place."""
 
@@ -309,7 +312,18 @@ class ReplicaLog(TrainerCallback):
                 os.kill(os.getpid(), signal.SIGKILL)
             return get(ids)
 
+        commit = trainer.engine.should_commit
+        commits = self.path.with_suffix(".commits.jsonl")
+
+        def should_commit() -> bool:  # the samples of a step its vote commits, written before the optimizer's step
+            ok = commit()
+            if ok:
+                with open(commits, "a") as f:
+                    f.write(json.dumps({"step": trainer.step + 1, "pid": os.getpid(), "ids": self._ids}) + "\n")
+            return ok
+
         trainer.engine.begin_step, trainer.train_data.get = begin_step, recording_get
+        trainer.engine.should_commit = should_commit
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         import hashlib
@@ -318,7 +332,38 @@ class ReplicaLog(TrainerCallback):
         for p in trainer.model.parameters():
             digest.update(p.detach().cpu().numpy().tobytes())
         line = {"step": trainer.step, "group": int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0")),
-                "pid": os.getpid(), "time": time.time(), "replicas": record.get("replicas"),
+                "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "replicas": record.get("replicas"),
                 "ids": self._ids, "weights": digest.hexdigest(), "loss": record["loss"]}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+class Pace(TrainerCallback):
+    """Each step lasts at least `seconds` (a sleep after it) until the file `until` exists: a run that lasts
+    through what a test does to it meanwhile however fast the machine steps, and that then finishes at full
+    speed. Not a synchronisation: the test waits on the run's own records, never on this pace."""
+
+    def __init__(self, seconds: float, until: str) -> None:
+        self.seconds, self.until = seconds, Path(until)
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if not self.until.exists():
+            time.sleep(self.seconds)
+
+
+class StallOnce(TrainerCallback):
+    """Replica group `group` sleeps `seconds` after the first step from `step` on that `replicas` groups
+    trained, once in the run (a marker file holds that step): longer than a quorum waits for a live group
+    (trainers/fault_tolerance.py: LIGHTHOUSE's join timeout), so the others train on without it (they are more
+    than half of the groups) and it heals from one of them at its next quorum, in the same process."""
+
+    def __init__(self, group: int, step: int, seconds: float, replicas: int) -> None:
+        self.group, self.step, self.seconds, self.replicas = group, step, seconds, replicas
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        marker = trainer.run_dir / "replicas" / "stalled"
+        if (trainer.step >= self.step and record.get("replicas") == self.replicas and not marker.exists()
+                and int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0")) == self.group):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(str(trainer.step))
+            time.sleep(self.seconds)

@@ -1,7 +1,9 @@
 """Per-step fault tolerance (`scaling.fault_tolerance: per_step`, torchft replica groups on Ray Train): a worker
 of one of three groups SIGKILLed inside a step; the others train on in the same processes, Ray replaces that
-group alone, and it heals from a live group's memory. Every committed step trains its samples once, and the
-losses are those of a run that lost nothing (a single process, the same global batch)."""
+group alone, and it heals from a live group's memory. Later the records' writer (group 0) stalls past the
+quorum's wait: the others train on and it heals in the same process. Every group holds the same weights after
+every step it committed, every committed step trains its samples once, and the losses are those of a run that
+lost nothing (a single process, the same global batch)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from trainers.metrics import read_metrics
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.alone]  # a bound on the survivors' gap (3 s)
 
 STEPS, KILL_STEP, GROUPS, BATCH = 300, 40, 3, 24
+STALL_S = 2.5  # > the quorum's wait for a live group (1 s)
 FT = {"fault_tolerance": "per_step", "num_workers": GROUPS, "cpus_per_worker": 0.5, "max_failures": 3}
 TRAIN = {"steps": STEPS, "eval_every": 100, "global_batch_size": BATCH, "micro_batch_size": 4}
 
 
 def _replica_lines(run_dir: Path) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
-    for path in sorted((run_dir / "replicas").glob("group*.jsonl")):
+    for path in sorted((run_dir / "replicas").glob("group?.jsonl")):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         out[lines[0]["group"]] = lines
     return out
@@ -39,7 +42,10 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
     run.write_text(yaml.safe_dump(tiny_raw(corpus_dir, run_dir, parallel={"engine": "ddp"}, scaling=FT,
                                            train=TRAIN, checkpoint={"every": 50})))
     hook = f"tests.ray.hooks:ReplicaLog(kill_step={KILL_STEP}, kill_group=1)"
-    assert main(["train", str(run), "--no-progress", "--callback", hook]) == 0
+    # Once all three train again, the writer of the records (group 0) stalls past the quorum's wait: it
+    # heals from a live group in the same process, and the records go on without it meanwhile.
+    stall = f"tests.ray.hooks:StallOnce(group=0, step={KILL_STEP + 1}, seconds={STALL_S}, replicas={GROUPS})"
+    assert main(["train", str(run), "--no-progress", "--callback", hook, "--callback", stall]) == 0
     out = capsys.readouterr()
     console = out.out + out.err  # the progress lines go to stderr
 
@@ -52,13 +58,27 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
 
     lines = _replica_lines(run_dir)
     killed_pid = int((run_dir / "replicas" / "killed").read_text())
+    stalled = int((run_dir / "replicas" / "stalled").read_text())
     for group in (0, 2):  # the survivors: the same processes from their first step to the last
         assert len({r["pid"] for r in lines[group]}) == 1, f"group {group} was restarted"
         steps = [r["step"] for r in lines[group]]
         assert steps == sorted(set(steps)) and steps[-1] == STEPS
-        times = [r["time"] for r in lines[group] if r["step"] >= 5]  # after the start's joins
-        gap = max(b - a for a, b in zip(times, times[1:]))
+        # after the start's joins; group 0's own stall aside
+        pairs = [(a, b) for a, b in zip(lines[group], lines[group][1:])
+                 if a["step"] >= 5 and not (group == 0 and a["step"] == stalled)]
+        gap = max(b["time"] - a["time"] for a, b in pairs)
         assert gap < 3.0, f"group {group}'s longest gap between committed steps: {gap:.2f} s"
+    # Every group holds the same weights after each step it committed, bit for bit: those healed in a new
+    # process (group 1) and in the same one (group 0, after its stall) alike.
+    weights = {}
+    for group in lines.values():
+        for r in group:
+            assert weights.setdefault(r["step"], r["weights"]) == r["weights"], f"step {r['step']}: weights differ"
+    behind = [r["step"] for r in lines[0] if r["step"] > stalled][0]
+    assert behind > stalled + 1, "group 0 sat out the steps of its stall"
+    events = read_metrics(run_dir / "metrics.jsonl", "event")
+    assert [(e["group"], e["step"]) for e in events if e["event"] == "healed" and e["group"] == 0
+            and e["step"] > stalled] == [(0, behind - 1)], "group 0 healed once, in the quorum after its stall"
     old = [r for r in lines[1] if r["pid"] == killed_pid]
     new = [r for r in lines[1] if r["pid"] != killed_pid]
     assert old and old[-1]["step"] == KILL_STEP - 1, "group 1 died inside step KILL_STEP"
@@ -67,8 +87,7 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
     first = new[0]
     peer = next(r for r in lines[0] if r["step"] == first["step"])
     assert first["weights"] == peer["weights"]
-    (healed,) = [e for e in read_metrics(run_dir / "metrics.jsonl", "event")
-                 if e["event"] == "healed" and e["group"] == 1 and e["step"] >= KILL_STEP]
+    (healed,) = [e for e in events if e["event"] == "healed" and e["group"] == 1 and e["step"] >= KILL_STEP]
     assert healed["from_group"] in (0, 2)
     assert "lost a replica group; the others train on: 3 -> 2 groups" in console
     assert "replica group 1 healed from group" in console

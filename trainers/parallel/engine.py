@@ -169,6 +169,11 @@ class Engine:
     def begin_step(self) -> None:
         """Before a step reads its samples (its quorum: `dp_rank`/`dp_size` may change)."""
 
+    def take_heal(self) -> dict[str, Any] | None:
+        """A heal in a step's quorum since the last call (a group that fell behind the others: a straggler, or
+        one cut off and back): from which group, at which step, how long. The first quorum's is `join`'s."""
+        return None
+
     def should_commit(self) -> bool:
         """After the step's gradients are averaged: False, and the step is trained again."""
         return True

@@ -49,6 +49,7 @@ class ReplicaGroupEngine(Engine):
         self._loss: torch.Tensor | None = None
         self._quorum_ahead = False
         self.healed_from: dict[str, Any] | None = None  # the last heal: from which group, at which step, how long
+        self._heal: dict[str, Any] | None = None  # a heal in a step's quorum, not yet taken (`take_heal`)
 
     @property
     def world_size(self) -> int:  # the live workers: one per live group
@@ -119,15 +120,12 @@ class ReplicaGroupEngine(Engine):
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
             max_retries=MAX_UNCOMMITTED,
         )
-        start = time.perf_counter()
         self.begin_step()
         # This quorum is the first step's: the groups in it train that step together next (a second quorum
         # here would wait for groups that are inside the step, waiting for this one).
         self._quorum_ahead = True
-        if self.healed_from is None:
-            return False
-        self.healed_from.update(step=self.manager.current_step(), heal_s=round(time.perf_counter() - start, 4))
-        return True
+        self._heal = None  # told by this return, not by `take_heal`
+        return self.healed_from is not None
 
     def committed_step(self, step: int) -> None:
         """The step this group restored from disk (the quorum's step from now on)."""
@@ -139,10 +137,18 @@ class ReplicaGroupEngine(Engine):
         if self._quorum_ahead:  # the one `join` formed
             self._quorum_ahead = False
             return
+        start, before = time.perf_counter(), self.healed_from
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         self.dp_rank, self.dp_size = (rank if rank is not None else 0), self.manager.num_participants()
         self._main = rank == 0
+        if self.healed_from is not before:  # behind the others (a new group, a straggler, one cut off and back)
+            self.healed_from.update(step=self.manager.current_step(), heal_s=round(time.perf_counter() - start, 4))
+            self._heal = self.healed_from
+
+    def take_heal(self) -> dict[str, Any] | None:
+        heal, self._heal = self._heal, None
+        return heal
 
     def should_commit(self) -> bool:
         return self.manager.should_commit()
