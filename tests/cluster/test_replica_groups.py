@@ -71,29 +71,33 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
                          "--callback", f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(unpaced)!r})")
     h3 = tier.hosts["h3"]
 
-    def healed() -> int:
-        return driver.text().count("healed from group")
-
     def full_size_after(step: int):
         return lambda rows: any(r["replicas"] == 2 and r["step"] > step for r in rows)
 
+    def h3_pids() -> set[int]:
+        return {x["pid"] for x in _replica_lines(run_dir) if x["host"] == "h3"}
+
     _wait_rows(driver, run_dir, full_size_after(10), "10 steps on two groups")
+    before_kill = h3_pids()
     t_kill = time.time()
     h3.kill()
     driver.wait_line("raytrain: lost host h3", timeout=WAIT_S)
     h3.start()
     tier.ray.start_worker("h3")
-    _wait_for(lambda: healed() >= 1 or driver.proc.poll() is not None, WAIT_S, "the group on h3 to heal")
+    _wait_for(lambda: h3_pids() - before_kill or driver.proc.poll() is not None, WAIT_S, "a new group on h3")
     _wait_rows(driver, run_dir, lambda rows: rows and rows[-1]["replicas"] == 2, "two groups again")
     kill_back = _rows(run_dir)[-1]["step"]
 
     _wait_rows(driver, run_dir, full_size_after(kill_back + 10), "10 steps on two groups after the kill")
+    before_cut = h3_pids()
     t_cut = time.time()
     h3.cut()
     _wait_for(lambda: driver.text().count("raytrain: lost host h3") >= 2 or driver.proc.poll() is not None,
               WAIT_S, "Ray to declare the cut-off h3 lost")
     h3.heal()
-    _wait_for(lambda: healed() >= 2 or driver.proc.poll() is not None, WAIT_S, "the group on h3 to heal again")
+    # The cut-off process may rejoin and heal in place first; Ray ends it (its node was declared dead), the
+    # host's Ray starts again and a new group is placed there: the run is paced until that one trains.
+    _wait_for(lambda: h3_pids() - before_cut or driver.proc.poll() is not None, WAIT_S, "a new group on h3")
     _wait_rows(driver, run_dir, lambda rows: rows and rows[-1]["replicas"] == 2, "two groups after the cut")
     assert _rows(run_dir)[-1]["step"] < STEPS - 20, "the pace did not last through both faults"
     unpaced.touch()
@@ -133,7 +137,7 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     # On h3, a process after the kill (and, after the cut, the cut-off one back in the quorum, healed in
     # place, until its Ray learns it was declared dead, and one Ray starts then): each holds h2's weights
     # after every step it committed, bit for bit.
-    assert len({x["pid"] for x in lost}) >= 2
+    assert len({x["pid"] for x in lost}) >= 3  # the first, one after the kill, one after the cut
     at = {x["step"]: x["weights"] for x in survivor}
     assert [x["step"] for x in lost if x["weights"] != at[x["step"]]] == [], "h3's group drifted from h2's"
 
