@@ -109,9 +109,15 @@ def torchft_config(
 
         def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
             # Ray's, with the lighthouse's Rust log at `log_level` (at INFO it prints every quorum of every
-            # step on the driver's console): made here first, Ray's method then reads its address.
+            # step on the driver's console): made here first, Ray's method then reads its address. It asks for
+            # no CPU, as Ray Train's own controller beside it does: the driver's node may have none (clusters/
+            # start the head with --num-cpus=0). Without it the cluster tier's whole run failed once, its
+            # controller told "The actor is not schedulable: The node specified via
+            # NodeAffinitySchedulingStrategy doesn't exist any more or is infeasible" (the same test alone had
+            # passed three times, and a local Ray of 0 CPUs placed such an actor: the cause is not pinned down).
             if self.lighthouse_actor is None:
                 self.lighthouse_actor = LighthouseServerActor.options(
+                    num_cpus=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(
                         node_id=ray.get_runtime_context().get_node_id(), soft=False
                     ),
