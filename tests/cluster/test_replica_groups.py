@@ -33,7 +33,7 @@ from trainers.metrics import read_metrics
 
 pytestmark = pytest.mark.cluster
 
-STEPS, BATCH, PACE_S = 1200, 8, 0.25
+STEPS, BATCH, PACE_S = 1200, 8, 0.4  # paced: 480 s at most, for ~110 s of faults and waits here
 # What Ray and torchft take here (2 cores, idle): a killed host is noticed by its peers' sockets at once and
 # by Ray in ~10 s (clusters/local.yaml's health checks); a cut-off one by torchft after its collectives'
 # timeout; a booted host's Ray joins and a group is placed, imports and heals in ~20 s.
