@@ -29,7 +29,7 @@ from trainers.data.dataset import GlobalSampler, TokenWindows, eval_window_ids, 
 from trainers.hf.pretrained import load_pretrained, materialize
 from trainers.host_memory import hold_freed_heap, release_freed_heap
 from trainers.loss import lm_loss
-from trainers.metrics import MetricsLog, peak_memory_bytes
+from trainers.metrics import MetricsLog, peak_memory_bytes, read_metrics
 from trainers.models import build_model, flops_per_token
 from trainers.optim import LRSchedule
 from trainers.parallel import build_engine
@@ -385,14 +385,19 @@ class Trainer:
         now alone in its quorum, so no live group is ahead to heal from: the others finished the run, or were
         all lost. Were it to train on from its own step, the steps the others committed would be trained and
         recorded twice; it goes on from the run's newest committed checkpoint instead when that is ahead of it
-        (the run's end, when the others finished), as a group Ray starts then would."""
+        (the run's end, when the others finished), as a group Ray starts then would. With none ahead (the others
+        finished between two checkpoints, `checkpoint.final: false`) it trains their steps after its own again,
+        and their rows give way to its own (each step once in the records, as after a restart)."""
         was, now = self._replicas, self.engine.replicas
         if now != 1 or was is None or was <= 1:
             return False
         newest = self.checkpointer.latest()
+        self.log.set_writer(self.engine.is_main)  # alone: its records are the run's
         if newest is None or checkpoint_step(newest) <= self.step:
+            written = read_metrics(self.log.path, "train")
+            if written and written[-1]["step"] > self.step:
+                self.log.resume_from(self.step)
             return False
-        self.log.set_writer(self.engine.is_main)  # alone: its resume is the run's record
         self._restore(newest, [])
         self.engine.committed_step(self.step)
         self._replicas = 1

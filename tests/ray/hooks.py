@@ -357,13 +357,22 @@ class StallOnce(TrainerCallback):
     (trainers/fault_tolerance.py: LIGHTHOUSE's join timeout), so the others train on without it (they are more
     than half of the groups) and it heals from one of them at its next quorum, in the same process."""
 
-    def __init__(self, group: int, step: int, seconds: float, replicas: int) -> None:
+    def __init__(self, group: int, step: int, seconds: float, replicas: int, until_recorded: int = 0) -> None:
         self.group, self.step, self.seconds, self.replicas = group, step, seconds, replicas
+        self.until_recorded = until_recorded  # and then until metrics.jsonl has this step (the others' end)
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        from trainers.metrics import read_metrics
+
         marker = trainer.run_dir / "replicas" / "stalled"
         if (trainer.step >= self.step and record.get("replicas") == self.replicas and not marker.exists()
                 and int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0")) == self.group):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(str(trainer.step))
             time.sleep(self.seconds)
+            deadline = time.monotonic() + HOLD_TIMEOUT_S
+            while self.until_recorded and not any(
+                    r["step"] >= self.until_recorded for r in read_metrics(trainer.run_dir / "metrics.jsonl", "train")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"step {self.until_recorded} not recorded in {HOLD_TIMEOUT_S:.0f}s")
+                time.sleep(0.1)  # polling a file the other groups write

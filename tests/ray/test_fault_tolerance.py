@@ -111,3 +111,31 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
     want = {r["step"]: r["loss"] for r in read_metrics(ref_dir / "metrics.jsonl", "train")}
     got = {r["step"]: r["loss"] for r in rows}
     assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["final-checkpoint", "no-final-checkpoint"])
+def test_a_group_left_behind_by_the_others_end_records_no_step_twice(ray_local, corpus_dir, tmp_path, final):
+    """Group 1 stalls after step 101 until the other two have finished the run's 120 steps: alone and behind,
+    it goes on from the final checkpoint, or, with none after step 100, trains the last steps again (its rows
+    replacing theirs). Each step once in metrics.jsonl, with one process's losses."""
+    steps, run_dir = 120, tmp_path / "run"
+    train = {**TRAIN, "steps": steps, "eval_every": 0}
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(tiny_raw(corpus_dir, run_dir, parallel={"engine": "ddp"}, scaling=FT,
+                                           train=train, checkpoint={"every": 50, "final": final})))
+    stall = f"tests.ray.hooks:StallOnce(group=1, step=101, seconds=0, replicas={GROUPS}, until_recorded={steps})"
+    assert main(["train", str(run), "--no-progress", "--callback", stall]) == 0
+    stalled = int((run_dir / "replicas" / "stalled").read_text())
+    rows = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "each step once in metrics.jsonl"
+    resumes = [e["step"] for e in read_metrics(run_dir / "metrics.jsonl", "event") if e["event"] == "resume"]
+    if final:  # restored at the end: nothing trained again
+        assert resumes == [steps]
+    else:  # the steps after its own trained again, by it alone
+        assert resumes == [] and {r["replicas"] for r in rows if r["step"] > stalled} == {1}
+
+    ref_dir = tmp_path / "reference"
+    ref = parse_config(tiny_raw(corpus_dir, ref_dir, train=train, checkpoint={"every": 0, "final": False}))
+    run_local(ref, progress=False)
+    want = {r["step"]: r["loss"] for r in read_metrics(ref_dir / "metrics.jsonl", "train")}
+    assert {r["step"]: r["loss"] for r in rows} == pytest.approx(want, rel=1e-5)
