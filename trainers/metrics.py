@@ -130,13 +130,7 @@ class MetricsTail:
             return []
         complete = data[: data.rfind(b"\n") + 1]
         self.offset += len(complete)
-        rows = []
-        for line in complete.decode().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # cut by a kill mid-write: the restart rewrites the log
-                continue
-        return rows
+        return _parse(complete)  # a row cut by a kill mid-write is skipped: the restart rewrites the log
 
 
 class MetricsSink(Protocol):
