@@ -27,6 +27,16 @@ def _write_atomic(path: Path, text: str) -> None:
     write_text_atomic(path, text)
 
 
+def _wait_until(done, what: str, every_s: float = 0.1) -> None:
+    """Poll `done()` (a file or a tracker another thread or process moves) until it holds, or fail after
+    HOLD_TIMEOUT_S saying `what` did not happen."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {HOLD_TIMEOUT_S:.0f}s")
+        time.sleep(every_s)
+
+
 def _hold(what: str) -> None:
     """Wait to be stopped from outside (a kill, or Ray tearing the group down for a resize)."""
     deadline = time.monotonic() + HOLD_TIMEOUT_S
@@ -109,11 +119,8 @@ class KillMeAtStep(TrainerCallback):
         if trainer.step != self.step or _rank() != self.rank or pid_file.exists():
             return
         if self.after_commit is not None:
-            deadline = time.monotonic() + HOLD_TIMEOUT_S
-            while _committed_step(trainer) < self.after_commit:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"step {self.after_commit}'s checkpoint not committed in {HOLD_TIMEOUT_S:.0f}s")
-                time.sleep(0.05)
+            _wait_until(lambda: _committed_step(trainer) >= self.after_commit,
+                        f"step {self.after_commit}'s checkpoint was not committed", every_s=0.05)
         _write_atomic(pid_file.with_name(f"rank{self.rank}.step"), str(trainer.step))
         _write_atomic(pid_file, str(os.getpid()))
         _hold(f"waiting for SIGKILL at step {trainer.step}")
@@ -162,12 +169,8 @@ class KillMeAfterExploit(TrainerCallback):
 def _tracked_up_to(trainer: Trainer, step: int) -> None:
     """Wait until each tracker of the run (trainers.tracking.TrackingSink) has `step` and what came before it
     (the exploit's record): a kill then lands after the tracker had them, whatever the machine's pace."""
-    deadline = time.monotonic() + HOLD_TIMEOUT_S
-    for sink in (s for s in trainer.log.sinks if hasattr(s, "sent_step")):
-        while sink.sent_step < step:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the tracker did not take step {step} within {HOLD_TIMEOUT_S:.0f}s")
-            time.sleep(0.1)
+    sinks = [s for s in trainer.log.sinks if hasattr(s, "sent_step")]
+    _wait_until(lambda: all(s.sent_step >= step for s in sinks), f"the tracker did not take step {step}")
 
 
 class WaitForReports(TrainerCallback):
@@ -370,9 +373,7 @@ class StallOnce(TrainerCallback):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(str(trainer.step))
             time.sleep(self.seconds)
-            deadline = time.monotonic() + HOLD_TIMEOUT_S
-            while self.until_recorded and not any(
-                    r["step"] >= self.until_recorded for r in read_metrics(trainer.run_dir / "metrics.jsonl", "train")):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"step {self.until_recorded} not recorded in {HOLD_TIMEOUT_S:.0f}s")
-                time.sleep(0.1)  # polling a file the other groups write
+            if self.until_recorded:  # polling the file the other groups write
+                _wait_until(lambda: any(r["step"] >= self.until_recorded
+                                        for r in read_metrics(trainer.run_dir / "metrics.jsonl", "train")),
+                            f"step {self.until_recorded} was not recorded")
