@@ -199,6 +199,7 @@ def build_trainer(
 
     cfg = run_config_for_workers(cfg)
     s = cfg.scaling
+    backend = "nccl" if s.use_gpu else "gloo"
     num_workers: int | tuple[int, int] = (s.min_workers, s.max_workers) if s.elastic else s.sizes.start
     scaling = ray.train.ScalingConfig(
         num_workers=num_workers,
@@ -229,9 +230,8 @@ def build_trainer(
             "loop": loop,
             "ray_log_level": ray_log_level,
         },
-        torch_config=(replica_groups_config if per_step(cfg) else NodeAddressTorchConfig)(
-            backend="nccl" if s.use_gpu else "gloo"
-        ),
+        torch_config=replica_groups_config(backend, s.workers_per_group) if per_step(cfg)
+        else NodeAddressTorchConfig(backend=backend),
         scaling_config=scaling,
         run_config=run,
     )

@@ -61,21 +61,21 @@ def _pin_every_worker(worker_group: Any) -> None:
     worker_group.execute(pin_gloo_interface)
 
 
-def name_replica_group() -> None:
-    """In a Train worker of a per-step fault-tolerant run, before its Trainer: its replica group (its world
-    rank: one worker a group) and the address torchft's manager gives its peers (the node's Ray address, as
+def name_replica_group(workers_per_group: int) -> None:
+    """In a Train worker of a per-step fault-tolerant run, before its Trainer: its replica group (Ray ranks the
+    workers group by group) and the address torchft's manager gives its peers (the node's Ray address, as
     gloo's above)."""
     import ray
     import ray.train
 
     from trainers.fault_tolerance import GROUP_ENV, HOST_ENV
 
-    os.environ[GROUP_ENV] = str(ray.train.get_context().get_world_rank())
+    os.environ[GROUP_ENV] = str(ray.train.get_context().get_world_rank() // workers_per_group)
     os.environ[HOST_ENV] = ray.util.get_node_ip_address()
 
 
-def replica_groups_config(backend: str) -> Any:
+def replica_groups_config(backend: str, workers_per_group: int) -> Any:
     """Ray Train's torchft config for `scaling.fault_tolerance: per_step` (`trainers.fault_tolerance`)."""
     from trainers.fault_tolerance import LIGHTHOUSE
 
-    return ray_compat.torchft_config(_pin_every_worker, LIGHTHOUSE, backend)
+    return ray_compat.torchft_config(_pin_every_worker, LIGHTHOUSE, backend, group_size=workers_per_group)

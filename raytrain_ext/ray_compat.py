@@ -6,6 +6,7 @@ pyproject.toml's range (RAY_VERSIONS_READ); differences between them are shimmed
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -91,11 +92,15 @@ def has_torchft_config() -> bool:
 
 
 def torchft_config(
-    before_start: Callable[[Any], None], lighthouse: dict[str, Any], backend: str, log_level: str = "warn"
+    before_start: Callable[[Any], None],
+    lighthouse: dict[str, Any],
+    backend: str,
+    log_level: str = "warn",
+    group_size: int = 1,
 ) -> Any:
-    """Ray Train's `TorchftConfig` (a torchft lighthouse on the driver's node, one replica group per worker,
-    a failed group replaced alone) whose backend runs `before_start(group)` before each group's process
-    group: at the start, on all of them, and on a group that replaces a lost one."""
+    """Ray Train's `TorchftConfig` (a torchft lighthouse on the driver's node, replica groups of `group_size`
+    workers, a failed group replaced alone) whose backend runs `before_start(group)` before each group's
+    process group: at the start, on all of them, and on a group that replaces a lost one."""
     # ray/train/v2/torch/torchft_config.py: `_TorchftBackend.on_start(worker_group, backend_config)` starts the
     # lighthouse, then each replica group's process group; `TorchftConfig.backend_cls` names the backend.
     import ray
@@ -103,6 +108,15 @@ def torchft_config(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     class Backend(_TorchftBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            replica_groups_of(group_size)
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            # Unpickled in Ray Train's controller (the driver made it), where the worker groups are made.
+            self.__dict__.update(state)
+            replica_groups_of(group_size)
+
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
             before_start(worker_group)
             super().on_start(worker_group, backend_config)
@@ -131,6 +145,57 @@ def torchft_config(
             return Backend
 
     return Config(lighthouse_kwargs=dict(lighthouse), backend=backend)
+
+
+# ray/train/v2/_internal/execution/worker_group/worker_group.py (Ray 2.60): `WorkerGroup._start_impl` makes replica
+# groups of one worker ("TODO: change after we support replica groups of size > 1"): `_create_workers(...,
+# replica_group_size=1)` ranks the workers (local ranks per node and group), then one `ReplicaGroup` per worker is
+# kept in `_replica_groups` (with `_worker_rank_to_replica_group_rank`, which the controller's failure handling
+# reads) before `_init_train_context`; `_replace_replica_group_impl` makes a lost group's workers again with
+# `starting_world_rank=<group index>`, `world_size=<groups>`, `replica_group_size=<its workers>`. The rest is
+# written for groups of any size: `_assign_worker_ranks` groups the ranked workers in runs of `replica_group_size`,
+# the torch backend starts one process group per `ReplicaGroup` (ranks 0..size-1, its own MASTER_ADDR), and a
+# failed worker's whole group is replaced. These three places are given the run's size here.
+WORKER_GROUP_PATCH = "_raytrain_replica_group_size"
+
+
+def replica_groups_of(size: int) -> None:
+    """In Ray Train's controller process: its worker groups form replica groups of `size` workers."""
+    from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
+
+    if getattr(WorkerGroup, WORKER_GROUP_PATCH, 1) == size:
+        return
+    create, init = WorkerGroup._create_workers, WorkerGroup._init_train_context
+    create, init = getattr(create, "__wrapped__", create), getattr(init, "__wrapped__", init)  # Ray's own
+    if size == 1:
+        WorkerGroup._create_workers, WorkerGroup._init_train_context = create, init
+        setattr(WorkerGroup, WORKER_GROUP_PATCH, 1)
+        return
+
+    @functools.wraps(create)
+    def _create_workers(self, num_workers, placement_group, resources_per_worker, placement_group_bundle_indices=None,
+                        starting_world_rank=0, world_size=None, replica_group_size=None):
+        if replica_group_size == 1 and world_size is None:  # the whole group's start
+            replica_group_size = size
+        elif replica_group_size == size and world_size is not None:  # a lost group's workers again: its index
+            starting_world_rank, world_size = starting_world_rank * size, world_size * size
+        return create(self, num_workers, placement_group, resources_per_worker, placement_group_bundle_indices,
+                      starting_world_rank, world_size, replica_group_size)
+
+    @functools.wraps(init)
+    def _init_train_context(self, workers, sync_actor):
+        groups = self._replica_groups
+        if groups and len(groups) == len(workers) > size:  # the start's groups of one worker each
+            callbacks, resources = self._replica_group_callbacks, self._worker_group_context.resources_per_worker
+            self._replica_groups = [ReplicaGroup(list(workers[i:i + size]), resources, callbacks)
+                                    for i in range(0, len(workers), size)]
+            self._worker_rank_to_replica_group_rank = {
+                w.distributed_context.world_rank: i for i, g in enumerate(self._replica_groups) for w in g.get_workers()
+            }
+        return init(self, workers, sync_actor)
+
+    WorkerGroup._create_workers, WorkerGroup._init_train_context = _create_workers, _init_train_context
+    setattr(WorkerGroup, WORKER_GROUP_PATCH, size)
 
 
 # ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py: Ray Train's elastic scaling policy

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from raytrain_ext import ray_compat
 from trainers._base import ConfigError
 from trainers.config import RunConfig
-from trainers.fault_tolerance import check_fault_tolerance, per_step
+from trainers.fault_tolerance import check_fault_tolerance, group_world_sizes, per_step
 from trainers.layout import check_world_sizes
 from trainers.preflight import check_inputs
 from trainers.resume import check_resume
@@ -38,8 +38,8 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
     check_resume(cfg, check_inputs(cfg))
     for spec in callbacks:
         _check_callback(spec)
-    check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are of one worker each
-    check_world_sizes(cfg, range(1, 2) if per_step(cfg) else cfg.scaling.sizes)
+    check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are its replica groups'
+    check_world_sizes(cfg, group_world_sizes(cfg))
     if per_step(cfg) and not ray_compat.has_torchft_config():
         import ray
 

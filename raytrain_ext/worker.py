@@ -181,7 +181,7 @@ def train_fn(config: dict[str, Any]) -> None:
     # would hold; the run dir's committed checkpoints are the record (Ray is given none).
     report = [] if per_step(cfg) else [ReportToRay()]
     if per_step(cfg):
-        name_replica_group()
+        name_replica_group(cfg.scaling.workers_per_group)
     try:
         users = [load_callback(spec) for spec in config.get("callbacks", [])]
         run_local(

@@ -300,10 +300,13 @@ class ScalingConfig(StrictModel):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts after a failure (-1 = unlimited)
     resize_check_s: PositiveFloat = 60.0  # how often an elastic run looks for room to grow
     placement_timeout_s: PositiveFloat = 600.0  # no worker placed within this long: end with what was asked
-    # none: a lost worker restarts the whole group from the newest committed checkpoint. per_step: each worker
-    # is a torchft replica group; the others train on through a loss and a new one heals from a peer's memory
+    # none: a lost worker restarts the whole group from the newest committed checkpoint. per_step: the workers
+    # form torchft replica groups; the others train on through a loss and a new one heals from a peer's memory
     # (`pip install 'raytrain-ext[ft]'`; rules and semantics: trainers/fault_tolerance.py, docs/ray-and-elasticity.md)
     fault_tolerance: Literal["none", "per_step"] = "none"
+    # per_step: the workers of each replica group, which hold the model's FSDP shards (parallel.engine=fsdp);
+    # 1: each worker a group
+    workers_per_group: PositiveInt = 1
 
     @model_validator(mode="after")
     def _sizes(self) -> ScalingConfig:

@@ -1,22 +1,26 @@
 """Per-step fault tolerance (`scaling.fault_tolerance: per_step`): the rules a run must meet, checked before any
 worker starts, and the numbers the replica groups run on.
 
-Each Ray worker is one torchft replica group (Ray 2.60's `TorchftConfig` makes groups of one worker), holding
-the whole model; torchft averages the groups' gradients every step and commits the step only where every
-live group says so (`Manager.should_commit`). What that means for a run:
+The workers form torchft replica groups of `scaling.workers_per_group` (default 1): a group of one worker holds
+the whole model (`parallel.engine: ddp`); a group of several shards it with FSDP2 over its own process group
+(`parallel.engine: fsdp`), as a run of that many workers would. torchft averages the groups' gradients every step
+(each worker's shards with the same worker of every other group) and commits the step only where every live group
+says so (`Manager.should_commit`). A lost worker takes its group down, and Ray replaces the group whole (Ray 2.60
+ranks groups of one: `raytrain_ext.ray_compat.replica_groups_of` gives its worker group the run's size). What that
+means for a run:
 
 - **Batch.** The global batch is kept whatever the number of live groups: step `t` trains samples
-  `[tB, (t+1)B)` of the run's order, split evenly over the groups in that step's quorum, each taking more
-  micro-batches when there are fewer of them. So `train.global_batch_size` must split over any count from 1 to
-  `scaling.num_workers` (`check_fault_tolerance`).
+  `[tB, (t+1)B)` of the run's order, split evenly over the workers of the groups in that step's quorum, each
+  taking more micro-batches when there are fewer of them. So `train.global_batch_size` must split over the
+  workers of any count of groups from 1 to all (`check_fault_tolerance`).
 - **Data order.** A step that does not commit (a group was lost inside it) is trained again, with the same
   samples, by the groups of the next quorum: no sample is skipped or trained twice in a committed step.
 - **Healing.** A group Ray starts in place of a lost one joins the quorum before it reads a checkpoint; when
   the others are ahead it takes weights, optimizer state, step, RNG and loss scale from a live group's memory
-  (torchft's transport over its process group), else (the whole run starting) every group restores the run's
+  (torchft's transport over its process group; each worker its shards, from the same rank), else (the whole run starting) every group restores the run's
   newest committed checkpoint, as a resumed run does.
-- **Records.** The live group with the lowest index writes metrics.jsonl (each committed step once, with
-  `replicas`, the groups that trained it) and the checkpoints; disk checkpoints stay the record of the run.
+- **Records.** The live group with the lowest index writes metrics.jsonl (its first worker: each committed step
+  once, with `replicas`, the groups that trained it) and the checkpoints (all its workers: a sharded save); disk checkpoints stay the record of the run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ __all__ = [
     "GROUP_ENV",
     "HOST_ENV",
     "LIGHTHOUSE",
+    "SUPPORTED_ENGINES",
     "check_fault_tolerance",
+    "group_world_sizes",
     "per_step",
     "refuse_without_ray",
 ]
@@ -50,42 +56,65 @@ LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms"
 TIMEOUT_S = 30.0  # torchft's collectives, commit votes and state transfers (a cut-off peer: this long)
 
 
+SUPPORTED_ENGINES = ("ddp", "fsdp")  # inside a replica group: the whole model, or FSDP2 over the group's workers
+
+
 def per_step(cfg) -> bool:
     return cfg.scaling.fault_tolerance == "per_step"
 
 
 def check_fault_tolerance(cfg) -> None:
     """The rules of a per-step fault-tolerant run, each refused in one line naming the field and the fix."""
+    s = cfg.scaling
     if not per_step(cfg):
+        if s.workers_per_group != 1:
+            raise ConfigError(
+                f"scaling.workers_per_group={s.workers_per_group} without scaling.fault_tolerance=per_step: only a "
+                f"per-step fault-tolerant run has replica groups; fix: scaling.fault_tolerance=per_step, or drop "
+                f"scaling.workers_per_group"
+            )
         return
     key = "scaling.fault_tolerance=per_step"
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError(f"{key} needs torchft, which is not installed; fix: {FT_EXTRA}")
-    p, s = cfg.parallel, cfg.scaling
-    if p.engine != "ddp" or max(p.pp, p.tp, p.ep) > 1:
+    p, k = cfg.parallel, s.workers_per_group
+    if p.engine not in SUPPORTED_ENGINES or max(p.pp, p.tp, p.ep) > 1:
         raise ConfigError(
-            f"parallel.engine={p.engine} (pp {p.pp}, tp {p.tp}, ep {p.ep}) with {key}: each replica group is one "
-            f"Ray worker holding the whole model (Ray's torchft groups have one worker), so there is nothing to "
-            f"shard inside a group; fix: parallel.engine=ddp with pp, tp and ep 1, or scaling.fault_tolerance=none"
+            f"parallel.engine={p.engine} (pp {p.pp}, tp {p.tp}, ep {p.ep}) with {key}: a replica group holds the "
+            f"whole model in one worker (ddp) or sharded over its workers by FSDP (fsdp); fix: parallel.engine=ddp "
+            f"or fsdp with pp, tp and ep 1, or scaling.fault_tolerance=none"
+        )
+    if p.engine == "ddp" and k > 1:
+        raise ConfigError(
+            f"scaling.workers_per_group={k} with parallel.engine=ddp and {key}: {k} whole copies of the model in "
+            f"one group train as {k} groups of one would, but a lost worker takes all {k} down; fix: "
+            f"parallel.engine=fsdp to shard the model over a group's workers, or scaling.workers_per_group=1"
         )
     if s.elastic:
         raise ConfigError(
             f"scaling.min_workers/max_workers with {key}: a lost replica group is replaced in place, at the same "
             f"size; fix: scaling.num_workers=N, or scaling.fault_tolerance=none for an elastic run"
         )
-    groups = s.sizes.start
+    workers = s.sizes.start
+    if workers % k:
+        raise ConfigError(
+            f"scaling.num_workers={workers} with scaling.workers_per_group={k}: the workers must fill whole replica "
+            f"groups; fix: scaling.num_workers={max(2, workers // k) * k}"
+        )
+    groups = workers // k
     if groups < 2:
         raise ConfigError(
-            f"scaling.num_workers={groups} with {key}: one replica group has no peer to train on through its "
-            f"loss or to heal from; fix: scaling.num_workers=2 or more"
+            f"scaling.num_workers={workers} with {key} (groups of {k}): one replica group has no peer to train on "
+            f"through its loss or to heal from; fix: scaling.num_workers={2 * k} or more"
         )
     t = cfg.train
     for live in range(1, groups + 1):
-        if t.global_batch_size % (t.micro_batch_size * live):
+        if t.global_batch_size % (t.micro_batch_size * live * k):
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} with {key}: the global batch is kept when groups "
-                f"are lost, so it must split into micro-batches of {t.micro_batch_size} over any {live} of the "
-                f"{groups} groups; fix: a global batch that is a multiple of {t.micro_batch_size * _lcm(groups)}"
+                f"are lost, so it must split into micro-batches of {t.micro_batch_size} over the {k} worker(s) of "
+                f"any {live} of the {groups} groups; fix: a global batch that is a multiple of "
+                f"{t.micro_batch_size * k * _lcm(groups)}"
             )
     if cfg.tracking.mlflow is not None or cfg.tracking.wandb is not None:
         raise ConfigError(
@@ -111,6 +140,11 @@ def refuse_without_ray(cfg, how: str) -> None:
 
 def replica_group() -> int:
     return int(os.environ.get(GROUP_ENV, "0"))
+
+
+def group_world_sizes(cfg) -> range:
+    """The process-group sizes a run's workers may see: a per-step run's are its replica groups'."""
+    return range(cfg.scaling.workers_per_group, cfg.scaling.workers_per_group + 1) if per_step(cfg) else cfg.scaling.sizes
 
 
 def _lcm(n: int) -> int:

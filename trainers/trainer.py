@@ -408,8 +408,9 @@ class Trainer:
         groups (a loaded optimizer replaces them; the schedule held the old ones, and set a learning rate the
         optimizer no longer read: the healed group's weights then drifted from its peers'), and it is told."""
         self.set_hparams({})
-        self.log.append({"kind": "event", "event": "healed", "step": self.step, "time": time.time(), **heal,
-                         "replicas": self.engine.replicas})
+        if self.engine.group_rank == 0:  # told once for the group
+            self.log.append({"kind": "event", "event": "healed", "step": self.step, "time": time.time(), **heal,
+                             "replicas": self.engine.replicas})
 
     def _replica_state(self) -> dict[str, Any]:
         """What a replica group that heals takes from a live one, beside the engine's model and optimizer."""

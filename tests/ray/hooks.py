@@ -288,8 +288,9 @@ class ReplicaLog(TrainerCallback):
     commit is forgotten), and a digest of its weights, to replicas/group<G>.jsonl; and the step's window ids
     once its vote commits it, to replicas/group<G>.commits.jsonl (a group lost after its gradients were
     averaged, before the step's end, trained its share of a step its peers commit). `kill_group` SIGKILLs its
-    own process inside step `kill_step` (after its first micro-batch's samples are read): a lost group with
-    the step in flight. It fires once in the run (a marker file), not in the group Ray starts in its place."""
+    own process inside step `kill_step` (after its first micro-batch's samples are read; its first worker, in a
+    group of several, whose files are group<G>.rank<R>.*): a lost group with the step in flight. It fires once
+    in the run (a marker file), not in the group Ray starts in its place."""
 
     def __init__(self, kill_step: int = 0, kill_group: int = -1) -> None:
         self.kill_step, self.kill_group = kill_step, kill_group
@@ -299,7 +300,8 @@ class ReplicaLog(TrainerCallback):
         import signal
 
         group = int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0"))
-        self.path = trainer.run_dir / "replicas" / f"group{group}.jsonl"
+        rank = trainer.engine.group_rank  # a worker of a group of several: its own file
+        self.path = trainer.run_dir / "replicas" / (f"group{group}.jsonl" if rank == 0 else f"group{group}.rank{rank}.jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         marker = trainer.run_dir / "replicas" / "killed"
         begin, get = trainer.engine.begin_step, trainer.train_data.get
@@ -310,7 +312,7 @@ class ReplicaLog(TrainerCallback):
 
         def recording_get(ids):
             self._ids.extend(int(i) for i in ids)
-            if group == self.kill_group and trainer.step + 1 == self.kill_step and not marker.exists():
+            if group == self.kill_group and rank == 0 and trainer.step + 1 == self.kill_step and not marker.exists():
                 marker.write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return get(ids)
@@ -331,10 +333,13 @@ class ReplicaLog(TrainerCallback):
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         import hashlib
 
+        from torch.distributed.tensor import DTensor
+
         digest = hashlib.sha256()
-        for p in trainer.model.parameters():
-            digest.update(p.detach().cpu().numpy().tobytes())
+        for p in trainer.model.parameters():  # this worker's: its shards of a sharded model
+            digest.update((p.to_local() if isinstance(p, DTensor) else p).detach().cpu().numpy().tobytes())
         line = {"step": trainer.step, "group": int(os.environ.get("RAYTRAIN_REPLICA_GROUP", "0")),
+                "rank": trainer.engine.group_rank,
                 "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "replicas": record.get("replicas"),
                 "ids": self._ids, "weights": digest.hexdigest(), "loss": record["loss"]}
         with open(self.path, "a") as f:

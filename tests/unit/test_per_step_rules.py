@@ -26,9 +26,19 @@ def _fail_if_called(what: str):
     return called
 
 
+GROUPS_OF_2 = {"parallel": {"engine": "fsdp"}, "scaling": {**FT, "num_workers": 4, "workers_per_group": 2}}
 CASES = {  # sections over GOOD -> what the one line says
-    "fsdp": ({"parallel": {"engine": "fsdp"}}, "parallel.engine=fsdp"),
+    "deepspeed": ({"parallel": {"engine": "deepspeed"}}, "parallel.engine=deepspeed"),
     "tp": ({"parallel": {"engine": "fsdp", "tp": 2}}, "tp 2"),
+    "ddp-groups-of-2": ({"scaling": {**FT, "num_workers": 4, "workers_per_group": 2}},
+                        "scaling.workers_per_group=2 with parallel.engine=ddp"),
+    "part-of-a-group": ({**GROUPS_OF_2, "scaling": {**GROUPS_OF_2["scaling"], "num_workers": 5}},
+                        "scaling.num_workers=5 with scaling.workers_per_group=2"),
+    "one-group-of-2": ({**GROUPS_OF_2, "scaling": {**GROUPS_OF_2["scaling"], "num_workers": 2}},
+                       "scaling.num_workers=4 or more"),
+    "groups-without-per-step": ({"scaling": {"fault_tolerance": "none", "num_workers": 4, "workers_per_group": 2}},
+                                "scaling.workers_per_group=2 without scaling.fault_tolerance=per_step"),
+    "batch-over-group-workers": (GROUPS_OF_2, "over the 2 worker(s) of any 2 of the 2 groups; fix: a global batch that is a multiple of 16"),
     "elastic": ({"scaling": {"fault_tolerance": "per_step", "min_workers": 2, "max_workers": 3}},
                 "scaling.min_workers/max_workers"),
     "one-group": ({"scaling": {**FT, "num_workers": 1}}, "scaling.num_workers=1"),
@@ -55,6 +65,7 @@ def test_a_run_that_cannot_be_per_step_is_refused_in_one_line(case, corpus_dir, 
 
 def test_a_good_run_passes_the_checks(tiny_config):
     check_fault_tolerance(tiny_config(**GOOD))
+    check_fault_tolerance(tiny_config(**GROUPS_OF_2, train={"global_batch_size": 16, "micro_batch_size": 4}))
 
 
 @pytest.mark.parametrize("how", ["--no-ray", "torchrun"])

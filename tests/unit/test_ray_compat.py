@@ -144,3 +144,41 @@ def test_a_trainer_without_ray_datasets_starts_no_ray_data():
     assert DatasetsCallback in kinds(TorchTrainer(lambda: None))  # what Ray does: the premise
     assert DatasetsCallback not in kinds(ours(lambda: None))
     assert DatasetsCallback in kinds(ours(lambda: None, datasets={"train": lambda: None}))  # a dataset factory
+
+
+def test_replica_groups_of_several_workers_where_ray_has_torchft_groups():
+    """ray_compat.replica_groups_of: Ray 2.60's worker group makes replica groups of one worker in three places,
+    each given the run's size; the rest of Ray's code is written for groups of any size."""
+    if _minor(ray.__version__) < (2, 60):
+        assert not ray_compat.has_torchft_config()  # a per-step run is refused there (run_checks)
+        return
+    from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
+
+    ours = WorkerGroup._create_workers, WorkerGroup._init_train_context
+    size = getattr(WorkerGroup, ray_compat.WORKER_GROUP_PATCH, 1)
+    ray_compat.replica_groups_of(1)  # Ray's own methods (a test before may have given another size)
+    rays = WorkerGroup._create_workers, WorkerGroup._init_train_context
+    start = inspect.getsource(WorkerGroup._start_impl)
+    assert "replica_group_size=1 if self._manages_replica_groups else None" in start
+    assert start.index("self._replica_groups = [") < start.index("self._init_train_context(workers, sync_actor)")
+    assert "self._worker_rank_to_replica_group_rank = {" in start
+    replace = inspect.getsource(WorkerGroup._replace_replica_group_impl)
+    assert "starting_world_rank=replica_group_index" in replace and "world_size=len(self._replica_groups)" in replace
+    assert "replica_group_size=len(old_workers)" in replace
+    assert list(inspect.signature(WorkerGroup._create_workers).parameters) == [
+        "self", "num_workers", "placement_group", "resources_per_worker", "placement_group_bundle_indices",
+        "starting_world_rank", "world_size", "replica_group_size"]
+    assert list(inspect.signature(WorkerGroup._init_train_context).parameters) == ["self", "workers", "sync_actor"]
+    assert list(inspect.signature(ReplicaGroup).parameters) == ["workers", "resources_per_worker", "callbacks"]
+    init = inspect.getsource(WorkerGroup.__init__)
+    assert "self._replica_group_callbacks = [" in init and "self._worker_group_context" in init
+    assert "group_idx = idx // replica_group_size" in inspect.getsource(WorkerGroup._assign_worker_ranks)
+    try:
+        ray_compat.replica_groups_of(2)
+        assert (WorkerGroup._create_workers, WorkerGroup._init_train_context) != rays
+        assert WorkerGroup._create_workers.__wrapped__ is rays[0]
+        ray_compat.replica_groups_of(1)
+        assert (WorkerGroup._create_workers, WorkerGroup._init_train_context) == rays
+    finally:
+        WorkerGroup._create_workers, WorkerGroup._init_train_context = ours
+        setattr(WorkerGroup, ray_compat.WORKER_GROUP_PATCH, size)

@@ -16,10 +16,10 @@ def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine
     layout = layout or ParallelLayout.from_process_group(cfg)  # every layout rule runs here
     device = device_for_rank()
     engine = cfg.parallel.engine
-    if cfg.scaling.fault_tolerance == "per_step":  # one replica group of torchft's (trainers.fault_tolerance)
-        from trainers.parallel.replicas import ReplicaGroupEngine
+    if cfg.scaling.fault_tolerance == "per_step":  # a worker of a torchft replica group (trainers.fault_tolerance)
+        from trainers.parallel.replicas import ReplicaGroupEngine, ReplicaGroupFSDPEngine
 
-        return ReplicaGroupEngine(layout, device)
+        return (ReplicaGroupFSDPEngine if engine == "fsdp" else ReplicaGroupEngine)(layout, device)
     if engine == "none":
         return LocalEngine(device, layout)
     if layout.pp > 1:

@@ -157,6 +157,7 @@ class Engine:
     # A replica-group engine (`trainers.parallel.replicas`) forms a quorum of the live groups at every step.
 
     replicas: int | None = None  # live replica groups of this step (metrics.jsonl's `replicas`)
+    group_rank = 0  # this worker's rank in its replica group (a group of several shards the model)
     saves = True  # whether this process takes part in a checkpoint (every rank does: saves are collective)
 
     def join(self, trainer_state: Any) -> bool:

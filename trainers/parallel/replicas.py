@@ -1,7 +1,10 @@
-"""The engine of a per-step fault-tolerant run (`scaling.fault_tolerance: per_step`, rules and semantics in
-`trainers.fault_tolerance`): this process is one torchft replica group holding the whole model; torchft's
-`Manager` forms a quorum of the live groups at every step, heals a group that is behind from a live one's
-memory, averages the gradients over the quorum, and says whether the step commits.
+"""The engines of a per-step fault-tolerant run (`scaling.fault_tolerance: per_step`, rules and semantics in
+`trainers.fault_tolerance`): this process is one worker of a torchft replica group, which holds the whole model
+in one worker (`ReplicaGroupEngine`) or shards it over its workers with FSDP2 (`ReplicaGroupFSDPEngine`, the
+group's own process group, as a run of that many workers would); torchft's `Manager` forms a quorum of the live
+groups at every step, heals a group that is behind from a live one's memory (each worker from the worker of the
+same rank in that group: the same shard), averages the gradients over the quorum, and says whether the step
+commits.
 
 The Trainer drives it through three hooks the other engines leave as no-ops: `join` (the first quorum, before
 any checkpoint is read: a replacement heals here), `begin_step` (the step's quorum: this group's rank and the
@@ -21,28 +24,33 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
 
 from trainers.fault_tolerance import HOST_ENV, TIMEOUT_S, replica_group
 from trainers.layout import ParallelLayout
 from trainers.parallel.engine import Batch, Engine
+from trainers.parallel.native import FSDPEngine
 
-__all__ = ["ReplicaGroupEngine"]
+__all__ = ["ReplicaGroupEngine", "ReplicaGroupFSDPEngine", "ReplicaGroups"]
 
 # Steps in a row that do not commit before the run fails (a quorum that cannot hold together).
 MAX_UNCOMMITTED = 20
 StateFns = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
 
 
-class ReplicaGroupEngine(Engine):
-    """The whole model in this process; the data-parallel ranks are the live replica groups of each step."""
-
-    name = "ddp"
+class ReplicaGroups:
+    """Before an engine's class: its data-parallel ranks are the workers of each step's live replica groups
+    (group by group), and the gradients it leaves (averaged over the group's workers, by FSDP where it shards)
+    are averaged over the groups by torchft. `layout` is the group's own process group."""
 
     def __init__(self, layout: ParallelLayout, device: torch.device):
-        super().__init__(device, layout)
+        super().__init__(device=device, layout=layout)
         self.group = replica_group()
-        self.dp_rank, self.dp_size = 0, 1  # this step's: set by each quorum
+        self.group_rank, self.group_workers = layout.dp_rank, layout.dp  # in the group (FSDP's shards)
+        self.groups = 1  # live groups of this step: set by each quorum
+        self.dp_rank, self.dp_size = self.group_rank, self.group_workers  # this step's: set by each quorum
         self.manager: Any = None
         self._pg: Any = None  # torchft's reconfigurable process group (the manager configures it at each quorum)
         self._main = False
@@ -52,17 +60,21 @@ class ReplicaGroupEngine(Engine):
         self._heal: dict[str, Any] | None = None  # a heal in a step's quorum, not yet taken (`take_heal`)
 
     @property
-    def world_size(self) -> int:  # the live workers: one per live group
+    def world_size(self) -> int:  # the live workers of this step
         return self.dp_size
+
+    @world_size.setter
+    def world_size(self, value: int) -> None:  # the group's (an engine's __init__ sets it): see dp_size
+        pass
 
     @property
     def replicas(self) -> int:
-        return self.dp_size
+        return self.groups
 
     @property
     def is_main(self) -> bool:
-        """The live group of the lowest index writes the run's records (set at each quorum)."""
-        return self._main
+        """The first worker of the live group of the lowest index writes the run's records (set at each quorum)."""
+        return self._main and self.group_rank == 0
 
     @property
     def saves(self) -> bool:
@@ -92,13 +104,16 @@ class ReplicaGroupEngine(Engine):
         self._pg = pg
         get_trainer, set_trainer = trainer_state
 
-        def state_dict() -> dict[str, Any]:  # a live group's, sent to one that heals
-            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        def state_dict() -> dict[str, Any]:  # a live group's worker's, sent to the same rank of one that heals
+            return {"model": {k: local(v) for k, v in self.model.state_dict().items()},
+                    "optimizer": local_optimizer_state(self.optimizer.state_dict()),
                     "precision": self.precision.state_dict(), "trainer": get_trainer(), "group": self.group}
 
         def load_state_dict(state: dict[str, Any]) -> None:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():
+                for k, v in self.model.state_dict().items():  # this worker's tensors (its shards), in place
+                    local(v).copy_(state["model"][k])
+            self.optimizer.load_state_dict(sharded_optimizer_state(self.optimizer, state["optimizer"]))
             self.precision.load_state_dict(state["precision"])
             set_trainer(state["trainer"])
             self.healed_from = {"group": self.group, "from_group": state["group"]}
@@ -113,8 +128,8 @@ class ReplicaGroupEngine(Engine):
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
+            rank=self.group_rank,  # the group's workers: its first serves the others' manager
+            world_size=self.group_workers,
             replica_id=f"raytrain_{self.group}",
             hostname=os.environ.get(HOST_ENV) or socket.gethostname(),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
@@ -140,7 +155,9 @@ class ReplicaGroupEngine(Engine):
         start, before = time.perf_counter(), self.healed_from
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
-        self.dp_rank, self.dp_size = (rank if rank is not None else 0), self.manager.num_participants()
+        self.groups = self.manager.num_participants()
+        self.dp_rank = (rank if rank is not None else 0) * self.group_workers + self.group_rank
+        self.dp_size = self.groups * self.group_workers
         self._main = rank == 0
         if self.healed_from is not before:  # behind the others (a new group, a straggler, one cut off and back)
             self.healed_from.update(step=self.manager.current_step(), heal_s=round(time.perf_counter() - start, 4))
@@ -156,11 +173,12 @@ class ReplicaGroupEngine(Engine):
     # -------------------------------------------------------------------------------------------- step
 
     def forward_backward(self, batches: Iterable[Batch], count: int) -> torch.Tensor:
-        """This group's share of the step, then one averaging over the quorum of its gradients and loss
-        (one flat buffer: one collective a step)."""
-        loss = super().forward_backward(batches, count)
+        """This worker's share of the step (its gradients averaged over the group's workers by the engine),
+        then one averaging over the quorum of its gradients (its shards of them) and the group's loss (one flat
+        buffer: one collective a step)."""
+        loss = self._group_mean(super().forward_backward(batches, count))
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
         # The sum over the quorum, then the mean. On a peer's error torchft returns at once and the step's
         # commit vote fails: the buffer is then never used.
@@ -172,26 +190,81 @@ class ReplicaGroupEngine(Engine):
             # (more than half of the heartbeating groups must join): 7.5-9.4 s after a kill, until Ray's
             # replacement joined instead (bench/ft.py, torchft's lighthouse log).
             self._pg.abort()
-        flat /= self.dp_size
+        flat /= self.groups
         offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g)
-            offset += n
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                n = g.numel()
+                mean = flat[offset:offset + n].view_as(g)
+                if p.grad is not None and isinstance(p.grad, DTensor):
+                    local(p.grad).copy_(mean)
+                elif isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(mean, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                else:
+                    p.grad = mean
+                offset += n
         self._loss = flat[-1].detach()
         return loss
 
+    def _group_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.group_workers == 1:
+            return value
+        total = value.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)  # gloo has no AVG
+        return total / self.group_workers
+
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The step's loss averaged with the gradients; an evaluation (every group evaluates the whole
-        validation set, `eval_shard`) is this group's own."""
+        validation set over its workers, `eval_shard`) is this group's own."""
         if self._loss is not None:
             value, self._loss = self._loss, None
-        return value
+            return value
+        return self._group_mean(value)
 
     def eval_shard(self) -> tuple[int, int]:
-        return 0, 1  # no collective outside the quorum's: a group lost in an evaluation holds nobody up
+        # no collective outside the group's and the quorum's: a group lost in an evaluation holds nobody up
+        return self.group_rank, self.group_workers
 
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+        super().close()
+
+
+class ReplicaGroupEngine(ReplicaGroups, Engine):
+    """A replica group of one worker holding the whole model."""
+
+    name = "ddp"
+
+
+class ReplicaGroupFSDPEngine(ReplicaGroups, FSDPEngine):
+    """A replica group of `scaling.workers_per_group` workers holding the model's FSDP2 shards (its optimizer
+    state and gradients sharded with them); torchft averages each shard's gradients over the same worker of
+    every live group."""
+
+    name = "fsdp"
+
+
+def local(value: Any) -> Any:
+    """This worker's part of a tensor (a DTensor's local shard), or the value itself."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's `state_dict()` with this worker's shards of its tensors: the same rank of another group
+    holds the same shards."""
+    return {**state, "state": {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}}
+
+
+def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """`local_optimizer_state` of a peer as this optimizer loads it: each shard as its parameter's DTensor."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def shard(p: torch.Tensor, v: Any) -> Any:
+        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == local(p).shape:
+            return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return v
+
+    out = {i: {k: shard(params[int(i)], v) for k, v in s.items()} for i, s in state["state"].items()}
+    return {**state, "state": out}
