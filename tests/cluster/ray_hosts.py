@@ -46,6 +46,7 @@ class RayHosts:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     logs: Path | None = None
     started_s: float = 0.0
+    workers: tuple[str, ...] = WORKERS  # the hosts with a Ray worker node
 
     @property
     def head(self) -> Host:
@@ -91,9 +92,9 @@ class RayHosts:
         self.logs.mkdir()
         self._start_s3()
         self.start_head()
-        for name in WORKERS:
+        for i, name in enumerate(self.workers):
             self.start_worker(name)
-            self.wait_nodes(1 + WORKERS.index(name) + 1)
+            self.wait_nodes(i + 2)
         self.started_s = time.monotonic() - t0
         return self
 

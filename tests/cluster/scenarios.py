@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from tests.cluster.netns import TestHosts
-from tests.cluster.ray_hosts import NAMES, ROOT, RayHosts
+from tests.cluster.ray_hosts import NAMES, ROOT, WORKERS, RayHosts
 
 BUCKET = "tier"
 DATA = f"s3://{BUCKET}/data/stdlib"
@@ -60,12 +60,13 @@ class TierCluster:
         return f"s3://{BUCKET}/runs/{name}-{self.runs}"
 
 
-def bring_up(names=NAMES, own_name=None) -> TierCluster:
-    """Hosts, Ray with token auth, the S3 server on its host, a bucket with the tier's corpus."""
+def bring_up(names=NAMES, own_name=None, workers=WORKERS) -> TierCluster:
+    """Hosts, Ray with token auth (a worker node on each of `workers`), the S3 server on its host, a bucket with
+    the tier's corpus."""
     t0 = time.monotonic()
     hosts = TestHosts(names, OWN_NAME if own_name is None else own_name).up()
     try:
-        ray = RayHosts(hosts).up()
+        ray = RayHosts(hosts, workers=tuple(workers)).up()
         corpus = hosts.workdir / "corpus"
         subprocess.run([str(Path(sys.executable).parent / "raytrain"), "data", "prepare", "--output", str(corpus),
                         "--max-bytes", "600000", "--no-progress"], check=True, capture_output=True, cwd=ROOT)
