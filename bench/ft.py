@@ -211,13 +211,18 @@ HOST_WORKERS = ("h2", "h3", "h4")
 HOST_NAMES = ("h1", *HOST_WORKERS, "s3", "client")
 
 
+# A step's all-reduce gives up on a silent group after this long (`scaling.allreduce_timeout_s`): the tiny model's
+# all-reduce takes ~1 ms and its groups' steps ~20 ms, so 2 s is ~100 times the longest normal wait here.
+ALLREDUCE_TIMEOUT_S = 2.0
+
+
 def _host_run(cluster: Any, name: str, per_step: bool) -> tuple[Any, Path, Path]:
     from tests.cluster.scenarios import run_raw, start_train, write_yaml
 
     run_dir, stop = cluster.workdir() / name, cluster.workdir() / f"{name}.stop"
+    ft = {"fault_tolerance": "per_step", "allreduce_timeout_s": ALLREDUCE_TIMEOUT_S} if per_step else {}
     raw = run_raw(str(run_dir), data=str(cluster.corpus), parallel={"engine": "ddp"},
-                  scaling={"fault_tolerance": "per_step" if per_step else "none", "num_workers": GROUPS,
-                           "cpus_per_worker": 1, "max_failures": -1},
+                  scaling={**ft, "num_workers": GROUPS, "cpus_per_worker": 1, "max_failures": -1},
                   train={"steps": 1_000_000, "eval_every": 0, "global_batch_size": 24, "micro_batch_size": 4},
                   checkpoint={"every": 10, "keep": 2})
     driver = start_train(cluster, write_yaml(cluster.workdir(), name, raw), "--callback", "bench.ft:StepTimes",
@@ -360,7 +365,8 @@ def on_hosts(minutes: float, every_s: float) -> dict[str, Any]:
         print("soak, restart:", json.dumps(restart), flush=True)
     finally:
         cluster.hosts.down()
-    return {"faults": faults, "soak": {**ft, "restart": restart}, "bring_up_s": round(cluster.bring_up_s, 1)}
+    return {"faults": faults, "soak": {**ft, "restart": restart}, "bring_up_s": round(cluster.bring_up_s, 1),
+            "allreduce_timeout_s": ALLREDUCE_TIMEOUT_S}
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

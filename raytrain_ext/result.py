@@ -24,8 +24,8 @@ class RunResult:
     world_sizes: list[int]  # the world size of each attempt, in order (resizes and restarts)
     best_val_loss: float | None = None
     best_train_loss: float | None = None
-    # The share of the wall time that trained committed steps at full speed: committed steps x the median step
-    # time at full size, over the time from the first step's start to the last step's end (`goodput`).
+    # The share of the wall time that trained committed steps at full speed: committed steps x a step's wall time
+    # at full size, over the time from the first step's start to the last step's end (`goodput`).
     goodput: float | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
@@ -62,14 +62,20 @@ def summarize(run_dir: Path, checkpoint: str | Path | None = None) -> RunResult:
 
 
 def goodput(train_rows: list[dict[str, Any]]) -> float | None:
-    """Committed steps x their median time at full size (the most replica groups, or workers, any step had) over
-    the wall time from the first step's start to the last step's end: 1.0 for a run that never lost time."""
+    """Committed steps x the wall time a step takes at full size (the most replica groups, or workers, any step
+    had) over the wall time from the first step's start to the last step's end: 1.0 for a run that never lost
+    time. A step's wall time at full size is the median interval between two consecutive committed steps both
+    trained at full size, so it holds what each step costs beside its `step_time_s` (its record, callbacks, the
+    next step's quorum); the median `step_time_s` at full size where no two such steps follow each other."""
     if len(train_rows) < 2:
         return None
     size = [r.get("replicas", r.get("world_size", 1)) for r in train_rows]
-    full = sorted(r["step_time_s"] for r, n in zip(train_rows, size) if n == max(size))
+    top = max(size)
+    per_step = sorted(b["time"] - a["time"] for a, b, m, n in zip(train_rows, train_rows[1:], size, size[1:])
+                      if m == n == top and b["step"] == a["step"] + 1)
+    per_step = per_step or sorted(r["step_time_s"] for r, n in zip(train_rows, size) if n == top)
     wall = train_rows[-1]["time"] - (train_rows[0]["time"] - train_rows[0]["step_time_s"])
-    return round(min(len(train_rows) * full[len(full) // 2] / wall, 1.0), 4) if wall > 0 else None
+    return round(min(len(train_rows) * per_step[len(per_step) // 2] / wall, 1.0), 4) if wall > 0 else None
 
 
 def _least(values: Any) -> float | None:

@@ -209,12 +209,21 @@ def train_fn(config: dict[str, Any]) -> None:
         raise
 
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    # torchft's manager client (gRPC) when its replica group's first worker, which serves the group's manager,
+    # is gone: the other workers of a group of several, at their next quorum
+    'message: "transport error"',
+)
 
 
 def lost_peer(e: BaseException) -> bool:
     """Whether `e` is this rank's side of another rank's loss: a failed collective (gloo's transport
-    errors, NCCL's aborted communicator, torch's DistNetworkError), not a fault of its own."""
+    errors, NCCL's aborted communicator, torch's DistNetworkError) or torchft's lost manager, not a fault of
+    its own."""
     import torch.distributed as dist
 
     if isinstance(e, getattr(dist, "DistNetworkError", ())):

@@ -53,7 +53,7 @@ HOST_ENV = "RAYTRAIN_NODE_ADDRESS"  # the address its peers reach it at (Ray's n
 # A live group held in a failed step's collective by another live group holds every quorum (more than half the
 # heartbeating groups must join): `ReplicaGroupEngine.forward_backward` closes a failed group's side at once.
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1500, "quorum_tick_ms": 50}
-TIMEOUT_S = 30.0  # torchft's collectives, commit votes and state transfers (a cut-off peer: this long)
+TIMEOUT_S = 30.0  # torchft's quorums, commit votes and state transfers (a step's all-reduce: scaling.allreduce_timeout_s)
 
 
 SUPPORTED_ENGINES = ("ddp", "fsdp")  # inside a replica group: the whole model, or FSDP2 over the group's workers

@@ -19,7 +19,8 @@ def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine
     if cfg.scaling.fault_tolerance == "per_step":  # a worker of a torchft replica group (trainers.fault_tolerance)
         from trainers.parallel.replicas import ReplicaGroupEngine, ReplicaGroupFSDPEngine
 
-        return (ReplicaGroupFSDPEngine if engine == "fsdp" else ReplicaGroupEngine)(layout, device)
+        group_engine = ReplicaGroupFSDPEngine if engine == "fsdp" else ReplicaGroupEngine
+        return group_engine(layout, device, allreduce_timeout_s=cfg.scaling.allreduce_timeout_s)
     if engine == "none":
         return LocalEngine(device, layout)
     if layout.pp > 1:
