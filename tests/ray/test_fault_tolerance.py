@@ -40,6 +40,15 @@ def _replica_lines(run_dir: Path, pattern: str = "group?.jsonl") -> dict:
     return out
 
 
+def _assert_each_sample_once(corpus_dir: Path, lines: dict, steps: int) -> None:
+    """Each committed step trained exactly its samples of the run's order (ReplicaLog's ids of its workers)."""
+    sampler = GlobalSampler(TokenWindows(corpus_dir, "train", 32).num_windows, 0, True)
+    for step in range(1, steps + 1):
+        ids = [i for worker in lines.values() for r in worker if r["step"] == step for i in r["ids"]]
+        want = sampler.window_ids((step - 1) * BATCH, BATCH)
+        assert sorted(ids) == sorted(int(i) for i in want), f"step {step}: a sample skipped or trained twice"
+
+
 def _reference_losses(corpus_dir: Path, run_dir: Path, train: dict) -> dict[int, float]:
     """The losses of a run that lost nothing: one process, the same global batch (micro-batches accumulated)."""
     ref = parse_config(tiny_raw(corpus_dir, run_dir, train=train, checkpoint={"every": 0, "final": False}))
@@ -105,17 +114,12 @@ def test_a_lost_replica_group_is_healed_while_the_others_train_on(ray_local, cor
 
     # Data: each committed step trained exactly its samples of the run's order, split over the live groups
     # (the killed group's step in flight was trained again by the others, in the step's next attempt).
-    windows = TokenWindows(corpus_dir, "train", 32).num_windows
-    sampler = GlobalSampler(windows, 0, True)
-    for step in range(1, STEPS + 1):
-        ids = [i for group in lines.values() for r in group if r["step"] == step for i in r["ids"]]
-        want = sampler.window_ids((step - 1) * BATCH, BATCH)
-        assert sorted(ids) == sorted(int(i) for i in want), f"step {step}: a sample skipped or trained twice"
+    _assert_each_sample_once(corpus_dir, lines, STEPS)
 
     # The losses of a run that lost nothing: one process, the same global batch (micro-batches accumulated).
-    # Judged at rel 1e-5 (seen: 1.6e-6 at most over 300 steps): the groups' means are averaged in another order than one process sums them, and
-    # those float differences grow a little over the steps; a skipped or repeated sample moves a step's loss
-    # by ~1e-2.
+    # Judged at rel 1e-5 (seen: 1.6e-6 at most over 300 steps): the groups' means are averaged in another order
+    # than one process sums them, and those float differences grow a little over the steps; a skipped or
+    # repeated sample moves a step's loss by ~1e-2.
     want = _reference_losses(corpus_dir, tmp_path / "reference", TRAIN)
     got = {r["step"]: r["loss"] for r in rows}
     assert got == pytest.approx(want, rel=1e-5)
@@ -169,12 +173,7 @@ def test_a_lost_worker_of_an_fsdp_replica_group_takes_its_group_which_heals_shar
     assert "lost a replica group; the others train on: 2 -> 1 groups" in console
     assert "replica group 1 healed from group 0" in console
 
-    windows = TokenWindows(corpus_dir, "train", 32).num_windows
-    sampler = GlobalSampler(windows, 0, True)
-    for step in range(1, steps + 1):  # each committed step: its samples, over the four workers or group 0's two
-        ids = [i for group in lines.values() for r in group if r["step"] == step for i in r["ids"]]
-        want = sampler.window_ids((step - 1) * BATCH, BATCH)
-        assert sorted(ids) == sorted(int(i) for i in want), f"step {step}: a sample skipped or trained twice"
+    _assert_each_sample_once(corpus_dir, lines, steps)  # over the four workers, or group 0's two
 
     # Judged at rel 1e-4 (seen: 3.5e-5 at most over 120 steps, growing from 1e-7 at the first steps): FSDP
     # averages each shard's gradients over a group's two workers, and they over the groups, in another order
