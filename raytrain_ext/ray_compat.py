@@ -85,10 +85,16 @@ def trainer_without_ray_data(trainer_cls: type) -> type:
 
 
 def has_torchft_config() -> bool:
-    """Ray Train's torchft replica groups (`ray.train.v2.torch.torchft_config`, Ray 2.60 on)."""
+    """Ray Train's torchft replica groups (`ray.train.v2.torch.torchft_config`) with a lost group replaced alone
+    (`WorkerGroup.replace_replica_group`, Ray 2.60 on; Ray 2.55 has the config, and its worker group restarts
+    whole)."""
     import importlib.util
 
-    return importlib.util.find_spec("ray.train.v2.torch.torchft_config") is not None
+    if importlib.util.find_spec("ray.train.v2.torch.torchft_config") is None:
+        return False
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+
+    return hasattr(WorkerGroup, "replace_replica_group")
 
 
 def torchft_config(
