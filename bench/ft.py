@@ -59,6 +59,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from provenance import provenance  # noqa: E402
 
 from raytrain_ext.result import goodput, summarize  # noqa: E402
+from tests.cluster.scenarios import train_rows  # noqa: E402
 from trainers.metrics import read_metrics  # noqa: E402
 from trainers.trainer import Trainer, TrainerCallback  # noqa: E402
 
@@ -121,7 +122,7 @@ def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) ->
 
 
 def _steps(run_dir: Path) -> int:
-    rows = read_metrics(run_dir / "metrics.jsonl", "train")
+    rows = train_rows(run_dir)
     return rows[-1]["step"] if rows else 0
 
 
@@ -230,23 +231,8 @@ def _host_run(cluster: Any, name: str, per_step: bool) -> tuple[Any, Path, Path]
     return driver, run_dir, stop
 
 
-def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return read_metrics(path, "train") if path.exists() else []
-
-
 def _size(row: dict[str, Any]) -> int:
     return row.get("replicas", row.get("world_size", 1))
-
-
-def _wait_rows(driver: Any, run_dir: Path, predicate, what: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate(_rows(run_dir)):
-        if driver.proc.poll() is not None:
-            raise RuntimeError(f"the run ended (exit {driver.proc.returncode}) before {what}:\n{driver.text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}:\n{driver.text()[-3000:]}")
-        time.sleep(0.2)
 
 
 def _full_after(t: float):
@@ -254,7 +240,7 @@ def _full_after(t: float):
 
 
 def _end(driver: Any, run_dir: Path, stop: Path) -> None:
-    stop.write_text(str(_rows(run_dir)[-1]["step"] + 5))  # every worker stops after that step
+    stop.write_text(str(train_rows(run_dir)[-1]["step"] + 5))  # every worker stops after that step
     code = driver.wait(600)
     if code != 0:
         raise RuntimeError(f"the run failed (exit {code}):\n{driver.text()[-3000:]}")
@@ -285,7 +271,7 @@ def _fault_figures(run_dir: Path, host: str, at: float, back: float, until: floa
                  and rows[-1]["time"] > back]
     gaps = [b["time"] - a["time"] for pid in survivors for a, b in zip(lines[pid], lines[pid][1:])
             if at < b["time"] <= until]
-    rows = _rows(run_dir)
+    rows = train_rows(run_dir)
     full = next(r for r in rows if _size(r) == GROUPS and r["time"] > back)
     return {"host": host, "survivors": sorted(lines[pid][0]["host"] for pid in survivors),
             "processes": {who: [rows[0]["step"], rows[-1]["step"]] for who, rows in lines.items()},
@@ -298,28 +284,28 @@ def host_faults(cluster: Any) -> dict[str, Any]:
     """One per-step run: the host of group 1 killed once 30 steps were trained at full size (and booted again at
     once); later the host of group 2 cut off until Ray declared it lost, then its link restored."""
     driver, run_dir, stop = _host_run(cluster, "ft-faults", True)
-    _wait_rows(driver, run_dir, lambda rows: len(rows) >= 30 and _size(rows[-1]) == GROUPS, "30 steps at full size")
+    driver.wait_rows(run_dir, lambda rows: len(rows) >= 30 and _size(rows[-1]) == GROUPS, "30 steps at full size")
     host = _host_of_group(run_dir, 1)
     at = time.time()
     cluster.hosts[host].kill()
     back = _reboot(cluster, host)
-    _wait_rows(driver, run_dir, _full_after(back), "full size after the kill")
+    driver.wait_rows(run_dir, _full_after(back), "full size after the kill")
     settled = time.time() + 10
-    _wait_rows(driver, run_dir, lambda rows: rows[-1]["time"] > settled, "10 s more at full size")
+    driver.wait_rows(run_dir, lambda rows: rows[-1]["time"] > settled, "10 s more at full size")
     kill = _fault_figures(run_dir, host, at, back, settled)
     host = _host_of_group(run_dir, 2)
     lost = driver.text().count(f"raytrain: lost host {host}")
     at = time.time()
     cluster.hosts[host].cut()
-    _wait_rows(driver, run_dir, lambda rows: driver.text().count(f"raytrain: lost host {host}") > lost,
-               f"Ray to declare the cut-off {host} lost")
+    driver.wait_rows(run_dir, lambda rows: driver.text().count(f"raytrain: lost host {host}") > lost,
+                     f"Ray to declare the cut-off {host} lost")
     cluster.hosts[host].heal()
     back = time.time()
-    _wait_rows(driver, run_dir, _full_after(back), "full size after the cut")
+    driver.wait_rows(run_dir, _full_after(back), "full size after the cut")
     settled = time.time() + 10
-    _wait_rows(driver, run_dir, lambda rows: rows[-1]["time"] > settled, "10 s more at full size")
+    driver.wait_rows(run_dir, lambda rows: rows[-1]["time"] > settled, "10 s more at full size")
     cut = _fault_figures(run_dir, host, at, back, settled)
-    rows = _rows(run_dir)
+    rows = train_rows(run_dir)
     _end(driver, run_dir, stop)
     return {"kill": kill, "cut": cut,
             "step_time_s_median": sorted(r["step_time_s"] for r in rows)[len(rows) // 2],
@@ -331,7 +317,7 @@ def host_soak(cluster: Any, per_step: bool, minutes: float, every_s: float) -> d
     goodput of the steps committed meanwhile."""
     name = "soak-ft" if per_step else "soak-restart"
     driver, run_dir, stop = _host_run(cluster, name, per_step)
-    _wait_rows(driver, run_dir, lambda rows: len(rows) >= 12 and _size(rows[-1]) == GROUPS, "12 steps at full size")
+    driver.wait_rows(run_dir, lambda rows: len(rows) >= 12 and _size(rows[-1]) == GROUPS, "12 steps at full size")
     start, kills = time.time(), []
     while True:
         time.sleep(max(0.0, start + (len(kills) + 1) * every_s - time.time()))  # the schedule's pace
@@ -342,7 +328,7 @@ def host_soak(cluster: Any, per_step: bool, minutes: float, every_s: float) -> d
         kills.append(round(time.time() - start, 1))
         _reboot(cluster, host)
     end = time.time()
-    rows = [r for r in _rows(run_dir) if start <= r["time"] <= end]
+    rows = [r for r in train_rows(run_dir) if start <= r["time"] <= end]
     _end(driver, run_dir, stop)
     return {"goodput": goodput(rows), "steps": len(rows), "kills": len(kills), "kills_at_s": kills,
             "minutes": minutes, "every_s": every_s}

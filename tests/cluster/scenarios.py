@@ -115,12 +115,29 @@ class Driver:
         assert needle in self.text(), f"the run ended without {needle!r}:\n{self.text()[-4000:]}"
         return time.time()
 
+    def wait_rows(self, run_dir: Path, predicate, what: str, timeout: float = 300) -> None:
+        """Until `predicate(train_rows(run_dir))` holds (a run dir every host sees); the run ending first, or
+        the time running out, fails with the console's tail."""
+        try:
+            _wait_for(lambda: predicate(train_rows(run_dir)) or self.proc.poll() is not None, timeout, what)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.text()[-4000:]}") from None
+        assert predicate(train_rows(run_dir)), f"the run ended before {what}:\n{self.text()[-4000:]}"
+
     def wait(self, timeout: float = 420) -> int:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise AssertionError(f"the driver did not end within {timeout:.0f}s:\n{self.text()[-4000:]}") from None
+
+
+def train_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The train rows of the metrics.jsonl in a run dir every host sees ([] before the first)."""
+    from trainers.metrics import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    return read_metrics(path, "train") if path.exists() else []
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:

@@ -25,6 +25,7 @@ from tests.cluster.scenarios import (
     reference_losses,
     run_raw,
     start_train,
+    train_rows,
     write_yaml,
 )
 from trainers.data.dataset import GlobalSampler, TokenWindows
@@ -42,21 +43,11 @@ ALLREDUCE_TIMEOUT_S = 2.0
 WAIT_S = 300
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return read_metrics(path, "train") if path.exists() else []
-
-
 def _replica_lines(run_dir: Path) -> list[dict]:
     lines = []
     for path in (run_dir / "replicas").glob("group?.jsonl"):
         lines += [json.loads(line) for line in path.read_text().splitlines() if line]
     return lines
-
-
-def _wait_rows(driver, run_dir: Path, predicate, what: str) -> None:
-    _wait_for(lambda: predicate(_rows(run_dir)) or driver.proc.poll() is not None, WAIT_S, what)
-    assert predicate(_rows(run_dir)), f"the run ended before {what}:\n{driver.text()[-4000:]}"
 
 
 def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
@@ -80,7 +71,7 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     def h3_pids() -> set[int]:
         return {x["pid"] for x in _replica_lines(run_dir) if x["host"] == "h3"}
 
-    _wait_rows(driver, run_dir, full_size_after(10), "10 steps on two groups")
+    driver.wait_rows(run_dir, full_size_after(10), "10 steps on two groups", WAIT_S)
     before_kill = h3_pids()
     t_kill = time.time()
     h3.kill()
@@ -88,10 +79,10 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     h3.start()
     tier.ray.start_worker("h3")
     _wait_for(lambda: h3_pids() - before_kill or driver.proc.poll() is not None, WAIT_S, "a new group on h3")
-    _wait_rows(driver, run_dir, lambda rows: rows and rows[-1]["replicas"] == 2, "two groups again")
-    kill_back = _rows(run_dir)[-1]["step"]
+    driver.wait_rows(run_dir, lambda rows: rows and rows[-1]["replicas"] == 2, "two groups again", WAIT_S)
+    kill_back = train_rows(run_dir)[-1]["step"]
 
-    _wait_rows(driver, run_dir, full_size_after(kill_back + 10), "10 steps on two groups after the kill")
+    driver.wait_rows(run_dir, full_size_after(kill_back + 10), "10 steps on two groups after the kill", WAIT_S)
     before_cut = h3_pids()
     t_cut = time.time()
     h3.cut()
@@ -101,8 +92,8 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     # The cut-off process may rejoin and heal in place first; Ray ends it (its node was declared dead), the
     # host's Ray starts again and a new group is placed there: the run is paced until that one trains.
     _wait_for(lambda: h3_pids() - before_cut or driver.proc.poll() is not None, WAIT_S, "a new group on h3")
-    _wait_rows(driver, run_dir, lambda rows: rows and rows[-1]["replicas"] == 2, "two groups after the cut")
-    assert _rows(run_dir)[-1]["step"] < STEPS - 20, "the pace did not last through both faults"
+    driver.wait_rows(run_dir, lambda rows: rows and rows[-1]["replicas"] == 2, "two groups after the cut", WAIT_S)
+    assert train_rows(run_dir)[-1]["step"] < STEPS - 20, "the pace did not last through both faults"
     unpaced.touch()
     code = driver.wait(WAIT_S)
     text = driver.text()
@@ -114,7 +105,7 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     assert len([x for x in lines if "is back in the cluster" in x and "replica group" in x]) == 2, told
 
     # Each committed step once; two stretches on h2's group alone, and two groups at the end.
-    rows = _rows(run_dir)
+    rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once in metrics.jsonl"
     first_full = next(r["step"] for r in rows if r["replicas"] == 2)  # a group may join the start late
     stretches = [k for k, _ in groupby(r["replicas"] for r in rows if r["step"] >= first_full)]

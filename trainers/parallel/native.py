@@ -62,10 +62,11 @@ class _DataParallelEngine(Engine):
         super().setup(model, cfg)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        # SUM then divide: gloo has no AVG. A copy: the caller's tensor stays this rank's value.
+        # SUM then divide: gloo has no AVG. A copy: the caller's tensor stays this rank's value. Over the
+        # layout's dp ranks (a replica group's workers, where `dp_size` counts every live group's).
         total = value.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
-        return total / self.dp_size
+        return total / self.layout.dp
 
     def moe_stats(self) -> dict[str, Any]:
         """Router statistics summed over every rank: data-parallel ranks route their own tokens, and with

@@ -24,7 +24,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
@@ -181,7 +180,7 @@ class ReplicaGroups:
         """This worker's share of the step (its gradients averaged over the group's workers by the engine),
         then one averaging over the quorum of its gradients (its shards of them) and the group's loss (one flat
         buffer: one collective a step)."""
-        loss = self._group_mean(super().forward_backward(batches, count))
+        loss = super().reduce_mean(super().forward_backward(batches, count))  # the group's mean
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
@@ -201,7 +200,7 @@ class ReplicaGroups:
             for p, g in zip(params, grads):
                 n = g.numel()
                 mean = flat[offset:offset + n].view_as(g)
-                if p.grad is not None and isinstance(p.grad, DTensor):
+                if isinstance(p.grad, DTensor):
                     local(p.grad).copy_(mean)
                 elif isinstance(p, DTensor):
                     p.grad = DTensor.from_local(mean, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
@@ -211,20 +210,13 @@ class ReplicaGroups:
         self._loss = flat[-1].detach()
         return loss
 
-    def _group_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.group_workers == 1:
-            return value
-        total = value.detach().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)  # gloo has no AVG
-        return total / self.group_workers
-
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The step's loss averaged with the gradients; an evaluation (every group evaluates the whole
         validation set over its workers, `eval_shard`) is this group's own."""
         if self._loss is not None:
             value, self._loss = self._loss, None
             return value
-        return self._group_mean(value)
+        return super().reduce_mean(value)
 
     def eval_shard(self) -> tuple[int, int]:
         # no collective outside the group's and the quorum's: a group lost in an evaluation holds nobody up
