@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import pkgutil
 import re
 import subprocess
 import sys
@@ -842,22 +841,30 @@ def test_the_private_name_check_catches_planted_violations(tmp_path):
     assert clean == []
 
 
-def _modules(package: str) -> list[str]:
-    pkg_dir = ROOT / package
-    return [package] + [
-        f"{package}.{m.name}" for m in pkgutil.walk_packages([str(pkg_dir)]) if not m.name.startswith("_")
-    ]
+def _modules(package: str, root: Path = ROOT) -> list[str]:
+    """Every module of `package` under `root`, its subpackages' at every depth (a file glob, as module_files:
+    nothing is imported to find them), but `__main__` (importing it runs the command line)."""
+    return [name for name in module_files(root, (package,)) if name.rpartition(".")[2] != "__main__"]
+
+
+_IMPORT_ALL = """
+import importlib, sys
+for m in {modules!r}: importlib.import_module(m)
+print(",".join(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))))
+"""
+
+
+def ray_modules_imported(package: str, root: Path = ROOT) -> list[str]:
+    """The ray modules loaded in a fresh process (run in `root`, first on its path) after importing every
+    module of `package`."""
+    code = _IMPORT_ALL.format(modules=_modules(package, root))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
 
 
 def test_importing_trainers_imports_no_ray():
-    code = (
-        "import sys, importlib\n"
-        f"for m in {_modules('trainers')!r}: importlib.import_module(m)\n"
-        "bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"
-        "print(','.join(bad))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert out.stdout.strip() == "", f"trainers pulled in ray modules: {out.stdout[:300]}"
+    bad = ray_modules_imported("trainers")
+    assert bad == [], f"trainers pulled in ray modules: {bad[:20]}"
 
 
 def test_model_files_hold_no_distributed_code():
@@ -872,9 +879,7 @@ def test_model_files_hold_no_distributed_code():
 # so a cycle or a missing import shows), without paying torch's import per module (a minute per package).
 _FORK_EACH = """
 import importlib, os, sys, traceback
-import numpy, pyarrow, pydantic, torch, yaml  # third-party only: none of ours
-if {ray}:
-    import ray, ray.train, ray.tune
+{preload}
 failed = []
 for name in {modules!r}:
     pid = os.fork()
@@ -890,10 +895,71 @@ for name in {modules!r}:
         failed.append(name)
 print("FAILED:" + ",".join(failed))
 """
+_PRELOAD = "import numpy, pyarrow, pydantic, torch, yaml  # third-party only: none of ours"
+
+
+def modules_failing_alone(package: str, root: Path = ROOT, preload: str = _PRELOAD) -> tuple[list[str], str]:
+    """The modules of `package` (under `root`) that fail to import each in a fresh fork of one process that
+    ran `preload` (third-party imports only), and the process's output for the message."""
+    code = _FORK_EACH.format(modules=_modules(package, root), preload=preload)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    said = out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == 0 and "FAILED:" in out.stdout, said
+    return [m for m in out.stdout.rsplit("FAILED:", 1)[1].strip().split(",") if m], said
 
 
 @pytest.mark.parametrize("package", ["trainers", "raytrain_ext", "search"])
 def test_each_module_imports_alone(package):
-    code = _FORK_EACH.format(modules=_modules(package), ray=package != "trainers")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0 and "FAILED:\n" in out.stdout + "\n", out.stdout[-2000:] + out.stderr[-3000:]
+    preload = _PRELOAD + ("\nimport ray, ray.train, ray.tune" if package != "trainers" else "")
+    failed, said = modules_failing_alone(package, preload=preload)
+    assert failed == [], said
+
+
+def _plant(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_the_module_list_reaches_every_subpackage():
+    """Each subpackage of ours (trainers/data, trainers/parallel, ...) has its modules in the list the import
+    checks run (a walk of the top folder alone left trainers/data, hf, models, parallel and tracking out)."""
+    for package in PACKAGES:
+        names = set(_modules(package))
+        for init in (ROOT / package).rglob("__init__.py"):
+            modules = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in init.parent.glob("*.py")]
+            assert {m for m in modules if not m.endswith(("__init__", "__main__"))} <= names, init.parent
+    assert {"trainers.parallel.replicas", "trainers.data.dataset", "trainers.models.moe", "trainers.hf.export",
+            "trainers.tracking.sink"} <= set(_modules("trainers"))
+
+
+_PLANTED_PACKAGE = {
+    "planted/__init__.py": "",
+    "planted/top.py": "import json\n",
+    "planted/sub/__init__.py": "",
+    "planted/sub/deep/__init__.py": "",
+    "planted/sub/deep/leaf.py": "import ray  # the violation, two subpackages down\n",
+    "ray/__init__.py": "",  # a stand-in for Ray, first on the planted process's path: nothing real loads
+}
+
+
+def test_the_no_ray_check_catches_a_planted_subpackage_module(tmp_path):
+    """A test of the test: a module two subpackages down that imports ray is caught; without it the planted
+    package passes."""
+    _plant(tmp_path, _PLANTED_PACKAGE)
+    assert set(_modules("planted", tmp_path)) == {"planted", "planted.top", "planted.sub", "planted.sub.deep",
+                                                  "planted.sub.deep.leaf"}
+    assert ray_modules_imported("planted", tmp_path) == ["ray"]
+    (tmp_path / "planted/sub/deep/leaf.py").write_text("import json\n")
+    assert ray_modules_imported("planted", tmp_path) == []
+
+
+def test_the_import_each_check_catches_a_planted_subpackage_module(tmp_path):
+    """A test of the test: a module two subpackages down that does not import is caught (with its
+    traceback); without it the planted package passes."""
+    _plant(tmp_path, {**_PLANTED_PACKAGE, "planted/sub/deep/leaf.py": "import json\n",
+                      "planted/sub/deep/broken.py": "from planted.sub import missing_module\n"})
+    failed, said = modules_failing_alone("planted", tmp_path, preload="")
+    assert failed == ["planted.sub.deep.broken"] and "missing_module" in said, said
+    (tmp_path / "planted/sub/deep/broken.py").unlink()
+    assert modules_failing_alone("planted", tmp_path, preload="")[0] == []
