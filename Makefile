@@ -13,7 +13,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-compat test-gpu bench bench-cluster bench-gpu lint clean
+.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-compat test-gpu bench bench-cluster bench-gpu bench-stale lint clean
 
 setup: $(STAMP)
 
@@ -148,6 +148,12 @@ bench-gpu:
 	# then the MoE loop vs grouped pairs on it (bench/results/moe.json's gpu rows, moe-gpu.png)
 	$(GPU_PY) bench/gpu.py $(BENCH_ARGS)
 	$(GPU_PY) bench/moe.py --device cuda
+
+bench-stale:
+	# the results the docs quote whose measured code changed since their commit, or that lack provenance (commit,
+	# dirty flag, versions, CPUs, load); fails when one the README quotes is (python's standard library only;
+	# --all: every JSON under bench/results/)
+	python3 bench/stale.py $(STALE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
