@@ -19,8 +19,12 @@ Each row runs in its own fresh process (CUDA's peak counter, the compile caches 
 25 steps, the median of the last 2/3; a row that fails or runs past --row-timeout is recorded with its error and
 the others go on. Per row: `name`, `median_step_s`, `tokens_per_s`, `mfu` (of --peak-tflops, by default the
 device's dense bf16 figure), `peak_bytes` (torch.cuda.max_memory_allocated; on a CPU the peak of live tensor
-bytes over one step), `planned_bytes` (trainers.plan.plan_memory for the device); `checks` holds the issue's
-targets. Writes bench/results/gpu.json (after every row: an interrupted run keeps what it measured) and gpu.png.
+bytes over one step), `planned_bytes` (trainers.plan.plan_memory for the device), `run_id` (the run that wrote it:
+BENCH_RUN_ID, which bench/gpu_check.sh sets once for all its parts, else one made per invocation); `checks` holds
+the issue's targets. Rows of earlier runs are kept where this run does not measure them again, so a check that
+compares rows compares rows of one run only: else its value is null and its note names the runs. Writes
+bench/results/gpu.json (after every row: an interrupted run keeps what it measured) and gpu.png, with the run's
+provenance (bench/provenance.py's fields; `measures`: the code its figures are of, for bench/stale.py).
 Imports neither ray nor deepspeed (the GPU machine may have neither).
 """
 
@@ -37,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +53,7 @@ sys.path[:0] = [str(BENCH), str(ROOT)]  # plain_loop; trainers without an instal
 import torch  # noqa: E402
 from corpus import prepared  # noqa: E402
 from plain_loop import train as train_plain  # noqa: E402
-from provenance import git_state  # noqa: E402
+from provenance import dirty_paths, git_state, versions  # noqa: E402
 
 from trainers._base import scoped_environ  # noqa: E402
 from trainers.autofit import resolve_fit  # noqa: E402
@@ -61,6 +66,8 @@ from trainers.plan import plan_memory  # noqa: E402
 from trainers.trainer import Trainer, TrainerCallback  # noqa: E402
 
 WORK = BENCH / "_work" / "gpu"
+# The code the figures are of (bench/stale.py lists gpu.json once one of these changes after its commit).
+MEASURES = ["bench/gpu.py", "bench/gpu_check.sh", "bench/plain_loop.py", "trainers/"]
 # Dense bf16 tensor-core peaks (TFLOP/s), by the first key in torch.cuda.get_device_name: MFU's denominator
 # (the H100's variants before the SXM part's "H100").
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "A10": 125.0,
@@ -316,37 +323,68 @@ def measure(row: Row, args: argparse.Namespace, size: dict[str, Any], data: str,
     return one_row_in_a_fresh_process(row, args, data)
 
 
+def run_of(row: dict[str, Any]) -> str | None:
+    """The run that wrote a row (None for a row written before rows carried one: its run is not known)."""
+    return row.get("run_id")
+
+
 def checks(rows: dict[str, dict[str, Any]], size: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, from whichever rows were measured (a target whose rows are missing is left out)."""
+    """The issue's targets, from whichever rows were measured (a target whose rows are missing is left out). A
+    target that compares rows compares rows of one run (`run_id`): with rows of two runs, or one whose run is
+    not known, its value and `met` are null and `note` says why (a ratio of rows measured at other commits, or
+    on another day's machine, would pass for one measurement)."""
     ok = {name: r for name, r in rows.items() if "error" not in r}
     g = size["big_global"]
     out: dict[str, Any] = {}
 
-    def add(key: str, value: float, target: float, at_most: bool) -> None:
-        out[key] = {"value": value, "target": target, "met": value <= target if at_most else value >= target}
+    def add(key: str, names: list[str], value: Any, target: float | None, at_most: bool = False) -> None:
+        """`value`: a function of the rows `names`, called only when they are of one run."""
+        runs = {run_of(ok[n]) for n in names}
+        entry: dict[str, Any] = {"rows": names}
+        if len(runs) == 1 and None not in runs:
+            v = value()
+            entry.update(value=v, run_id=runs.pop(),
+                         met=(v > 0 if target is None else v <= target if at_most else v >= target))
+        else:
+            entry.update(value=None, met=None, note="rows of different runs: " + ", ".join(
+                f"{n} (run {run_of(ok[n]) or 'unknown'}, commit {ok[n].get('git_commit')})" for n in names)
+                + "; fix: measure them in one run (bench/gpu_check.sh)")
+        if target is not None:
+            entry["target"] = target
+        out[key] = entry
 
     if {"big/compile-chunk4096", "big/bf16-compile"} <= set(ok):
-        add("chunked_vs_whole_step", ok["big/compile-chunk4096"]["median_step_s"]
-            / ok["big/bf16-compile"]["median_step_s"], TARGETS["chunked_vs_whole_step_max"], True)
-    hands = [r["mfu"] for n, r in ok.items() if n.startswith("big/hand-") and r.get("mfu") is not None]
-    fit = ok.get(f"big/fit-auto-gb{g}")
-    if hands and fit and fit.get("mfu") is not None:
-        add("fit_vs_best_hand_mfu", fit["mfu"] / max(hands), TARGETS["fit_vs_best_hand_mfu_min"], False)
+        add("chunked_vs_whole_step", ["big/compile-chunk4096", "big/bf16-compile"],
+            lambda: ok["big/compile-chunk4096"]["median_step_s"] / ok["big/bf16-compile"]["median_step_s"],
+            TARGETS["chunked_vs_whole_step_max"], True)
+    fit_name = f"big/fit-auto-gb{g}"
+    fit = ok.get(fit_name)
+    if fit and fit.get("mfu") is not None:
+        # the hand-picked plans of the fit's run (another run's plans are not this run's alternatives)
+        hands = [n for n, r in ok.items() if n.startswith("big/hand-") and r.get("mfu") is not None]
+        same = [n for n in hands if run_of(ok[n]) is not None and run_of(ok[n]) == run_of(fit)]
+        if hands:
+            add("fit_vs_best_hand_mfu", [fit_name, *(same or hands)],
+                lambda: fit["mfu"] / max(ok[n]["mfu"] for n in same), TARGETS["fit_vs_best_hand_mfu_min"])
     errors = [abs(r["planned_bytes"] / r["peak_bytes"] - 1) for r in ok.values() if r.get("planned_bytes")]
-    if errors:
-        add("plan_error_max", max(errors), TARGETS["plan_error_max"], True)
+    if errors:  # each row's own plan against its own peak: no row compared with another
+        out["plan_error_max"] = {"value": max(errors), "target": TARGETS["plan_error_max"],
+                                 "met": max(errors) <= TARGETS["plan_error_max"]}
     if {"seed/naive-fp32", "seed/all"} <= set(ok):
         naive, all_ = ok["seed/naive-fp32"], ok["seed/all"]
-        add("seed_all_memory_ratio", naive["peak_bytes"] / all_["peak_bytes"], TARGETS["seed_all_memory_ratio_min"],
-            False)
-        add("seed_all_speed_ratio", naive["median_step_s"] / all_["median_step_s"],
-            TARGETS["seed_all_speed_ratio_min"], False)
+        add("seed_all_memory_ratio", ["seed/naive-fp32", "seed/all"], lambda: naive["peak_bytes"] / all_["peak_bytes"],
+            TARGETS["seed_all_memory_ratio_min"])
+        add("seed_all_speed_ratio", ["seed/naive-fp32", "seed/all"],
+            lambda: naive["median_step_s"] / all_["median_step_s"], TARGETS["seed_all_speed_ratio_min"])
     compiled = ok.get("big/bf16-compile")
     if compiled and compiled.get("mfu") is not None:
-        add("big_compile_mfu", compiled["mfu"], TARGETS["big_compile_mfu_min"], False)
+        mfu = compiled["mfu"]
+        out["big_compile_mfu"] = {"value": mfu, "target": TARGETS["big_compile_mfu_min"],
+                                  "met": mfu >= TARGETS["big_compile_mfu_min"]}
         peer = ok.get("big/peer-hf-compile")
         if peer and peer.get("mfu") is not None:
-            out["big_compile_ahead_of_peer"] = {"value": compiled["mfu"] - peer["mfu"], "met": compiled["mfu"] > peer["mfu"]}
+            add("big_compile_ahead_of_peer", ["big/bf16-compile", "big/peer-hf-compile"], lambda: mfu - peer["mfu"],
+                None)
     return out
 
 
@@ -420,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("gpu-dry-run.json" if args.dry_run else "gpu.json")
     info = device_info(device, args.peak_tflops)
+    run_id = os.environ.get("BENCH_RUN_ID", "").strip() or uuid.uuid4().hex[:12]  # bench/gpu_check.sh: one for all
     result = {
-        "command": shlex.join(sys.orig_argv), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(sys.orig_argv), "run_id": run_id, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         **git_state(),  # BENCH_GIT_COMMIT names the commit where the machine's .git is stale
+        "git_dirty_paths": dirty_paths(), "versions": versions(), "cpus": os.cpu_count(), "measures": MEASURES,
         "torch_version": torch.__version__, "python": platform.python_version(), **info, "model": args.model,
         "dry_run": args.dry_run, "sizes": size, "loadavg_at_start": os.getloadavg(), "targets": TARGETS,
         "rows": [],
@@ -433,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in chosen:
         start = time.perf_counter()
         r = {"name": row.name, "what": row.what, "kind": row.kind, "overrides": list(row.sets),
-             "env": dict(row.env), "git_commit": result["git_commit"], "date": result["date"],  # rows merge
+             "env": dict(row.env), "run_id": run_id, "git_commit": result["git_commit"], "date": result["date"],  # rows merge
              **measure(row, args, size, data, device)}
         if "median_step_s" in r:
             peak = info["peak_tflops"]
@@ -449,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     result["plotted"] = plot(result, path.with_suffix(".png"))
     path.write_text(json.dumps(result, indent=1) + "\n")
     for key, c in result["checks"].items():
-        print(f"  {key}: {c['value']:.3f} (target {c.get('target', '-')}): {'met' if c['met'] else 'NOT met'}")
+        print(f"  {key}: {check_line(c)}")
     return 0
 
 
@@ -461,6 +501,13 @@ def _earlier_rows(path: Path, info: dict[str, Any], args: argparse.Namespace) ->
         return []
     same = old.get("device_name") == info["device_name"] and old.get("model") == args.model
     return old.get("rows", []) if same else []
+
+
+def check_line(c: dict[str, Any]) -> str:
+    """One check, as the summary prints it."""
+    if c["value"] is None:
+        return f"null (target {c.get('target', '-')}): {c['note']}"
+    return f"{c['value']:.3f} (target {c.get('target', '-')}): {'met' if c['met'] else 'NOT met'}"
 
 
 def _line(r: dict[str, Any]) -> str:

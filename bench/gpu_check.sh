@@ -22,7 +22,10 @@
 # cannot import torch (or, off the dry run, sees no CUDA device) stops the script before any part, with one line.
 # A failed part does not stop the later ones (each is independent; the lease is short): the script exits 1, and
 # its last line names every part that failed, with its rc (124/137: stopped by its cap), or says all passed. A
-# part that ends 0 with a row it was to measure missing or in error (gpu.py and checkpoint.py go on) fails too.
+# part that ends 0 with a row it was to measure missing or in error (gpu.py and checkpoint.py go on) fails too,
+# and so does one whose row this run did not write: the run's id (BENCH_RUN_ID, made here unless given) is on
+# each row bench/gpu.py writes, and a row must carry it; a row of a writer that records no run id
+# (checkpoint.py's) must differ from the one the copied earlier results held. gpu.py compares rows of one run only.
 set -u
 cd "$(dirname "$0")/.."
 # Each part is a fresh process (resume_profile's resume one more): with PYTHONDONTWRITEBYTECODE set (this
@@ -31,6 +34,10 @@ cd "$(dirname "$0")/.."
 # writes what it imports where it may; a read-only venv stays as it is.
 unset PYTHONDONTWRITEBYTECODE
 START=$(date +%s)
+# the run's id, on every row bench/gpu.py writes in this run (its parts are one run): a row without it was kept
+# from an earlier run, and `measured` refuses it
+BENCH_RUN_ID=${BENCH_RUN_ID:-$(cat /proc/sys/kernel/random/uuid 2>/dev/null || echo "$START-$RANDOM$RANDOM")}
+export BENCH_RUN_ID
 DRY=""
 [[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
 BUDGET_S=${BUDGET_S:-540}
@@ -71,20 +78,37 @@ part() {  # part NAME CAP_S FILE CMD...: CMD stopped at its cap (or what is left
   mark "$name" "$LAST_RC" "$file"
   record "$name" "$LAST_RC"
 }
-measured() {  # measured NAME JSON ROW...: a part that ended 0 fails when a row it was to measure has no figure
+measured() {  # measured NAME JSON ROW...: a part that ended 0 fails when a row it was to measure has no figure,
+  # or one this run did not write (a gpu.py row without this run's id; another writer's row as the copy held it)
   (( LAST_RC == 0 )) || return 0  # bench/gpu.py and checkpoint.py write the row's error in the JSON and go on
-  local bad
-  bad=$($PY - "$@" 2>>"$LOG" <<'EOF'
-import json, sys
+  local bad stamped=""
+  [[ $(basename "$2") == "$GPU.json" ]] && stamped=1  # bench/gpu.py writes the run's id on each row
+  bad=$($PY - "$1" "$2" "$BEFORE/$(basename "$2")" "$stamped" "${@:3}" 2>>"$LOG" <<'EOF'
+import json, os, sys
 from pathlib import Path
-name, path, *wanted = sys.argv[1:]
+name, path, before_path, stamped, *wanted = sys.argv[1:]
+run = os.environ["BENCH_RUN_ID"]
+
+def rows_of(p):
+    return {r.get("name") or f"{r['shape']}/{r['mode']}": r for r in json.loads(Path(p).read_text())["rows"]}
+
 try:
-    rows = {r.get("name") or f"{r['shape']}/{r['mode']}": r for r in json.loads(Path(path).read_text())["rows"]}
+    rows = rows_of(path)
 except (OSError, ValueError, KeyError) as e:
     rows = {}
     print(f"== {name}: {path}: {type(e).__name__} {e}", file=sys.stderr)
+try:
+    before = rows_of(before_path)  # the earlier results copied into $OUT before any part ran
+except (OSError, ValueError, KeyError):
+    before = {}
 for w in wanted:
-    why = "not in the JSON" if w not in rows else rows[w].get("error") or rows[w].get("resume_error")
+    r = rows.get(w)
+    why = "not in the JSON" if r is None else r.get("error") or r.get("resume_error")
+    if not why and (stamped or "run_id" in r) and r.get("run_id") != run:
+        why = (f"not written by this run: run {r.get('run_id') or 'not recorded'} (commit {r.get('git_commit')}), "
+               f"this run is {run}")
+    elif not why and not stamped and before.get(w) == r:
+        why = "not written by this run: the row the earlier results held"
     if why:
         print(w)
         print(f"== {name}: row {w}: {why}", file=sys.stderr)
@@ -104,6 +128,9 @@ LOG=$OUT/log.txt
 cp bench/results/checkpoint.json "$OUT/$CKPT.json" 2>/dev/null
 cp bench/results/moe.json "$OUT/$MOE.json" 2>/dev/null
 [[ -z $DRY ]] && cp bench/results/gpu.json "$OUT/" 2>/dev/null
+BEFORE=$(mktemp -d -t gpu-check-before-XXXXXX)  # what `measured` tells this run's rows from
+trap 'rm -rf "$BEFORE"' EXIT
+cp "$OUT"/*.json "$BEFORE/" 2>/dev/null
 if [[ -n $DRY ]]; then
   echo "dry run on the CPU of $(uname -n): tiny sizes, no GPU" >"$LOG"
 else
@@ -161,7 +188,10 @@ c, g, m = load(ckpt), load(gpu), load(moe).get("gpu", {})
 print(f"checkpoint 1b parts done: {c.get('1b', {}).get('parts_done')}")
 for label, checks in (("checkpoint 1b", c.get("1b", {}).get("checks", {})), ("gpu.py", g.get("checks", {}))):
     for key, v in checks.items():
-        print(f"{label} {key}: {v['value']:.3f} (target {v.get('target', '-')}): {'met' if v['met'] else 'NOT met'}")
+        if v["value"] is None:  # gpu.py: rows of two runs
+            print(f"{label} {key}: null (target {v.get('target', '-')}): {v.get('note')}")
+        else:
+            print(f"{label} {key}: {v['value']:.3f} (target {v.get('target', '-')}): {'met' if v['met'] else 'NOT met'}")
 for r in m.get("rows", []):
     print(f"moe {r['name']} {r['path']}: MFU {r['mfu']:.1%}, {r['median_step_s'] * 1e3:.1f} ms a step")
 print(f"moe targets met: {m.get('targets_met')}; device: {c.get('1b', {}).get('device_name')} / {g.get('device_name')}")

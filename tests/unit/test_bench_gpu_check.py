@@ -75,14 +75,51 @@ def test_the_last_line_names_only_the_failed_parts_and_one_out_of_time(tmp_path)
 
 def test_a_part_that_ends_0_with_a_row_in_error_fails(tmp_path):
     """bench/gpu.py writes a row's error in its JSON and exits 0: the part fails on the rows it was to measure."""
-    rows = '{"rows": [{"name": "seed/naive-fp32"}, {"name": "seed/all", "error": "exit 1: boom"}]}'
+    rows = '{"rows": [{"name": "seed/naive-fp32", "run_id": "r1"}, {"name": "seed/all", "error": "exit 1: boom"}]}'
     cases = f"""  "- "*) exec {sys.executable} "$@" ;;
   *bench/gpu.py*seed/naive-fp32*) echo '{rows}' >"$OUT/gpu-dry-run.json" ;;"""
-    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(_interpreter(tmp_path, cases, "exit 0")))
+    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(_interpreter(tmp_path, cases, "exit 0")), BENCH_RUN_ID="r1")
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert "gpu.py seed rows (rc 0, not measured: seed/all,seed/all-chunk-a-call)" in _last_line(proc), proc.stdout
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "== gpu.py seed rows: row seed/all: exit 1: boom" in log and "== gpu.py seed rows rc=0 " in log, log
+
+
+def test_a_row_this_run_did_not_write_fails_its_part(tmp_path):
+    """Issue 66: a headline row must be this run's. Planted: a gpu.py row of an earlier run (another run id,
+    another commit) and one with no run id beside this run's own; a checkpoint.py row (its writer records no run
+    id) left as the copied earlier results held it, beside one this run rewrote. Each foreign row fails its
+    part by name; this run's rows pass (the 1.1B part, all its own, is not named)."""
+    def row(name: str, run: str | None) -> dict:
+        return {"name": name, "median_step_s": 0.1, "git_commit": "9383718" if run != "this-run" else "abc1234",
+                **({"run_id": run} if run else {})}
+    seed = {"rows": [row("seed/naive-fp32", "an-earlier-run"), row("seed/all", "this-run"),
+                     row("seed/all-chunk-a-call", None)]}
+    big = {"rows": [row("big/bf16-compile", "this-run"), row("big/peer-hf-compile", "this-run")]}
+    earlier = {"rows": [{"shape": "1b", "mode": m, "blocking_s": {"median": 0.25}} for m in ("async", "sync")]}
+    (tmp_path / "repo" / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "repo" / "bench" / "results" / "checkpoint.json").write_text(json.dumps(earlier))
+    rewrite = tmp_path / "rewrite_async.py"  # checkpoint.py's stand-in: measures 1b/async again, not 1b/sync
+    rewrite.write_text("import json, os, pathlib\n"
+                       "p = pathlib.Path(os.environ['OUT']) / 'checkpoint_dry_run.json'\n"
+                       "d = json.loads(p.read_text()); d['rows'][0]['blocking_s'] = {'median': 0.31}\n"
+                       "p.write_text(json.dumps(d))\n")
+    cases = f"""  "- "*) exec {sys.executable} "$@" ;;
+  *bench/checkpoint.py*) exec {sys.executable} {rewrite} ;;
+  *bench/gpu.py*seed/naive-fp32*) echo '{json.dumps(seed)}' >"$OUT/gpu-dry-run.json" ;;
+  *bench/gpu.py*big/bf16-compile*) echo '{json.dumps(big)}' >"$OUT/gpu-dry-run.json" ;;"""
+    proc = _run_copy(tmp_path, "--dry-run", PYTHON=str(_interpreter(tmp_path, cases, "exit 0")),
+                     BENCH_RUN_ID="this-run")
+    last = _last_line(proc)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "checkpoint.py --shape 1b (rc 0, not measured: 1b/sync)" in last, last
+    assert "gpu.py seed rows (rc 0, not measured: seed/naive-fp32,seed/all-chunk-a-call)" in last, last
+    assert "1.1B compile and peer rows" not in last, last
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert ("== gpu.py seed rows: row seed/naive-fp32: not written by this run: run an-earlier-run (commit 9383718), "
+            "this run is this-run") in log, log
+    assert "row seed/all-chunk-a-call: not written by this run: run not recorded" in log, log
+    assert "row 1b/sync: not written by this run: the row the earlier results held" in log, log
 
 
 def test_an_interpreter_without_torch_stops_the_script_before_any_part(tmp_path):
@@ -176,6 +213,9 @@ def test_dry_run_runs_every_part_and_writes_what_the_checks_read(tmp_path):
         assert "error" not in by_name[name] and by_name[name]["median_step_s"] > 0, by_name[name]
     assert by_name["seed/all-chunk-a-call"]["env"] == {"RAYTRAIN_LOSS_CHUNKS_PER_CALL": "1"}
     assert {"seed_all_speed_ratio", "seed_all_memory_ratio"} <= set(gpu["checks"])
+    # the script's two gpu.py parts are one run: one id on their rows, and the ratios between them have values
+    assert len({by_name[n]["run_id"] for n in ("seed/naive-fp32", "seed/all", "big/bf16-compile")}) == 1
+    assert gpu["checks"]["seed_all_speed_ratio"]["value"] is not None
 
     moe = json.loads((tmp_path / "moe-dry-run.json").read_text())["gpu"]
     assert moe["dry_run"] and "gpu-moe_mfu" in moe["targets_met"]
