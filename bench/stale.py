@@ -190,7 +190,8 @@ def examine(root: Path, name: str, quoted_in: list[str], headline: bool) -> Resu
     found = provenances(doc)
     main = found[0] if found else None
     result.lacks = lacking(main)
-    result.dirty = main.get("git_dirty") if main else None
+    dirty = main.get("git_dirty") if main else None
+    result.dirty = None if dirty is None else bool(dirty)  # some earlier results hold `git status` lines
     if main is not None and main.get("measures"):
         result.measures, result.measures_from = list(main["measures"]), "json"
     elif Path(name).name in MEASURES:
@@ -246,11 +247,19 @@ def text(results: list[Result], root: Path = ROOT, every: bool = False) -> str:
         mark = "FAIL" if r in failing else ("ok  " if not r.failing else "warn")
         tag = " [headline]" if r.headline else ""
         date = r.dates[0][:10] if r.dates else "no date"
-        commits = ",".join(c[:9] for c in r.commits) or "-"
+        commits = _commits(r.commits, ",")
         lines.append(f"{mark} {r.name}{tag} ({date}, {commits}): {r.status()}")
     lines.append(f"{len(failing)} {'results' if every else 'headline results'} stale or lacking provenance"
                  + (": " + ", ".join(r.name for r in failing) if failing else ""))
     return "\n".join(lines)
+
+
+def _commits(commits: list[str], sep: str) -> str:
+    """Short shas, oldest first; of many, the oldest, the newest and how many."""
+    short = [c[:9] for c in commits]
+    if len(short) > 3:
+        return f"{short[0]}{sep}...{sep}{short[-1]} ({len(short)} commits)"
+    return sep.join(short) or "-"
 
 
 MARK_BEGIN = "<!-- bench/stale.py --markdown: begin -->"
@@ -260,15 +269,16 @@ MARK_END = "<!-- bench/stale.py --markdown: end -->"
 def markdown(results: list[Result]) -> str:
     """Each quoted result: where it is quoted, its date(s), commit(s), dirty flag and the provenance it lacks
     (what does not change with the code; whether it is stale now is `make bench-stale`'s)."""
-    rows = ["| result | quoted in | measured | commit | tree | provenance |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| result | quoted in | date | commit | tree | provenance |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         dates = sorted({d[:10] for d in r.dates})
         when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}" if dates else "-"
         tree = {True: "dirty", False: "clean", None: "unknown"}[r.dirty] if r.commits else "-"
-        where = ", ".join(q.removeprefix("docs/") for q in r.quoted_in) or HEADLINE_UNNAMED.get(r.name, "-")
+        where = [q.removeprefix("docs/") for q in r.quoted_in]
+        where = ", ".join(where + (["README.md (the figure, not the file)"] if r.name in HEADLINE_UNNAMED else []))
         lacks = "complete" if not r.lacks else "lacks " + ", ".join(r.lacks)
         name = f"**{r.name}**" if r.headline else r.name
-        rows.append(f"| {name} | {where} | {when} | {', '.join(c[:9] for c in r.commits) or '-'} | {tree} | {lacks} |")
+        rows.append(f"| {name} | {where or '-'} | {when} | {_commits(r.commits, ', ')} | {tree} | {lacks} |")
     return "\n".join(rows)
 
 
