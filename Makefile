@@ -137,11 +137,12 @@ bench: $(STAMP) $(DATA)/manifest.json $(BPE)/manifest.json
 	$(PY) bench/no_ray.py --data $(DATA)
 	$(PY) bench/data.py
 	$(PY) bench/cli.py
-	$(PY) bench/ft.py --data $(DATA)
 
 bench-cluster: $(STAMP)
-	# root: test hosts from network namespaces; bring-up, first step and recovery from a lost host
+	# root: test hosts from network namespaces; bring-up, first step and recovery from a lost host; then per-step
+	# fault tolerance beside the restart path, each beside its run without faults, on hosts with CPU quotas (~45 min)
 	$(PY) bench/cluster.py
+	$(PY) bench/ft.py --hosts
 
 bench-gpu:
 	# one GPU, unattended (~30 min on an H100; BENCH_ARGS=--model small for 24 GB): bench/results/gpu.{json,png},

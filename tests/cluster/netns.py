@@ -13,8 +13,14 @@ Faults, as a network shows them:
 - `host.cut()` / `host.heal()`: its switch port down / up (a partition: its processes live on, unreachable);
 - `host.start()`: a fresh pid 1 in the same network namespace (the host boots again).
 
+Capacity: a host given `cpus` (cores, e.g. 0.45) runs every process of it, its pid 1's and each command entered
+into it, in a cgroup of its own with that CPU quota (`CpuQuota`: the v1 `cpu` controller's `cfs_quota_us`, or v2's
+`cpu.max`, whichever this machine has). Without quotas the hosts share the machine's cores and a killed host
+hands its CPU to the survivors; with them a lost host takes its share with it, as on separate machines.
+`TestHosts.cpu_rates()` reads each host's share back (a short busy loop in each, all at once).
+
 Everything is named `<prefix>-<owner pid>-<name>`; `down()` ends every process of every namespace it made (by
-the pids `ip netns pids` lists, never by a process name) and deletes the namespaces; `leftovers()` lists what
+the pids `ip netns pids` lists, never by a process name) and deletes the namespaces and cgroups; `leftovers()` lists what
 remains (the tier's last check). `sweep_orphans()` removes what a killed earlier run of this module left
 (its owner pid gone), so a Ctrl-C'd run never blocks the next.
 """
@@ -37,6 +43,15 @@ PREFIX = "rtx"
 # RFC 2544's benchmarking range: no public or private network uses it, and no route leads out of the switch.
 SUBNET = "198.18.7"
 INIT = Path(__file__).with_name("host_init.py")
+CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+# The quota's period: a host over its share waits for the next one. 10 ms, not the kernel's default 100 ms: a host
+# of a fraction of a core then runs as a slower machine, not as one that freezes for most of every 100 ms (which
+# made a tiny model's ~40 ms steps lumpy).
+PERIOD_US = 10_000
+# in a host: a busy loop of SECONDS; its CPU time over its wall time is the share the host gets
+RATE_PROBE = ("import time\nw, c = time.perf_counter(), time.process_time()\n"
+              "while time.perf_counter() - w < {seconds}: pass\n"
+              "print((time.process_time() - c) / (time.perf_counter() - w))")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -66,6 +81,57 @@ def can_make_hosts() -> str | None:
     return None
 
 
+def cgroup_kind() -> str | None:
+    """"v2" where the unified hierarchy has the cpu controller, "v1" where the v1 `cpu` controller is mounted,
+    else None (no quotas here)."""
+    controllers = CGROUP_V2 / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+        return "v2"
+    return "v1" if (CGROUP_V1 / "cpu.cfs_quota_us").exists() else None
+
+
+@dataclass
+class CpuQuota:
+    """A cgroup of `name` whose processes together get at most `cores` of CPU time (per PERIOD_US)."""
+
+    name: str
+    cores: float
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or cgroup_kind() or ""
+        if not self.kind:
+            raise RuntimeError("no cgroup cpu controller here (v1 /sys/fs/cgroup/cpu or v2 with +cpu): no CPU quotas")
+        quota = int(self.cores * PERIOD_US)
+        if self.kind == "v2":  # the root's children get the cpu controller
+            (CGROUP_V2 / "cgroup.subtree_control").write_text("+cpu")
+        self.path.mkdir(exist_ok=True)
+        if self.kind == "v1":
+            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+
+    @property
+    def path(self) -> Path:
+        return (CGROUP_V1 if self.kind == "v1" else CGROUP_V2) / self.name
+
+    def join(self) -> None:
+        """Moves the calling process into the group (a Popen's preexec_fn: the child and all it starts)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self, timeout_s: float = 10) -> None:
+        """Once its processes are gone (a killed host's nsenter parents exit just after their children)."""
+        deadline = time.monotonic() + timeout_s
+        while self.path.exists():
+            try:
+                self.path.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
 @dataclass
 class Host:
     name: str
@@ -77,6 +143,7 @@ class Host:
     home: Path  # bound over /root inside the host
     init: subprocess.Popen | None = None
     pid1: int | None = None  # the host's pid 1, as the root PID namespace numbers it
+    quota: CpuQuota | None = None  # its CPU share: every process of the host runs in its cgroup
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -86,6 +153,7 @@ class Host:
             ["ip", "netns", "exec", self.ns, "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
              "--propagation", "private", sys.executable, str(INIT), self.name, str(self.hosts_file), str(self.home)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=self._join,
         )
         line = self.init.stdout.readline()  # the init says "ready" once its mounts are made
         if line.strip() != "ready":
@@ -110,6 +178,10 @@ class Host:
         _ip("-n", self.switch, "link", "set", self.port, "up")
 
     # ------------------------------------------------------------------------------------------ commands
+    def _join(self) -> None:
+        if self.quota is not None:
+            self.quota.join()
+
     def _enter(self, argv: Sequence[str], cwd: str | None = None) -> list[str]:
         """nsenter into the host; in its mount namespace the working directory is `cwd` (nsenter would
         otherwise take its pid 1's, /)."""
@@ -119,7 +191,7 @@ class Host:
     def run(self, argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 300,
             check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess:
         out = subprocess.run(self._enter(argv, cwd), env=env, capture_output=True, text=True,
-                             timeout=timeout)
+                             timeout=timeout, preexec_fn=self._join)
         if check and out.returncode != 0:
             raise RuntimeError(f"{self.name}: {' '.join(argv)} -> {out.returncode}\n{out.stdout[-3000:]}\n"
                                f"{out.stderr[-5000:]}")
@@ -129,7 +201,8 @@ class Host:
               log: Path | None = None) -> subprocess.Popen:
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
         try:
-            return subprocess.Popen(self._enter(argv, cwd), env=env, stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(self._enter(argv, cwd), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=self._join)
         finally:
             if log:
                 out.close()
@@ -147,6 +220,8 @@ class TestHosts:
     __test__ = False  # not a pytest test class
 
     names: Sequence[str]
+    # each host's CPU share in cores (a cgroup quota; see the module's docstring); a host not named is uncapped
+    cpus: dict[str, float] = field(default_factory=dict)
     # what each host's /etc/hosts says of its own name: "address" (a correct file), "loopback" (Debian's
     # default: 127.0.1.1) or "none" (the name resolves to nothing)
     own_name: dict[str, str] = field(default_factory=dict)
@@ -166,6 +241,10 @@ class TestHosts:
 
     def up(self) -> TestHosts:
         sweep_orphans(self.prefix)
+        total = sum(self.cpus.values())
+        if total >= (os.cpu_count() or 1):
+            raise ValueError(f"the hosts' CPU shares add up to {total:g} cores; this machine has {os.cpu_count()}: "
+                             f"keep them below it (a host would otherwise get less than its share)")
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir="/var/tmp"))
         try:
             self._make_switch()
@@ -201,7 +280,8 @@ class TestHosts:
         hosts_file.write_text(self.hosts_text(name))
         home = self.workdir / f"{name}-home"
         home.mkdir(mode=0o700)
-        return Host(name, ns, address, port, hosts_file, self.switch, home)
+        quota = CpuQuota(ns, self.cpus[name]) if name in self.cpus else None
+        return Host(name, ns, address, port, hosts_file, self.switch, home, quota=quota)
 
     def hosts_text(self, name: str) -> str:
         lines = ["127.0.0.1 localhost"]
@@ -213,17 +293,31 @@ class TestHosts:
                 lines.append(f"{self.address(other)} {other}")
         return "\n".join(lines) + "\n"
 
+    def cpu_rates(self, seconds: float = 2.0) -> dict[str, dict[str, float]]:
+        """Each capped host's quota and the share of a core a busy loop in it got (all hosts at once: together
+        they must still each get their share)."""
+        code = RATE_PROBE.format(seconds=seconds)
+        procs = {name: subprocess.Popen(host._enter([sys.executable, "-c", code]), stdout=subprocess.PIPE,
+                                        text=True, preexec_fn=host._join)
+                 for name, host in self.hosts.items() if host.quota is not None}
+        return {name: {"quota": self.hosts[name].quota.cores, "measured": round(float(p.communicate()[0]), 3)}
+                for name, p in procs.items()}
+
     def down(self) -> None:
-        """Every process in every namespace of ours ends, then the namespaces go (idempotent)."""
+        """Every process in every namespace of ours ends, then the namespaces and cgroups go (idempotent)."""
         for host in self.hosts.values():
             host.kill()
         _end_namespaces([f"{self.tag}-{n}" for n in self.names] + [self.switch])
+        for host in self.hosts.values():
+            if host.quota is not None:
+                host.quota.remove()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """What of ours is still there: namespaces, processes in them, the work folder."""
         left = [ns for ns in _namespaces() if ns.startswith(self.tag + "-")]
+        left += [str(h.quota.path) for h in self.hosts.values() if h.quota is not None and h.quota.path.exists()]
         if self.workdir is not None and self.workdir.exists():
             left.append(str(self.workdir))
         return left
@@ -266,6 +360,13 @@ def sweep_orphans(prefix: str = PREFIX) -> list[str]:
         swept += names
         for folder in Path("/var/tmp").glob(f"{prefix}-{pid}-*"):
             shutil.rmtree(folder, ignore_errors=True)
+    for kind, parent in (("v1", CGROUP_V1), ("v2", CGROUP_V2)):
+        for group in parent.glob(f"{prefix}-*-*") if kind == cgroup_kind() else ():
+            owner = group.name.split("-")[1]
+            if owner.isdigit() and not _alive(int(owner)):
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+                    swept.append(str(group))
     return swept
 
 
@@ -280,8 +381,9 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def test_hosts(names: Sequence[str], own_name: dict[str, str] | None = None) -> Iterator[TestHosts]:
-    hosts = TestHosts(names, own_name or {})
+def test_hosts(names: Sequence[str], own_name: dict[str, str] | None = None,
+               cpus: dict[str, float] | None = None) -> Iterator[TestHosts]:
+    hosts = TestHosts(names, cpus or {}, own_name or {})
     hosts.up()
     try:
         yield hosts

@@ -28,6 +28,11 @@ STEPS, EVERY = 60, 20
 # What each host's /etc/hosts says of its own name: h2 the Debian default (127.0.1.1), h3 nothing. gloo
 # picks a loopback address from such a name unless the run pins it to the Ray address (every run here).
 OWN_NAME = {"h2": "loopback", "h3": "none"}
+# Each host's CPU share (cores; tests/cluster/netns.py's CpuQuota): a worker host half a core, so a lost one takes
+# its half with it; the head (GCS, drivers, the lighthouse) as much; the bucket and the client what their probes
+# need. 1.9 of the machine's 2 cores in all: each host gets its share while every other host is busy too.
+TIER_CPUS = {"h1": 0.5, "s3": 0.2, "client": 0.2}
+WORKER_CPUS = 0.5
 
 
 @dataclass
@@ -37,6 +42,7 @@ class TierCluster:
     corpus: Path  # the same corpus on the local disk, for the one-host reference runs
     bring_up_s: float = 0.0
     runs: int = 0
+    cpu_rates: dict[str, dict[str, float]] = field(default_factory=dict)  # each host's quota and measured share
 
     def workdir(self) -> Path:
         return self.hosts.workdir
@@ -60,12 +66,16 @@ class TierCluster:
         return f"s3://{BUCKET}/runs/{name}-{self.runs}"
 
 
-def bring_up(names=NAMES, own_name=None, workers=WORKERS) -> TierCluster:
-    """Hosts, Ray with token auth (a worker node on each of `workers`), the S3 server on its host, a bucket with
-    the tier's corpus."""
+def bring_up(names=NAMES, own_name=None, workers=WORKERS, cpus=None) -> TierCluster:
+    """Hosts, each with its CPU share (`cpus`, cores by host; TIER_CPUS and WORKER_CPUS by default, read back by a
+    busy loop in each before Ray starts), Ray with token auth (a worker node on each of `workers`), the S3 server
+    on its host, a bucket with the tier's corpus."""
     t0 = time.monotonic()
-    hosts = TestHosts(names, OWN_NAME if own_name is None else own_name).up()
+    if cpus is None:
+        cpus = {**{n: c for n, c in TIER_CPUS.items() if n in names}, **dict.fromkeys(workers, WORKER_CPUS)}
+    hosts = TestHosts(names, cpus, OWN_NAME if own_name is None else own_name).up()
     try:
+        rates = hosts.cpu_rates()
         ray = RayHosts(hosts, workers=tuple(workers)).up()
         corpus = hosts.workdir / "corpus"
         subprocess.run([str(Path(sys.executable).parent / "raytrain"), "data", "prepare", "--output", str(corpus),
@@ -76,7 +86,7 @@ def bring_up(names=NAMES, own_name=None, workers=WORKERS) -> TierCluster:
     except BaseException:
         hosts.down()
         raise
-    return TierCluster(hosts, ray, corpus, bring_up_s=time.monotonic() - t0)
+    return TierCluster(hosts, ray, corpus, bring_up_s=time.monotonic() - t0, cpu_rates=rates)
 
 
 def run_raw(run_dir: str, data: str = DATA, **sections: dict[str, Any]) -> dict[str, Any]:

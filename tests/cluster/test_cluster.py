@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
+from tests.cluster.netns import RATE_PROBE
 from tests.cluster.scenarios import (
     EVERY,
     STEPS,
+    WORKER_CPUS,
     Driver,
     console_lines,
     events,
@@ -43,6 +47,21 @@ def test_hosts_are_machines(tier):
     assert h1.run(gcs_log, check=False).returncode == 0, "the head's Ray session is in its own /tmp"
     assert h2.run(gcs_log, check=False).returncode != 0, "h2 sees h1's /tmp"
     assert h2.run(["test", "-e", "/tmp/ray/session_latest"], check=False).returncode == 0
+
+
+def test_hosts_have_their_own_cpu(tier):
+    """Each host runs under its own CPU quota (scenarios.TIER_CPUS/WORKER_CPUS): a busy loop in a host never gets
+    more than its share, with every host busy at once (bring-up) and with one host busy alone (now, the others
+    idle: without a quota it would take a whole core); and a host's processes, Ray's included, are in its cgroup."""
+    assert set(tier.cpu_rates) == set(tier.hosts.names)
+    for name, rate in tier.cpu_rates.items():
+        assert rate["measured"] <= rate["quota"] * 1.05, f"{name} got more than its share at bring-up: {rate}"
+    alone = tier.hosts["h2"].run([sys.executable, "-c", RATE_PROBE.format(seconds=1.0)])
+    assert float(alone.stdout) <= WORKER_CPUS * 1.05, f"h2 alone got {alone.stdout.strip()} of a core"
+    group = tier.hosts["h2"].quota.path
+    raylets = [pid for pid in tier.hosts["h2"].pids() if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert raylets, "h2 runs no raylet"
+    assert all(str(pid) in (group / "cgroup.procs").read_text().split() for pid in raylets), "h2's raylet escapes its quota"
 
 
 def _ranks_on_hosts(tier, class_name: str = "RayTrainWorker") -> set[str]:
