@@ -25,7 +25,7 @@
 # part that ends 0 with a row it was to measure missing or in error (gpu.py and checkpoint.py go on) fails too,
 # and so does one whose row this run did not write: the run's id (BENCH_RUN_ID, made here unless given) is on
 # each row bench/gpu.py writes, and a row must carry it; a row of a writer that records no run id
-# (checkpoint.py's) must differ from the one the copied earlier results held. gpu.py compares rows of one run only.
+# (checkpoint.py's, moe.py's) must differ from the one the copied earlier results held. gpu.py compares rows of one run only.
 set -u
 cd "$(dirname "$0")/.."
 # Each part is a fresh process (resume_profile's resume one more): with PYTHONDONTWRITEBYTECODE set (this
@@ -90,7 +90,9 @@ name, path, before_path, stamped, *wanted = sys.argv[1:]
 run = os.environ["BENCH_RUN_ID"]
 
 def rows_of(p):
-    return {r.get("name") or f"{r['shape']}/{r['mode']}": r for r in json.loads(Path(p).read_text())["rows"]}
+    # gpu.py's rows by name, checkpoint.py's by shape/mode, moe.py's by name/path
+    return {(f"{r['name']}/{r['path']}" if "path" in r else r["name"]) if "name" in r else f"{r['shape']}/{r['mode']}": r
+            for r in json.loads(Path(p).read_text())["rows"]}
 
 try:
     rows = rows_of(path)
@@ -154,6 +156,7 @@ measured "gpu.py seed rows" "$OUT/$GPU.json" seed/naive-fp32 seed/all seed/all-c
 
 # (3) MoE, loop/grouped pair: grouped MFU >= 35%
 part moe.py 90 "$LOG" $PY bench/moe.py --device cuda --pairs 1 --data "$CORPUS" --out "$OUT" $DRY
+measured moe.py "$OUT/$MOE.json" gpu-moe/loop gpu-moe/grouped
 
 # (4) the 1.1B model compiled (MFU >= 50%) and the transformers peer
 part "gpu.py 1.1B compile and peer rows" 190 "$LOG" $PY bench/gpu.py --out "$OUT" --data "$CORPUS" --row-timeout 90 \

@@ -88,7 +88,8 @@ def test_a_part_that_ends_0_with_a_row_in_error_fails(tmp_path):
 def test_a_row_this_run_did_not_write_fails_its_part(tmp_path):
     """Issue 66: a headline row must be this run's. Planted: a gpu.py row of an earlier run (another run id,
     another commit) and one with no run id beside this run's own; a checkpoint.py row (its writer records no run
-    id) left as the copied earlier results held it, beside one this run rewrote. Each foreign row fails its
+    id) left as the copied earlier results held it, beside one this run rewrote; moe.py's pair left as it was
+    (moe.py's stand-in writes nothing). Each foreign row fails its
     part by name; this run's rows pass (the 1.1B part, all its own, is not named)."""
     def row(name: str, run: str | None) -> dict:
         return {"name": name, "median_step_s": 0.1, "git_commit": "9383718" if run != "this-run" else "abc1234",
@@ -99,6 +100,8 @@ def test_a_row_this_run_did_not_write_fails_its_part(tmp_path):
     earlier = {"rows": [{"shape": "1b", "mode": m, "blocking_s": {"median": 0.25}} for m in ("async", "sync")]}
     (tmp_path / "repo" / "bench" / "results").mkdir(parents=True)
     (tmp_path / "repo" / "bench" / "results" / "checkpoint.json").write_text(json.dumps(earlier))
+    moe = {"rows": [{"name": "gpu-moe", "path": p, "device": "cuda", "mfu": 0.3} for p in ("loop", "grouped")]}
+    (tmp_path / "repo" / "bench" / "results" / "moe.json").write_text(json.dumps(moe))  # moe.py is to rewrite
     rewrite = tmp_path / "rewrite_async.py"  # checkpoint.py's stand-in: measures 1b/async again, not 1b/sync
     rewrite.write_text("import json, os, pathlib\n"
                        "p = pathlib.Path(os.environ['OUT']) / 'checkpoint_dry_run.json'\n"
@@ -115,11 +118,13 @@ def test_a_row_this_run_did_not_write_fails_its_part(tmp_path):
     assert "checkpoint.py --shape 1b (rc 0, not measured: 1b/sync)" in last, last
     assert "gpu.py seed rows (rc 0, not measured: seed/naive-fp32,seed/all-chunk-a-call)" in last, last
     assert "1.1B compile and peer rows" not in last, last
+    assert "moe.py (rc 0, not measured: gpu-moe/loop,gpu-moe/grouped)" in last, last  # kept as they were
     log = (tmp_path / "out" / "log.txt").read_text()
     assert ("== gpu.py seed rows: row seed/naive-fp32: not written by this run: run an-earlier-run (commit 9383718), "
             "this run is this-run") in log, log
     assert "row seed/all-chunk-a-call: not written by this run: run not recorded" in log, log
     assert "row 1b/sync: not written by this run: the row the earlier results held" in log, log
+    assert "== moe.py: row gpu-moe/grouped: not written by this run: the row the earlier results held" in log, log
 
 
 def test_an_interpreter_without_torch_stops_the_script_before_any_part(tmp_path):
