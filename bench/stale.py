@@ -35,10 +35,7 @@ RESULTS = "bench/results"
 QUOTING = ("README.md", "docs/*.md", "bench/README.md")
 HEADLINE_DOC = "README.md"
 # Figures README.md quotes without naming their JSON: file name -> where.
-HEADLINE_UNNAMED = {
-    "resume_profile_cpu.json": "README.md's documentation table: a resume's phases (first step 11.6 s after "
-    "start, 13.4 s before)",
-}
+HEADLINE_UNNAMED: dict[str, str] = {}
 # The measured code of results made before bench/provenance.py recorded `measures` (by file name; a result
 # that records it is read from its JSON). Each: the script that measured it, and the code its figure is of.
 _TRAINER = ["trainers/"]
