@@ -74,6 +74,9 @@ SEEDS_THAT_CHOSE_SETTINGS = list(range(10))  # issues 25 and 43: PBT's settings 
 FULL_SEEDS, QUICK_SEEDS = list(range(100, 110)), [100, 101, 102]
 LOG = "trials.jsonl"  # one line per report of every trial
 LINEAGE = "lineage.json"  # beside each pin: [step, lr, wd] from which each stretch of its state trained
+# the code whose behaviour the figure measures (bench/stale.py: the result is stale once one changes)
+MEASURES = ["bench/pbt_quality.py", "search/population.py", "search/schedulers.py", "search/config.py",
+            "search/space.py", "search/lineage.py", "trainers/trainer.py"]
 CKPT = {"checkpoint.resume": "none", "checkpoint.mode": "sync", "checkpoint.keep": 1}
 
 TASK = {
@@ -511,7 +514,7 @@ def results(args: argparse.Namespace, rows: list[dict[str, Any]], sel: dict[str,
     checks = {"seeds": len(args.seeds) >= 10, "fresh_seeds": len(fresh) >= 5, "equal_steps": equal["holds"],
               "picks_checked": all(all(v["pick_checked"]) for m, v in methods.items() if m != HAND)}
     out = {
-        **provenance(started, load),
+        **provenance(started, load, measures=MEASURES),
         "quick": args.quick,
         "dry_run": args.dry_run,
         "verdict_rule": VERDICT_RULE,

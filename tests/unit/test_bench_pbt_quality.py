@@ -95,7 +95,8 @@ def test_the_verdict_holds_only_with_fresh_seeds_equal_steps_and_a_paired_win(tm
     assert out["setup"]["fresh_seeds"] == fresh and out["setup"]["scheduler"] == pq.DEFAULTS.model_dump(mode="json")
     assert out["methods"]["pbt"]["run_seeds"] == [1000 + s for s in fresh]
     assert out["verdict_rule"] == pq.VERDICT_RULE and "ids" not in out["split"]
-    for key in ("command", "git_commit", "date", "cpus", "loadavg_before", "loadavg_after", "wall_s"):
+    assert set(out["measures"]) == set(pq.MEASURES)
+    for key in ("command", "git_commit", "git_dirty", "versions", "date", "cpus", "loadavg_before", "wall_s"):
         assert key in out, key
     json.dumps(out)  # written whole
     pq.plot(out, tmp_path / "p.png")
