@@ -25,9 +25,9 @@ TIME_ATTR = "step"  # every trial reports its optimizer step; all scheduler inte
 MEMBER = "member"  # config key: the trial's index in the population (its starting point)
 # PBT's default burn-in, a share of each trial's budget: no exploit before half of it is trained. Without
 # one, PBT copies whoever did best over the last interval, where a smaller learning rate always wins, and
-# anneals too early (bench/results/pbt_quality.json, population 8, 5 seeds, best val_loss: asynchronous
-# 1.8845 +- 0.0138 with none, 1.8714 +- 0.0174 with half (1.8773 re-run), 1.8773 with 75%; synchronous 1.9100 ->
-# 1.8818; bench/README.md)
+# anneals too early (chosen on seeds 0-9 by the previous round of bench/pbt_quality.py, population 8, its JSON
+# as of 419ecf9: asynchronous 1.8845 +- 0.0138 with none, 1.8714 +- 0.0174 with half, 1.8773 with 75%; synchronous
+# 1.9100 -> 1.8818; today's bench/results/pbt_quality.json judges this default on seeds that chose nothing)
 BURN_IN = "50%"
 
 

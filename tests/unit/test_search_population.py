@@ -236,7 +236,8 @@ def test_tunes_upload_that_raced_a_save_of_its_state_prints_no_traceback(tmp_pat
 
 
 def test_pbt_burn_in_is_half_the_budget_by_default_or_steps_or_a_share():
-    """bench/results/pbt_quality.json chose the default: no exploit before half of each trial's steps."""
+    """The default (chosen by bench/pbt_quality.py's previous round, search/schedulers.py's BURN_IN): no exploit
+    before half of each trial's steps."""
     cfg = SchedulerConfig(name="pbt", interval=10)
     assert cfg.burn_in_steps(1600) == 800
     assert Population(cfg, SPACE, "min", 40, 2).burn_in == 20
