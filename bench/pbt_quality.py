@@ -77,7 +77,11 @@ LINEAGE = "lineage.json"  # beside each pin: [step, lr, wd] from which each stre
 # the code whose behaviour the figure measures (bench/stale.py: the result is stale once one changes)
 MEASURES = ["bench/pbt_quality.py", "search/population.py", "search/schedulers.py", "search/config.py",
             "search/space.py", "search/lineage.py", "trainers/trainer.py"]
-CKPT = {"checkpoint.resume": "none", "checkpoint.mode": "sync", "checkpoint.keep": 1}
+# No retention inside a trial: after an exploit of a donor behind it, a trial's next save is at a lower step than
+# checkpoints it already has, and retention by step (keep 1) deleted that save before the trial could pin it
+# (FileNotFoundError in link_tree: the full run of 2026-12-02 lost a PBT trial at seeds 103-105). The pins are what
+# the reports name; each run dir goes at its trial's end.
+CKPT = {"checkpoint.resume": "none", "checkpoint.mode": "sync", "checkpoint.keep": 1_000_000}
 
 TASK = {
     "what": (
