@@ -219,10 +219,16 @@ def _budget_stop(total: int):
         ASHA samples no more configurations."""
 
         def __init__(self) -> None:
+            self.seen: set[tuple[str, int]] = set()
             self.reported = 0
 
         def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-            self.reported += int(result.get("trained", 0))
+            # Tune hands a stopper a finished function trial's last result a second time (done=True): counted
+            # twice, three early finishers ended the last trial 50-100 steps short of the budget (seeds 101-103)
+            key = (trial_id, int(result.get("training_iteration", 0)))
+            if key not in self.seen:
+                self.seen.add(key)
+                self.reported += int(result.get("trained", 0))
             return False
 
         def stop_all(self) -> bool:

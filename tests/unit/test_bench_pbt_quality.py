@@ -122,6 +122,21 @@ def test_arguments():
     assert lineage[1][0] == 1400 and lineage[1][1] == pytest.approx(0.3 * lineage[0][1])
 
 
+def test_the_budget_stopper_counts_a_finished_trials_repeated_last_result_once():
+    """Tune hands a stopper a function trial's last result again when it ends (done=True); counted twice, the
+    experiment stopped while its last trial still had 50-100 steps of the budget to train."""
+    stop = pq._budget_stop(200)
+    for trial in ("a", "b"):
+        for it in (1, 2):
+            stop(trial, {"trained": 50, "training_iteration": it})
+        stop(trial, {"trained": 50, "training_iteration": 2, "done": True})  # the repeat
+    assert stop.reported == 200 and stop.stop_all()
+    fresh = pq._budget_stop(200)
+    fresh("a", {"trained": 50, "training_iteration": 1})
+    fresh("a", {"trained": 50, "training_iteration": 1, "done": True})
+    assert not fresh.stop_all()
+
+
 def test_the_judged_arm_is_the_products_default_rule(corpus_dir, tmp_path):
     args = pq.parse_args(["--data", str(corpus_dir), "--work", str(tmp_path)])
     exp = pq.experiment(args, "pbt", 103)
