@@ -287,3 +287,110 @@ def test_a_member_that_finished_its_budget_is_no_donor():
     _report(pop2, "t0", 40, 1.0, 1e-2)
     assert _report(pop2, "t1", 30, 5.0, 1e-4)
     assert pop2.decide("t1") is None, "the only better member has finished: no exploit"
+
+
+# ------------------------------------------------------------------------- PB2 at any history length
+
+
+def _pb2_history(pop, reports, members=6, start_step=10):
+    """`reports` rounds of reports of `members` members (PB2 records a point per member per round after the
+    first): losses falling fastest near lr 1e-3, seeded."""
+    import random
+
+    rng = random.Random(5)
+    lrs = [10 ** (-4 + 2 * i / (members - 1)) for i in range(members)]
+    loss = [3.0] * members
+    for r in range(reports):
+        for i, lr in enumerate(lrs):
+            loss[i] -= 0.01 * math.exp(-((math.log10(lr) + 3) ** 2)) + 0.002 * rng.random()
+            pop.record(f"t{i}", i, start_step + 10 * r, loss[i], {"optimizer.lr": lr}, f"/pins/t{i}/{r}")
+    return lrs
+
+
+def test_pb2_fits_the_newest_window_of_its_history_and_decides_as_before_within_it():
+    """The GP fits at most `PB2_WINDOW` points (the newest); a history no longer than the window gives the
+    decision the unbounded rule gives, and each fit serves every decision until a new point arrives."""
+    from search.population import PB2_WINDOW
+
+    def decide(window, reports):
+        pop = _pop_with_gp(window, reports)
+        worst = min(pop.members.values(), key=lambda m: m.score).trial
+        return pop, pop.decide(worst)
+
+    short = 1 + PB2_WINDOW // 6 - 1  # (reports - 1) x 6 points, within the window
+    bounded, d1 = decide(PB2_WINDOW, short)
+    unbounded, d2 = decide(None, short)
+    assert bounded.points == unbounded.points <= PB2_WINDOW and d1.values == d2.values
+    long, _ = decide(PB2_WINDOW, 3 * short)
+    assert long.points > 2 * PB2_WINDOW and len(long.history) == long.gp.size == PB2_WINDOW
+    fit = long.gp
+    second = [m for m in long.members.values() if m.pin is not None][0].trial
+    long.decide(second)
+    assert long.gp is fit, "no new point since the last fit: not fit again"
+
+
+def _pop_with_gp(window=None, reports=6):
+    """A PB2 population of 6 members with `reports` rounds of history."""
+    cfg = SchedulerConfig(name="pb2", interval=10, quantile_fraction=0.34)
+    pop = Population(cfg, SPACE, "min", 10_000, 6, seed=0, window=window)
+    _pb2_history(pop, reports)
+    return pop
+
+
+def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_fit(monkeypatch):
+    """The actor fits PB2's GP in a thread: while a fit blocks (until the test releases it), another member's
+    report and its decision are answered; the waiting member's decision comes once the fit ends, and a
+    second recipient deciding meanwhile shares that one fit."""
+    import asyncio
+    import threading
+
+    from search import population as population_module
+    from search.population import GPFit, PopulationActor
+
+    started, release, fits = threading.Event(), threading.Event(), []
+    real_fit = GPFit.fit.__func__
+
+    def blocking_fit(cls, *args):
+        fits.append(args[-1])
+        started.set()
+        assert release.wait(30)
+        return real_fit(cls, *args)
+
+    monkeypatch.setattr(population_module.GPFit, "fit", classmethod(blocking_fit))
+
+    async def scenario():
+        actor = PopulationActor(_pop_with_gp())
+        pop = actor.population
+        ranked = sorted(pop.members.values(), key=lambda m: m.score)
+        (worst, ws), (second, ss), (best, bs) = ((m, m.step + 10) for m in (ranked[0], ranked[1], ranked[-1]))
+        await actor.report(worst.trial, worst.index, ws, -worst.score + 0.5, dict(worst.hparams), "/p/w")
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)  # the fit runs, blocked
+        # the best member reports and is answered (go) while the fit is blocked
+        await actor.report(best.trial, best.index, bs, -best.score - 0.01, dict(best.hparams), "/p/b")
+        assert await actor.decision(best.trial, bs, 5.0) == "go"
+        assert await actor.decision(worst.trial, ws, 0.01) is None, "its decision waits for the fit"
+        await actor.report(second.trial, second.index, ss, -second.score + 0.5, dict(second.hparams), "/p/s")
+        release.set()
+        first, then = await actor.decision(worst.trial, ws, 30.0), await actor.decision(second.trial, ss, 30.0)
+        assert first["donor"] and then["donor"] and first["values"] != then["values"]
+        assert len(fits) == 1, "the two recipients shared the fit that was running"
+
+    asyncio.run(scenario())
+
+
+def test_a_synchronous_round_decides_each_member_once():
+    import asyncio
+
+    from search.population import PopulationActor
+
+    async def scenario():
+        actor = PopulationActor(_population(size=4, synch=True, quantile_fraction=0.25))
+        for i, loss in enumerate((1.0, 2.0, 3.0, 4.0)):
+            await actor.report(f"t{i}", i, 10, loss, {"optimizer.lr": 10 ** (-2 - i / 2)}, f"/pins/t{i}/10")
+        answers = [await actor.decision(f"t{i}", 10, 0.01) for i in range(4)]
+        assert answers[:3] == ["go"] * 3 and answers[3]["donor"] == "t0"
+        assert [m.decisions for m in actor.population.members.values()] == [1, 1, 1, 1]
+        assert await actor.decision("t3", 10, 0.01) is None, "answered once, never decided again"
+        assert actor.population.exploits == 1 and [m.decisions for m in actor.population.members.values()] == [1] * 4
+
+    asyncio.run(scenario())
