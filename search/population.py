@@ -368,6 +368,7 @@ class GPFit:
         import numpy as np
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+        from threadpoolctl import threadpool_limits
 
         scores = np.array([s for _, s, _, _ in history])
         s_lo, s_w = float(scores.min()), float(max(np.ptp(scores), 1e-12))
@@ -376,8 +377,10 @@ class GPFit:
         y = np.array([c for *_, c in history])
         y = (y - y.mean()) / (y.std() or 1.0)
         kernel = ConstantKernel(1.0, (1e-3, 1e3)) * RBF(np.ones(X.shape[1]), (1e-2, 1e2)) + WhiteKernel(1e-2, (1e-6, 1e1))
-        with warnings.catch_warnings():  # a GP fit on a few noisy points hits a kernel bound: nothing to act on
-            warnings.simplefilter("ignore")
+        # one BLAS thread: the matrices are small, and on cores busy with training two threads spin on
+        # each other (a fit of 200 points: 6.4 s with two, 0.3 s with one, beside a training run on 2 cores)
+        with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
+            warnings.simplefilter("ignore")  # a GP fit on a few noisy points hits a kernel bound: nothing to act on
             gp = GaussianProcessRegressor(kernel, normalize_y=False, random_state=seed).fit(X, y)
         return cls(gp, points, len(history), s_lo, s_w, steps)
 
@@ -385,9 +388,11 @@ class GPFit:
         """The candidate (in [0, 1]^d) with the highest upper confidence bound of the score change per step
         the GP predicts at the donor's time and score."""
         import numpy as np
+        from threadpoolctl import threadpool_limits
 
         t, s = step / max(self.steps, 1), (score - self.s_lo) / self.s_w
-        mean, std = self.gp.predict(np.array([[t, s, *c] for c in candidates]), return_std=True)
+        with threadpool_limits(1, user_api="blas"):
+            mean, std = self.gp.predict(np.array([[t, s, *c] for c in candidates]), return_std=True)
         beta = 2.0 * math.log(self.size**2 * math.pi**2 / 0.6)  # GP-UCB's (Srinivas et al.), delta 0.1
         return candidates[int(np.argmax(mean + math.sqrt(beta) * std))]
 
