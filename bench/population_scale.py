@@ -100,7 +100,7 @@ async def member(actor: Any, exp_dir: Path, index: int, hparams: dict[str, Any],
                     old_hparams=hparams, new_hparams=values, donor_hparams=decision["donor_hparams"], score=metric,
                     donor_score=decision["donor_metric"], exploit_id=decision["exploit_id"],
                     pin=f"{exp_dir}/runs/{trial}/pins/{time.time_ns():020d}-step_{decision['step']:08d}",
-                    from_step=step)
+                    from_step=step, perturbed=decision.get("perturbed"))
         hparams, step, exploits = values, decision["step"], exploits + 1
     return {"reports": made, "exploits": exploits, "capped": int(step < steps)}
 

@@ -14,7 +14,8 @@ the log before or after it); `collect` merges them into Parquet tables:
   checkpoint step), trial, donor, donor_time (when the donor reported that checkpoint), old_hparams,
   new_hparams, donor_hparams (JSON), score (the trial's last metric), donor_score (the checkpoint's),
   exploit_id (the population's decision), from_step (the trial's own step when it loaded the donor's), pin
-  (the trial's own pin of the donor's checkpoint: what it loaded)
+  (the trial's own pin of the donor's checkpoint: what it loaded), perturbed (the step the rule counts the
+  trial's next decision from: `Population.replay` reads it back)
 
 An exploit is recorded by the trial that restores a checkpoint another trial wrote - the event as it
 really happened, whichever scheduler (PBT, PB2) decided it - once per decision, however often Tune
@@ -127,6 +128,7 @@ class LineageLog:
         exploit_id: str | None = None,
         pin: str | None = None,
         from_step: int | None = None,
+        perturbed: int | None = None,
     ) -> bool:
         """Append the exploit unless it is recorded already; returns whether it was appended."""
         if self.has_exploit(exploit_id, donor, donor_time):
@@ -144,6 +146,7 @@ class LineageLog:
             exploit_id=exploit_id,
             pin=pin,
             from_step=from_step,
+            perturbed=perturbed,
         )
         return True
 
@@ -188,6 +191,7 @@ _EVENT_COLUMNS = (
     "exploit_id",
     "from_step",
     "pin",
+    "perturbed",
 )
 
 

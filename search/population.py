@@ -21,8 +21,10 @@ The rule, as Jaderberg et al. (2017) and Ray's `PopulationBasedTraining` define 
   or `sync_timeout_s` after the first arrived (without those not there; a late member is then decided
   alone when it reports).
 
-PB2's GP is fit on the most recent `PB2_WINDOW` points of the history (a fit is cubic in its points: 0.37 s
-at 200, 8 s at 1,000, 100 s at 2,000 on 2 cores), once per new data: the recipients of one round, and
+PB2's GP is fit on the newest `PB2_WINDOW` points of the history (a fit is cubic in its points: 0.37 s
+at 200, 8 s at 1,000, 100 s at 2,000 on 2 cores), newest by the step they end at (not by arrival: the
+window a rebuilt population holds is the live one's, whatever order the reports reached the actor in), once
+per new data: the recipients of one round, and
 those deciding while a fit runs, share it. The actor fits off its event loop, so that reports and other
 members' decisions are answered meanwhile.
 
@@ -33,13 +35,13 @@ rebuilt population decides as the original would have.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import logging
 import math
 import random
 import time
 import uuid
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -118,6 +120,7 @@ class Decision:
     donor_metric: float | None
     donor_time: float
     exploit_id: str
+    perturbed: int = 0  # the recipient's perturbation step from now on (the donor's): replay reads it back
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -135,9 +138,10 @@ class Population:
         self.burn_in = cfg.burn_in_steps(steps)
         self.members: dict[str, Member] = {}
         self.explore = BoundedExplore(space, cfg)
-        # PB2: (t, score, x, change/step), the newest `window` points; `points` counts every one ever recorded
-        self.history: deque[tuple[float, float, dict[str, float], float]] = deque(maxlen=window)
-        self.points = 0
+        # PB2: (t, score, x, change/step), the newest `window` points by `_order`; `points` counts every one
+        self.history: list[tuple[float, float, dict[str, float], float]] = []
+        self._order: list[tuple[Any, ...]] = []  # each point's (end step, member, t, score, change), ascending
+        self.window, self.points = window, 0
         self.gp: GPFit | None = None  # the newest fit (of `gp.points` points)
         self.fit_inline = True  # a decision refits a stale GP itself (the actor fits off its loop instead)
         self.next_round = max(self.burn_in, cfg.interval)  # synchronous PBT: the step of the next round
@@ -169,13 +173,21 @@ class Population:
         if self.cfg.name == "pb2" and m.base is not None and math.isfinite(score) and math.isfinite(m.base):
             if step > m.step:  # the change per step under the values it trained with
                 x = self.space.to_search({k: m.hparams[k] for k in self.space.search_bounds() if k in m.hparams})
-                self.history.append((float(m.step), m.base, x, (score - m.base) / (step - m.step)))
-                self.points += 1
+                self._add_point(step, m.index, (float(m.step), m.base, x, (score - m.base) / (step - m.step)))
         m.step, m.score, m.base, m.hparams = step, score, score, dict(hparams)
         m.pin = None if failed else pin
         m.reported_at = time.time() if when is None else when
         m.done = step >= self.steps
         return not m.done and step >= self.burn_in and step - m.perturbed >= self.cfg.interval
+
+    def _add_point(self, step: int, index: int, point: tuple[float, float, dict[str, float], float]) -> None:
+        key = (step, index, point[0], point[1], point[3])
+        at = bisect.bisect(self._order, key)
+        self._order.insert(at, key)
+        self.history.insert(at, point)
+        if self.window is not None and len(self.history) > self.window:  # the oldest goes
+            del self._order[0], self.history[0]
+        self.points += 1
 
     def decide(self, trial: str) -> Decision | None:
         """Asynchronous: the member's decision at its report, made now."""
@@ -256,19 +268,20 @@ class Population:
             donor_metric=self._metric(donor.score),
             donor_time=donor.reported_at,
             exploit_id=uuid.UUID(int=rng.getrandbits(128)).hex,
+            perturbed=donor.perturbed,
         )
-        self.exploited(m.trial, decision, perturbed=donor.perturbed)
+        self.exploited(m.trial, decision)
         return decision
 
-    def exploited(self, trial: str, decision: Decision, perturbed: int | None = None) -> None:
+    def exploited(self, trial: str, decision: Decision) -> None:
         """The member now holds the donor's checkpoint: it is at the donor's step, with no pin of its own
-        until it reports (so that nobody exploits it meanwhile)."""
+        until it reports (so that nobody exploits it meanwhile), perturbed when the donor last was."""
         m = self.members[trial]
-        m.step, m.pin, m.hparams = decision.step, None, dict(decision.values)
-        donor = self.members.get(decision.donor)
-        m.base = donor.score if donor is not None else None
-        if perturbed is not None:
-            m.perturbed = perturbed
+        m.step, m.pin, m.hparams, m.perturbed = decision.step, None, dict(decision.values), decision.perturbed
+        # its stretch starts from the donor's score at that checkpoint (not the donor's now: replay reads a row
+        # written after the donor may have reported again)
+        metric = decision.donor_metric
+        m.base = None if metric is None else self.score_of(metric)
         self.exploits += 1
 
     def _metric(self, score: float | None) -> float | None:
@@ -329,12 +342,17 @@ class Population:
                     self.members[trial].perturbed = row["step"]
                     self.members[trial].decisions += 1
             elif trial in self.members:
+                donor = self.members.get(row["donor"])
+                # the perturbation step the decision gave (the donor's then; by the row's time the donor may
+                # have been decided again): logs written before rows carried it fall back to the donor's now
+                perturbed = row.get("perturbed")
+                if perturbed is None:
+                    perturbed = donor.perturbed if donor else self.members[trial].perturbed
                 decision = Decision(
                     row["donor"], row.get("pin") or "", row["step"], row["new_hparams"], row["donor_hparams"] or {},
-                    row.get("donor_score"), row["donor_time"], row.get("exploit_id") or "",
+                    row.get("donor_score"), row["donor_time"], row.get("exploit_id") or "", perturbed,
                 )
-                donor = self.members.get(row["donor"])
-                self.exploited(trial, decision, perturbed=donor.perturbed if donor else None)
+                self.exploited(trial, decision)
         steps = [m.step for m in self.members.values()]
         if steps and self.cfg.synch:  # the next round after every report made: earlier ones are late
             self.next_round = max(self.next_round, (max(steps) // self.cfg.interval + 1) * self.cfg.interval)
@@ -345,8 +363,11 @@ class Population:
     def state(self) -> dict[str, Any]:
         """The rule's state without wall times (a rebuilt population's equals the live one's)."""
         members = {t: {k: v for k, v in m.__dict__.items() if k != "reported_at"} for t, m in sorted(self.members.items())}
+        # a finished population has no next round (replay sets it past the last report, the live rule leaves it)
+        live = not all(m.done for m in self.members.values())
         return {"members": members, "exploits": self.exploits, "points": self.points,
-                "history": [[t, s, x, c] for t, s, x, c in self.history], "next_round": self.next_round}
+                "history": [[t, s, x, c] for t, s, x, c in self.history],
+                "next_round": self.next_round if live else None}
 
 
 @dataclass(frozen=True)
@@ -414,6 +435,8 @@ class PopulationActor:
         self.fitting: asyncio.Future | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pb2-fit")
         self.pending: set[asyncio.Task] = set()
+        if population.cfg.name == "pb2":  # scikit-learn's import (1-4 s) in the fit's thread now, not at a decision
+            self.pool.submit(_import_gp)
 
     async def report(
         self, trial: str, index: int, step: int, metric: float | None, hparams: dict[str, Any],
@@ -482,6 +505,11 @@ class PopulationActor:
             del self.decisions[old]
         self.decisions[(trial, step)] = answer
         self.events.setdefault((trial, step), asyncio.Event()).set()
+
+
+def _import_gp() -> None:
+    import sklearn.gaussian_process  # noqa: F401
+    import threadpoolctl  # noqa: F401
 
 
 def _answer(decision: Decision | None) -> Any:

@@ -269,6 +269,7 @@ class TrialRun(tune.Trainable):
             exploit_id=decision["exploit_id"],
             pin=str(pin),
             from_step=last["step"] if last else None,
+            perturbed=decision.get("perturbed"),
         )
 
     def _meta(self, metric: float | None) -> dict[str, Any]:

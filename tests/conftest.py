@@ -77,7 +77,7 @@ def tiny_config(corpus_dir, tmp_path):
 # thread each, fill in a module at a time (a module's fixtures built once). The bench scripts' dry runs, which
 # share bench/_work, run on one process. (xdist's own `loadgroup` and its `xdist_group` marks do nothing on
 # pytest 9.2: xdist 3.8 sets a node id attribute that pytest no longer reads.)
-_RAY_MODULES = {"test_bench_pbt_quality.py"}  # a unit test whose harness starts a local Ray
+_RAY_MODULES = {"test_bench_pbt_quality.py", "test_bench_population_scale.py"}  # a unit test whose harness starts a local Ray
 # Ray modules of the slow tier run in a scope of their own, beside the other Ray tests: their drivers are
 # subprocesses with a Ray each (no module Ray), and the slow tier's other process, done with its own tests
 # by half-time, left a core idle for the other half (2026-11-29: 13 of 27 min at 20-40% idle, vmstat).

@@ -78,10 +78,6 @@ def test_a_tiny_run_writes_every_field(tiny_run):
     assert result["done_when"]["holds"] is None  # population 256 not run
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "Population.replay takes a recipient's perturbation step from its donor at the exploit row's time, the live "
-    "rule at its decision's: a donor that reported (and was decided) in between makes the recipient's next report "
-    "not due on replay (one decision fewer); synchronous PBT's next_round is set past the last report on replay"))
 def test_a_tiny_run_replays_to_the_live_state(tiny_run):
     result, _ = tiny_run
     assert {a["scheduler"]: a["replay_difference"] for a in result["arms"]} == {s: None for s in ps.SCHEDULERS}

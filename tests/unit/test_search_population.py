@@ -394,3 +394,33 @@ def test_a_synchronous_round_decides_each_member_once():
         assert actor.population.exploits == 1 and [m.decisions for m in actor.population.members.values()] == [1] * 4
 
     asyncio.run(scenario())
+
+
+def test_replay_gives_a_recipient_the_perturbation_step_its_decision_gave_though_the_donor_moved_on():
+    """The trial writes its exploit row after its donor may have reported and been decided again: the row
+    carries the recipient's perturbation step as decided, so the rebuilt population equals the live one."""
+    live = _population(size=3, quantile_fraction=0.34)
+    rows, events = [], []
+
+    def report(trial, step, loss, lr, t, row_at=None):
+        rows.append({"time": t, "trial": trial, "step": step, "metric": loss, "hparams": {"optimizer.lr": lr},
+                     "pin": f"/pins/{trial}/{step}"})
+        d = live.decide(trial) if _report(live, trial, step, loss, lr) else None
+        if d is not None:  # the exploit's row, written by the trial once it holds the pin
+            events.append({"time": row_at or t + 0.5, "trial": trial, "donor": d.donor, "step": d.step,
+                           "new_hparams": d.values, "donor_hparams": d.donor_hparams, "pin": d.pin,
+                           "donor_score": d.donor_metric, "donor_time": d.donor_time, "exploit_id": d.exploit_id,
+                           "perturbed": d.perturbed})
+        return d
+
+    report("t0", 10, 1.0, 1e-2, 1.0)
+    report("t1", 10, 2.0, 1e-3, 2.0)
+    d = report("t2", 10, 5.0, 1e-4, 3.0, row_at=5.0)  # its row after the donor's next report (4.0)
+    assert d is not None and d.donor == "t0" and d.perturbed == 10
+    report("t0", 20, 0.9, 1e-2, 4.0)  # the donor decided again, at 20
+    rebuilt = _population(size=3, quantile_fraction=0.34)
+    rebuilt.replay(rows, events, {"t0": 0, "t1": 1, "t2": 2})
+    assert rebuilt.state() == live.state() and rebuilt.members["t2"].perturbed == 10
+    older = _population(size=3, quantile_fraction=0.34)  # rows written before they carried it: the donor's now
+    older.replay(rows, [{k: v for k, v in e.items() if k != "perturbed"} for e in events], {"t0": 0, "t1": 1, "t2": 2})
+    assert older.members["t2"].perturbed == 20
