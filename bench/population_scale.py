@@ -59,6 +59,10 @@ REPORTS = 100  # per member, at the budget of REPORTS x interval steps
 SPACE = {"optimizer.lr": {"loguniform": [1e-4, 1e-1]}, "optimizer.weight_decay": {"uniform": [0.0, 0.2]}}
 MODE, SEED, NOISE = "min", 0, 0.02
 DECISION_WAIT_S = 5.0  # each `decision` call's wait, as search/trial.py asks
+# Each member reports every PERIOD_S (its phase drawn in [0, PERIOD_S)): 256 members send the actor 512 reports
+# a second and as many decision calls (a trial of a real population reports every minute or so: this is a
+# stress, not a pace a cluster reaches). A member behind its schedule (a decision that waited) reports at once.
+PERIOD_S = 0.5
 MAX_REPORTS = 5  # x REPORTS: a member stops there whatever its step (never reached in a sane run: `capped`)
 TARGETS = {"population": 256, "schedulers": ["pbt", "pb2"], "report_p99_ms": 50.0, "decision_p99_ms": 500.0,
            "replay_s": 10.0, "replay_equal": True}
@@ -73,11 +77,14 @@ def loss(hparams: dict[str, Any], step: int, steps: int, noise: random.Random) -
 
 
 async def member(actor: Any, exp_dir: Path, index: int, hparams: dict[str, Any], cfg: SchedulerConfig,
-                 steps: int, reports: int, times: dict[str, list[float]]) -> dict[str, int]:
-    """One simulated trial: report, ask, follow (search/trial.py's order and lineage rows)."""
+                 steps: int, reports: int, times: dict[str, list[float]], period_s: float) -> dict[str, int]:
+    """One simulated trial: report on its schedule, ask, follow (search/trial.py's order and lineage rows)."""
     trial, burn_in = f"sim_{index:05d}", cfg.burn_in_steps(steps)
     log, step, made, exploits = LineageLog(exp_dir, trial), 0, 0, 0
+    loop = asyncio.get_running_loop()
+    start = loop.time() + random.Random(f"{SEED}:phase:{index}").uniform(0, period_s)
     while step < steps and made < MAX_REPORTS * reports:
+        await asyncio.sleep(max(0.0, start + made * period_s - loop.time()))  # the schedule (no training)
         step = min((step // cfg.interval + 1) * cfg.interval, steps)
         metric = loss(hparams, step, steps, random.Random(f"{SEED}:{trial}:{step}:{made}"))
         pin = f"{exp_dir}/runs/{trial}/pins/{time.time_ns():020d}-step_{step:08d}"
@@ -155,7 +162,7 @@ def first_difference(live: dict[str, Any], rebuilt: dict[str, Any]) -> dict[str,
     return None
 
 
-def run_arm(size: int, scheduler: str, reports: int) -> dict[str, Any]:
+def run_arm(size: int, scheduler: str, reports: int, period_s: float = PERIOD_S) -> dict[str, Any]:
     import ray
 
     cfg, space = SCHEDULERS[scheduler], parse_space(SPACE)
@@ -173,7 +180,7 @@ def run_arm(size: int, scheduler: str, reports: int) -> dict[str, Any]:
         times: dict[str, list[float]] = {"report": [], "decision": []}
 
         async def drive() -> list[dict[str, int]]:
-            return await asyncio.gather(*(member(actor, exp_dir, i, dict(h), cfg, steps, reports, times)
+            return await asyncio.gather(*(member(actor, exp_dir, i, dict(h), cfg, steps, reports, times, period_s)
                                           for i, h in enumerate(starts)))
 
         members = asyncio.run(drive())
@@ -286,9 +293,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--populations", type=int, nargs="+", default=list(POPULATIONS))
     ap.add_argument("--schedulers", nargs="+", choices=list(SCHEDULERS), default=list(SCHEDULERS))
     ap.add_argument("--reports", type=int, default=REPORTS, help="per member (the budget: this x interval steps)")
+    ap.add_argument("--period", type=float, default=PERIOD_S, help="seconds between a member's reports")
     ap.add_argument("--out", default=str(RESULTS), help="folder of population_scale.{json,png}")
     args = ap.parse_args(argv)
-    default = (args.populations, args.schedulers, args.reports) == (list(POPULATIONS), list(SCHEDULERS), REPORTS)
+    default = (args.populations, args.schedulers, args.reports, args.period) == (
+        list(POPULATIONS), list(SCHEDULERS), REPORTS, PERIOD_S)
     if not default and Path(args.out).resolve() == RESULTS:
         ap.error("a run with other than the default arms needs --out elsewhere (never over the real results)")
     return args
@@ -304,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for size in args.populations:
             for s in args.schedulers:
-                a = run_arm(size, s, args.reports)
+                a = run_arm(size, s, args.reports, args.period)
                 arms.append(a)
                 print(f"population {size} {s}: {a['reports']} reports, {a['exploits']} exploits, report p50/p99 "
                       f"{a['report_ms']['p50']:.1f}/{a['report_ms']['p99']:.1f} ms, decision p50/p99 "
@@ -320,8 +329,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "space": SPACE, "mode": MODE, "seed": SEED, "noise": NOISE, "decision_wait_s": DECISION_WAIT_S,
             "metric": "2 + 2 exp(-3 step/steps) + 0.5 ((log10 lr + 2.5)^2 + 4 (wd - 0.05)^2) + N(0, noise), "
                       "the noise seeded by (seed, trial, step, report count)",
-            "members": "one asyncio coroutine per member in the driver, all at once, following search/trial.py: "
-                       "lineage row, report, decision past burn-in, exploit logged and followed",
+            "members": "one asyncio coroutine per member in the driver, following search/trial.py: lineage row, "
+                       "report, decision past burn-in, exploit logged and followed; a report every period_s from a "
+                       "seeded phase (at once when behind)",
+            "period_s": args.period,
+            "offered_reports_per_s": {str(n): round(n / args.period, 1) for n in args.populations},
             "rss": "the actor's worker process (this driver's descendant titled ray::PopulationActor), psutil: "
                    "right after its first answer, and after the last member's end; PB2's growth includes the "
                    "import of numpy and scikit-learn at its first GP fit",

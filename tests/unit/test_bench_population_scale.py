@@ -56,7 +56,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("population_scale")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, str(ROOT / "bench" / "population_scale.py"), "--populations", "4",
-                    "--reports", "6", "--out", str(out)], check=True, env=env, timeout=120, capture_output=True)
+                    "--reports", "6", "--period", "0.05", "--out", str(out)], check=True, env=env, timeout=120, capture_output=True)
     return json.loads((out / "population_scale.json").read_text()), out
 
 
