@@ -601,7 +601,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {FULL_SEEDS[0]}-{FULL_SEEDS[-1]}")
     ap.add_argument("--population", type=int, default=4, help="PBT's members, random search's and ASHA's concurrent trials")
     ap.add_argument("--steps", type=int, default=None, help="steps per trial (default 1600; --quick 400)")
-    ap.add_argument("--asha-samples", type=int, default=None, help="ASHA's most configurations (default 8 x population)")
+    ap.add_argument("--asha-samples", type=int, default=None, help="ASHA's most configurations (default population x steps / interval: the budget ends it)")
     ap.add_argument("--methods", nargs="+", choices=(*SEARCHES, HAND), default=[JUDGED, *OPPONENTS, HAND])
     ap.add_argument("--quick", action="store_true", help=f"seeds {QUICK_SEEDS}, 400 steps per trial")
     ap.add_argument("--dry-run", action="store_true", help="2 seeds of a tiny model, 8 steps (tests)")
@@ -615,7 +615,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.out == str(RESULTS) or args.work == str(WORK):
             ap.error("--dry-run needs its own --out and --work (never over the real results)")
     args.steps, args.seeds = args.steps or steps, args.seeds or seeds
-    args.asha_samples = args.asha_samples or (4 if args.dry_run else 8 * args.population)
+    # ASHA: as many configurations as the budget could start (each trains one interval at least), so that the
+    # budget ends it, never its samples: with 32 (8 x population) it ran out at seed 103 of the full run of
+    # 2026-12-02 with 5,050 of 6,400 steps trained
+    args.asha_samples = args.asha_samples or (4 if args.dry_run else args.population * args.steps // args.interval)
     if args.steps % args.interval:
         ap.error(f"--steps must be a multiple of the interval ({args.interval})")
     args.data, args.work = str(Path(args.data).resolve()), str(Path(args.work).resolve())  # Tune takes no relative path

@@ -112,8 +112,9 @@ def test_arguments():
     with pytest.raises(SystemExit):
         pq.parse_args(["--dry-run"])  # never over the real results
     quick = pq.parse_args(["--quick"])
-    assert quick.steps == 400 and quick.seeds == pq.QUICK_SEEDS and quick.asha_samples == 32
+    assert quick.steps == 400 and quick.seeds == pq.QUICK_SEEDS and quick.asha_samples == 4 * 400 // pq.DEFAULTS.interval
     full = pq.parse_args([])
+    assert full.asha_samples == 4 * 1600 // full.interval  # the budget, not the samples, ends ASHA
     assert full.steps == 1600 and len(full.seeds) == 10 and not set(full.seeds) & set(pq.SEEDS_THAT_CHOSE_SETTINGS)
     assert full.interval == pq.DEFAULTS.interval and full.methods == ["pbt", "random", "asha", "hand"]
     with pytest.raises(SystemExit):
