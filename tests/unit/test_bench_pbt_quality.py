@@ -147,7 +147,7 @@ def test_the_judged_arm_is_the_products_default_rule(corpus_dir, tmp_path):
     assert cfg.seed == 1103 and cfg.schedule.name == "constant" and cfg.model.dim == 32
     assert pq.experiment(args, "pbt_sync", 103).scheduler.synch
     asha = pq.experiment(args, "asha", 103)
-    assert asha.population == 32 and asha.scheduler.grace_period is None  # the interval, as the product's
+    assert asha.population == 4 * 1600 // 50 and asha.scheduler.grace_period is None  # the interval, as the product's
     assert asha.members()[:4] == exp.members()  # the same first draws
 
 
