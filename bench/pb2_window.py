@@ -1,6 +1,7 @@
 """PB2 at any history length (issue 68): what a decision costs as the history grows, with the GP fit on the
-newest `PB2_WINDOW` points (the product) and on all of them (the rule before the window), and what the window
-does to the rule's quality on a toy, the same seeds for both.
+newest `PB2_WINDOW` points (the product: each fit also starts from the last one's kernel and stops after
+`GP_MAX_EVALS` evaluations) and on all of them (the rule before issue 68: every fit from scikit-learn's starting
+kernel, unbounded), and what the product's rule does to quality on a toy, the same seeds for both.
 
 - **Decision time**: `search.population.Population` (PB2, six members, two hyperparameters) fed a seeded
   history of N points; then, `--decisions` times, one more report of the worst member (a new point: each
@@ -20,6 +21,8 @@ One command: `python bench/pb2_window.py` -> bench/results/pb2_window.json and .
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import random
@@ -34,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from provenance import provenance  # noqa: E402
 
+from search import population  # noqa: E402
 from search.population import PB2_WINDOW, Population  # noqa: E402
 from search.schedulers import SchedulerConfig  # noqa: E402
 from search.space import parse_space  # noqa: E402
@@ -50,6 +54,27 @@ TARGET_S = 0.5  # issue 68: a decision at 10,000 points, p99
 
 def _cfg() -> SchedulerConfig:
     return SchedulerConfig(name="pb2", interval=1, quantile_fraction=0.25)
+
+
+@contextlib.contextmanager
+def rule(window: int | None) -> Any:
+    """The product's rule (`window`: the newest PB2_WINDOW points, each fit from the last fit's kernel, at most
+    GP_MAX_EVALS evaluations), or with `window` None the rule before issue 68: every point, each fit from
+    scikit-learn's starting kernel, the optimiser at scipy's default bound (15,000 evaluations)."""
+    if window is not None:
+        yield
+        return
+    fit_job, evals = Population.fit_job, population.GP_MAX_EVALS
+
+    def cold(self: Population) -> Any:
+        job = fit_job(self)
+        return functools.partial(job.func, *job.args, **{**job.keywords, "start": None})
+
+    Population.fit_job, population.GP_MAX_EVALS = cold, 15_000
+    try:
+        yield
+    finally:
+        Population.fit_job, population.GP_MAX_EVALS = fit_job, evals
 
 
 def decision_times(points: int, window: int | None, decisions: int) -> dict[str, Any]:
@@ -120,7 +145,8 @@ def quality(seeds: list[int], populations: list[int]) -> dict[str, Any]:
     for n in populations:
         arms = {}
         for name, window in (("window", PB2_WINDOW), ("no_window", None)):
-            runs = [toy(n, s, window) for s in seeds]
+            with rule(window):
+                runs = [toy(n, s, window) for s in seeds]
             solved = [r["solved_at"] for r in runs if r["solved_at"] is not None]
             arms[name] = {"solved": len(solved), "seeds": len(seeds), "median_iterations": statistics.median(solved) if solved else None,
                           "iterations": [r["solved_at"] for r in runs], "exploits": [r["exploits"] for r in runs],
@@ -168,10 +194,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load, started = os.getloadavg(), time.time()
     decision = {"window": [], "no_window": []}
     for points in WINDOWED:
-        decision["window"].append(decision_times(points, PB2_WINDOW, args.decisions))
+        with rule(PB2_WINDOW):
+            decision["window"].append(decision_times(points, PB2_WINDOW, args.decisions))
         print("window", decision["window"][-1], flush=True)
     for points in UNBOUNDED:
-        decision["no_window"].append(decision_times(points, None, max(2, args.decisions // 4)))
+        with rule(None):
+            decision["no_window"].append(decision_times(points, None, max(2, args.decisions // 4)))
         print("no window", decision["no_window"][-1], flush=True)
     toy_out = quality(list(range(args.seeds)), args.populations)
     at_10k = next(r for r in decision["window"] if r["points"] >= 10_000)

@@ -182,8 +182,7 @@ def quality_trial(config: dict[str, Any], exp: Any, population: str | None, budg
             tune.report({"val_loss": val, TIME_ATTR: trainer.step, "trained": granted})
             if pop is None:
                 continue
-            ray.get(pop.report.remote(trial, config[MEMBER], trainer.step, val, values, str(pin)))
-            decision = None
+            decision = ray.get(pop.report.remote(trial, config[MEMBER], trainer.step, val, values, str(pin)))
             while decision is None:
                 decision = ray.get(pop.decision.remote(trial, trainer.step, 5.0))
             if decision == "go":

@@ -91,13 +91,12 @@ async def member(actor: Any, exp_dir: Path, index: int, hparams: dict[str, Any],
         log.report(step, metric, hparams, failed=False, steps_s=None, wall_s=None, error=None, pin=pin,
                    yielded=False, running=None, member=index)
         sent = time.perf_counter()
-        await actor.report.remote(trial, index, step, metric, hparams, pin, False)
+        decision = await actor.report.remote(trial, index, step, metric, hparams, pin, False)
         times["report"].append(time.perf_counter() - sent)
         made += 1
         if step >= steps or step < burn_in:  # search/trial.py asks only past burn-in, never at the end
             continue
-        decision = None
-        while decision is None:
+        while decision is None:  # not decided at the report (a synchronous round, PB2's first fit): ask
             decision = await actor.decision.remote(trial, step, DECISION_WAIT_S)
         times["decision"].append(time.perf_counter() - sent)
         if decision == GO:

@@ -34,6 +34,8 @@ checkpoint pinned, an exploit's donor pin chosen), and names it (`pin`). A trial
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import time
@@ -218,30 +220,42 @@ def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 def _without_redone(reports: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A trial that restarts from its own checkpoint (a resumed experiment) may report steps again: the
     later report replaces the earlier ones from that step on. Reports before and after an exploit are
-    different lives of the trial and are all kept."""
-    kept: list[dict[str, Any]] = []
-    for r in sorted(reports, key=lambda r: r["time"]):
-        exploits = [e["time"] for e in events if e["trial"] == r["trial"] and e["time"] < r["time"]]
-        since = max(exploits, default=-math.inf)
-        kept = [
-            k for k in kept if not (k["trial"] == r["trial"] and k["step"] >= r["step"] and k["time"] > since)
-        ]
-        kept.append(r)
-    return kept
+    different lives of the trial and are all kept. One pass per trial: within a life the kept steps only
+    rise, so a report replaces a tail of its trial's kept reports."""
+    exploit_times = {trial: [e["time"] for e in ex] for trial, ex in _exploits_by_trial(events).items()}
+    kept: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for i, r in enumerate(sorted(reports, key=lambda r: r["time"])):
+        times = exploit_times.get(r["trial"], [])
+        j = bisect.bisect_left(times, r["time"])
+        since = times[j - 1] if j else -math.inf
+        life = kept.setdefault(r["trial"], [])
+        while life and life[-1][1]["time"] > since and life[-1][1]["step"] >= r["step"]:
+            life.pop()
+        life.append((i, r))
+    return [r for _, r in sorted((k for life in kept.values() for k in life), key=lambda k: k[0])]
 
 
 def _marked_abandoned(reports: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each report with `abandoned`: whether a later exploit of its trial rolled the trial back past it (to
     a donor's checkpoint at an earlier step), leaving the branch it was on."""
-    return [
-        {
-            **r,
-            "abandoned": any(
-                e["trial"] == r["trial"] and e["time"] > r["time"] and e["step"] < r["step"] for e in events
-            ),
-        }
-        for r in reports
-    ]
+    later: dict[str, tuple[list[float], list[float]]] = {}  # trial -> (exploit times, lowest step from each on)
+    for trial, exploits in _exploits_by_trial(events).items():
+        lowest = list(itertools.accumulate(reversed([e["step"] for e in exploits]), min))[::-1]
+        later[trial] = ([e["time"] for e in exploits], lowest)
+    marked = []
+    for r in reports:
+        times, lowest = later.get(r["trial"], ([], []))
+        j = bisect.bisect_right(times, r["time"])
+        marked.append({**r, "abandoned": j < len(times) and lowest[j] < r["step"]})
+    return marked
+
+
+def _exploits_by_trial(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each trial's exploits, in time order."""
+    by_trial: dict[str, list[dict[str, Any]]] = {}
+    for e in sorted(events, key=lambda e: e["time"]):
+        by_trial.setdefault(e["trial"], []).append(e)
+    return by_trial
 
 
 def _write(

@@ -23,10 +23,11 @@ The rule, as Jaderberg et al. (2017) and Ray's `PopulationBasedTraining` define 
 
 PB2's GP is fit on the newest `PB2_WINDOW` points of the history (a fit is cubic in its points: 0.37 s
 at 200, 8 s at 1,000, 100 s at 2,000 on 2 cores), newest by the step they end at (not by arrival: the
-window a rebuilt population holds is the live one's, whatever order the reports reached the actor in), once
-per new data: the recipients of one round, and
-those deciding while a fit runs, share it. The actor fits off its event loop, so that reports and other
-members' decisions are answered meanwhile.
+window a rebuilt population holds is the live one's, whatever order the reports reached the actor in). Each fit
+starts from the kernel the one before found and stops after `GP_MAX_EVALS` evaluations of the likelihood, so
+that its cost is bounded however the data moves. The actor fits in a thread, off its event loop, whenever
+there are new points and no fit runs (for at most `FIT_SHARE` of the time); a decision takes the newest fit and
+waits only when there is none yet.
 
 Every random draw comes from a stream seeded by (experiment seed, member index, decision count), so a
 rebuilt population decides as the original would have.
@@ -36,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import hashlib
 import logging
 import math
 import random
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +62,12 @@ GO = "go"
 # cross-validation of the length that costs more than the fit); the score change per step a member makes
 # depends on where training is, so older points say least about a decision now
 PB2_WINDOW = 200
+# a fit evaluates the likelihood (a Cholesky of the window: ~6 ms at 200 points on one core) at most this often;
+# started from the last fit's kernel it mostly converges in a few, and a cold start on noise is cut short
+GP_MAX_EVALS = 50
+# the actor's fits take at most this share of its time (a fit waits twice as long after the last as the last took):
+# the fit's thread and the event loop share the interpreter and, on a small head node, the cores
+FIT_SHARE = 1 / 3
 
 
 class BoundedExplore:
@@ -311,8 +320,10 @@ class Population:
         return self.cfg.name == "pb2" and len(self.history) >= 2 and (self.gp is None or self.gp.points != self.points)
 
     def fit_job(self) -> Any:
-        """The fit of the history as it is now, as a call that reads nothing of this population (for a thread)."""
-        return partial(GPFit.fit, list(self.history), *self._scale(), self.steps, self.seed, self.points)
+        """The fit of the history as it is now, as a call that reads nothing of this population (for a thread);
+        it starts from the newest fit's kernel."""
+        start = None if self.gp is None else self.gp.gp.kernel_
+        return partial(GPFit.fit, list(self.history), *self._scale(), self.steps, self.seed, self.points, start=start)
 
     def take_fit(self, fit: GPFit) -> None:
         if self.gp is None or fit.points > self.gp.points:
@@ -380,42 +391,84 @@ class GPFit:
     s_lo: float
     s_w: float
     steps: int
+    seconds: float = 0.0  # the fit's wall time
 
     @classmethod
     def fit(cls, history: list[tuple[float, float, dict[str, float], float]], keys: list[str], lo: list[float],
-            width: list[float], steps: int, seed: int, points: int) -> GPFit:
+            width: list[float], steps: int, seed: int, points: int, start: Any = None) -> GPFit:
+        """Fit on `history`; `start`: a kernel to start the likelihood's optimisation from (the last fit's)."""
         import warnings
 
         import numpy as np
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
-        from threadpoolctl import threadpool_limits
 
+        began = time.perf_counter()
         scores = np.array([s for _, s, _, _ in history])
         s_lo, s_w = float(scores.min()), float(max(np.ptp(scores), 1e-12))
         X = np.array([[t / max(steps, 1), (s - s_lo) / s_w, *((x.get(k, lo[i]) - lo[i]) / width[i] for i, k in enumerate(keys))]
                       for t, s, x, _ in history])
         y = np.array([c for *_, c in history])
         y = (y - y.mean()) / (y.std() or 1.0)
-        kernel = ConstantKernel(1.0, (1e-3, 1e3)) * RBF(np.ones(X.shape[1]), (1e-2, 1e2)) + WhiteKernel(1e-2, (1e-6, 1e1))
+        kernel = start
+        if kernel is None or kernel.n_dims != X.shape[1] + 2:  # (constant, a length scale per input, noise)
+            kernel = ConstantKernel(1.0, (1e-3, 1e3)) * RBF(np.ones(X.shape[1]), (1e-2, 1e2)) + WhiteKernel(1e-2, (1e-6, 1e1))
         # one BLAS thread: the matrices are small, and on cores busy with training two threads spin on
         # each other (a fit of 200 points: 6.4 s with two, 0.3 s with one, beside a training run on 2 cores)
-        with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
+        with warnings.catch_warnings(), _ONE_BLAS_THREAD:
             warnings.simplefilter("ignore")  # a GP fit on a few noisy points hits a kernel bound: nothing to act on
-            gp = GaussianProcessRegressor(kernel, normalize_y=False, random_state=seed).fit(X, y)
-        return cls(gp, points, len(history), s_lo, s_w, steps)
+            gp = GaussianProcessRegressor(kernel, optimizer=_bounded_lbfgs, normalize_y=False, random_state=seed).fit(X, y)
+        return cls(gp, points, len(history), s_lo, s_w, steps, time.perf_counter() - began)
 
     def pick(self, step: int, score: float, candidates: list[list[float]]) -> list[float]:
         """The candidate (in [0, 1]^d) with the highest upper confidence bound of the score change per step
         the GP predicts at the donor's time and score."""
         import numpy as np
-        from threadpoolctl import threadpool_limits
 
         t, s = step / max(self.steps, 1), (score - self.s_lo) / self.s_w
-        with threadpool_limits(1, user_api="blas"):
+        with _ONE_BLAS_THREAD:
             mean, std = self.gp.predict(np.array([[t, s, *c] for c in candidates]), return_std=True)
         beta = 2.0 * math.log(self.size**2 * math.pi**2 / 0.6)  # GP-UCB's (Srinivas et al.), delta 0.1
         return candidates[int(np.argmax(mean + math.sqrt(beta) * std))]
+
+
+class _OneBlasThread:
+    """BLAS on one thread while any fit or pick runs (the limit is the process's, and a fit in the actor's
+    thread overlaps picks in its loop: the first in sets it, the last out restores it). threadpoolctl's
+    controller is made once: finding the libraries takes ~1 ms, as long as a pick."""
+
+    def __init__(self) -> None:
+        self.lock, self.inside, self.limit = threading.Lock(), 0, None
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.inside == 0:
+                self.limit = _blas_controller().limit(limits=1, user_api="blas")
+            self.inside += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.lock:
+            self.inside -= 1
+            if self.inside == 0:
+                self.limit.restore_original_limits()
+
+
+@functools.cache
+def _blas_controller() -> Any:
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+_ONE_BLAS_THREAD = _OneBlasThread()
+
+
+def _bounded_lbfgs(objective: Any, theta: Any, bounds: Any) -> tuple[Any, float]:
+    """scikit-learn's own optimiser (L-BFGS-B on the log marginal likelihood) with its evaluations bounded."""
+    from scipy.optimize import minimize
+
+    result = minimize(objective, theta, method="L-BFGS-B", jac=True, bounds=bounds, options={"maxfun": GP_MAX_EVALS})
+    return result.x, float(result.fun)
 
 
 # ------------------------------------------------------------------------------------ the actor
@@ -424,8 +477,10 @@ class GPFit:
 class PopulationActor:
     """The `Population` of one experiment, as an actor beside the driver: a trial `report`s and then waits
     for its `decision` (at once when asynchronous; when its round is decided when synchronous). A report is
-    taken at once; a decision that needs PB2's GP waits for a fit that runs in a thread (one at a time: a
-    decision taken while one runs uses it), so that the event loop goes on answering meanwhile."""
+    taken at once, and answered with its decision when that is made at once. PB2's GP is fit in a thread, so
+    that the event loop goes on answering meanwhile: one fit at a time, started when there are new points and
+    the last fit ended long enough ago (fits take at most `FIT_SHARE` of the time); a decision takes the newest
+    fit, and waits only for the first."""
 
     def __init__(self, population: Population) -> None:
         self.population = population
@@ -433,26 +488,31 @@ class PopulationActor:
         self.decisions: dict[tuple[str, int], Any] = {}
         self.events: dict[tuple[str, int], asyncio.Event] = {}
         self.fitting: asyncio.Future | None = None
+        self.fit_after = 0.0  # (monotonic) no new fit before then
+        self.fit_timer: asyncio.TimerHandle | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pb2-fit")
         self.pending: set[asyncio.Task] = set()
-        if population.cfg.name == "pb2":  # scikit-learn's import (1-4 s) in the fit's thread now, not at a decision
-            self.pool.submit(_import_gp)
+        if population.cfg.name == "pb2":  # scikit-learn's import (1-4 s) before the first report, not at a decision
+            _import_gp()  # (in the fit's thread it would hold the interpreter's lock while the first reports wait)
 
     async def report(
         self, trial: str, index: int, step: int, metric: float | None, hparams: dict[str, Any],
         pin: str | None, failed: bool = False,
-    ) -> None:
+    ) -> Any:
+        """Take a report; returns its decision when made at once (else None: ask `decision`)."""
         pop = self.population
         if not pop.record(trial, index, step, metric, hparams, pin, failed):
             self._post(trial, step, GO)
         elif pop.cfg.synch and pop.cfg.name == "pbt" and pop.arrive(trial, time.monotonic()):
             self._maybe_round()
-        elif pop.fit_due() and pop.wants_values(trial):
+        elif pop.gp is None and pop.fit_due() and pop.wants_values(trial):
             task = asyncio.ensure_future(self._decide_after_fit(trial, step))
             self.pending.add(task)  # held until done (the loop keeps only weak references)
             task.add_done_callback(self.pending.discard)
         else:
             self._post(trial, step, _answer(pop.decide(trial)))
+        self._fit(first=False)
+        return self._take(trial, step)
 
     async def decision(self, trial: str, step: int, timeout_s: float) -> Any:
         """The decision on `trial`'s report of `step`: "go", an exploit (a dict), or None if not made yet."""
@@ -466,8 +526,7 @@ class PopulationActor:
                 self._maybe_round()  # a round past its timeout goes on
                 if key not in self.decisions:
                     return None
-        self.events.pop(key, None)
-        return self.decisions.pop(key)
+        return self._take(trial, step)
 
     async def summary(self) -> dict[str, Any]:
         return self.population.summary()
@@ -482,23 +541,50 @@ class PopulationActor:
         self._maybe_round()
 
     async def _decide_after_fit(self, trial: str, step: int) -> None:
-        pop = self.population
-        if self.fitting is None:  # else the fit running now serves this decision too
-            self.fitting = asyncio.get_running_loop().run_in_executor(self.pool, pop.fit_job())
-        fitting = self.fitting
-        try:
-            pop.take_fit(await asyncio.shield(fitting))
-        except Exception:  # noqa: BLE001 - the decision falls back to a fit of its own, in the loop
-            logger.exception("PB2's GP fit failed")
-        finally:
-            if self.fitting is fitting:
-                self.fitting = None
-        self._post(trial, step, _answer(pop.decide(trial)))
+        """The first decision that needs the GP: it waits for the first fit (that of the fit running now, if any)."""
+        fitting = self._fit(first=True)
+        if fitting is not None:
+            await asyncio.wait([fitting])  # a failed fit is logged by `_fitted`; the decision then fits inline
+        self._post(trial, step, _answer(self.population.decide(trial)))
+
+    def _fit(self, first: bool) -> asyncio.Future | None:
+        """The fit running now, or one started now if the history has new points and the last fit ended long
+        enough ago (`first`: at once); None when no fit is due."""
+        pop, loop = self.population, asyncio.get_running_loop()
+        if self.fitting is not None or not pop.fit_due():
+            return self.fitting
+        wait = self.fit_after - time.monotonic()
+        if wait > 0 and not first:
+            if self.fit_timer is None:
+                self.fit_timer = loop.call_later(wait, self._fit_timer_fired)
+            return None
+        self.fitting = loop.run_in_executor(self.pool, pop.fit_job())
+        self.fitting.add_done_callback(self._fitted)
+        return self.fitting
+
+    def _fit_timer_fired(self) -> None:
+        self.fit_timer = None
+        self._fit(first=False)
+
+    def _fitted(self, fitting: asyncio.Future) -> None:
+        self.fitting = None
+        if fitting.exception() is not None:
+            logger.error("PB2's GP fit failed", exc_info=fitting.exception())
+            return
+        fit = fitting.result()
+        self.population.take_fit(fit)
+        self.fit_after = time.monotonic() + fit.seconds * (1 / FIT_SHARE - 1)
+        self._fit(first=False)
 
     def _maybe_round(self) -> None:
         if self.population.round_due(time.monotonic()):
             for trial, (step, decision) in self.population.decide_round().items():
                 self._post(trial, step, _answer(decision))
+
+    def _take(self, trial: str, step: int) -> Any:
+        """The decision on that report, once (None if not made)."""
+        self.events.pop((trial, step), None)
+        return self.decisions.pop((trial, step), None)
 
     def _post(self, trial: str, step: int, answer: Any) -> None:
         for old in [k for k in self.decisions if k[0] == trial]:  # never taken: not awaited any more
@@ -509,7 +595,8 @@ class PopulationActor:
 
 def _import_gp() -> None:
     import sklearn.gaussian_process  # noqa: F401
-    import threadpoolctl  # noqa: F401
+
+    _blas_controller()
 
 
 def _answer(decision: Decision | None) -> Any:

@@ -55,8 +55,7 @@ def toy_trainable(config: dict[str, Any]) -> None:
         pin = pins / f"{step}.json"
         pin.write_text(json.dumps({"theta": theta.tolist(), "step": step}))
         hparams = {"h0": float(h[0]), "h1": float(h[1])}
-        ray.get(population.report.remote(trial, config[MEMBER], step, q, hparams, str(pin)))
-        decision = None
+        decision = ray.get(population.report.remote(trial, config[MEMBER], step, q, hparams, str(pin)))
         while decision is None:
             decision = ray.get(population.decision.remote(trial, step, 5.0))
         if decision != "go":

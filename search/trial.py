@@ -101,6 +101,7 @@ class TrialRun(tune.Trainable):
         self.step_no, self.step_dir, self.pin, self.error = 0, None, None, None
         self.runner: _LiveRun | None = None
         self.awaiting: int | None = None  # the report step whose decision the next interval follows
+        self.answered: tuple[int, Any] | None = None  # (step, decision) when the report was answered with it
         self.continued = False  # whether step() has put this trial where its lineage log says it is
         self.exploited: dict[str, Any] | None = None  # the exploit the current interval began with
         self.clock = time.perf_counter()
@@ -154,9 +155,10 @@ class TrialRun(tune.Trainable):
         )
         if self.population is not None:  # after the row: a restarted population replays the logs
             pin = str(self.pin) if self.pin is not None and not failed else None
-            ray.get(self.population.report.remote(
+            answer = ray.get(self.population.report.remote(
                 self.trial_id, self.index, out.step, out.metric, self.hparams, pin, failed
             ))
+            self.answered = None if answer is None else (out.step, answer)
         if yields:  # the report is committed: the run ends at its checkpoint, the slot goes on
             self._yield()
         if not done and self._decides_at(out.step):
@@ -245,6 +247,8 @@ class TrialRun(tune.Trainable):
         synchronous PBT decides once the population is there (or its `sync_timeout_s` has passed)."""
         if self.population is None:
             return "go"
+        if self.answered is not None and self.answered[0] == step:  # the report's own answer
+            return self.answered[1]
         limit = time.monotonic() + self.exp.scheduler.sync_timeout_s + 60.0
         while time.monotonic() < limit:
             decision = ray.get(self.population.decision.remote(self.trial_id, step, 5.0))

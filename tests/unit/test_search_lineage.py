@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 
+from search import lineage
 from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
 
 
@@ -205,3 +207,34 @@ def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
         assert await gate.wait(40, 1) == "stop"
 
     asyncio.run(scenario())
+
+
+def _kept_and_marked_by_definition(reports, events):
+    """The rules as their docstrings state them, one report at a time against every exploit."""
+    kept = []
+    for r in sorted(reports, key=lambda r: r["time"]):
+        lives = [e["time"] for e in events if e["trial"] == r["trial"] and e["time"] < r["time"]]
+        since = max(lives, default=-math.inf)
+        kept = [k for k in kept if not (k["trial"] == r["trial"] and k["step"] >= r["step"] and k["time"] > since)]
+        kept.append(r)
+    return [
+        {**r, "abandoned": any(e["trial"] == r["trial"] and e["time"] > r["time"] and e["step"] < r["step"] for e in events)}
+        for r in kept
+    ]
+
+
+def test_collect_keeps_and_marks_reports_as_the_rules_say_in_one_pass_per_trial():
+    # ties in time and step on purpose: redone steps, exploits at a report's time, several lives per trial
+    for seed in range(400):
+        rng = random.Random(seed)
+        trials = [f"t{i}" for i in range(rng.randint(1, 4))]
+        reports = [
+            {"trial": rng.choice(trials), "step": 10 * rng.randint(0, 10), "time": float(rng.randint(0, 30)), "n": n}
+            for n in range(rng.randint(0, 40))
+        ]
+        events = [
+            {"trial": rng.choice(trials), "step": 10 * rng.randint(0, 10), "time": float(rng.randint(0, 30))}
+            for _ in range(rng.randint(0, 6))
+        ]
+        got = lineage._marked_abandoned(lineage._without_redone(reports, events), events)
+        assert got == _kept_and_marked_by_definition(reports, events), seed

@@ -257,15 +257,14 @@ def test_the_actor_answers_at_once_when_asynchronous_and_a_member_that_left_is_n
 
     async def scenario():
         actor = PopulationActor(_population())
-        await actor.report("t0", 0, 10, 3.0, {"optimizer.lr": 1e-2}, "/pins/t0/10")
-        assert await actor.decision("t0", 10, 0.01) == "go"
-        await actor.report("t1", 1, 10, 5.0, {"optimizer.lr": 1e-4}, "/pins/t1/10")
-        order = await actor.decision("t1", 10, 0.01)
+        assert await actor.report("t0", 0, 10, 3.0, {"optimizer.lr": 1e-2}, "/pins/t0/10") == "go"
+        order = await actor.report("t1", 1, 10, 5.0, {"optimizer.lr": 1e-4}, "/pins/t1/10")
         assert order["donor"] == "t0" and order["pin"] == "/pins/t0/10"
+        assert await actor.decision("t1", 10, 0.01) is None, "answered at the report, once"
 
         sync = PopulationActor(_population(synch=True))
-        await sync.report("t0", 0, 10, 3.0, {"optimizer.lr": 1e-2}, "/pins/t0/10")
-        await sync.report("t2", 2, 10, 5.0, {"optimizer.lr": 1e-4}, "/pins/t2/10")
+        assert await sync.report("t0", 0, 10, 3.0, {"optimizer.lr": 1e-2}, "/pins/t0/10") is None
+        assert await sync.report("t2", 2, 10, 5.0, {"optimizer.lr": 1e-4}, "/pins/t2/10") is None
         assert await sync.decision("t0", 10, 0.01) is None, "the round waits for t1"
         await sync.leave("t1")  # Tune ended its trial in error
         assert await sync.decision("t0", 10, 0.01) == "go"
@@ -340,8 +339,10 @@ def _pop_with_gp(window=None, reports=6):
 def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_fit(monkeypatch):
     """The actor fits PB2's GP in a thread: while a fit blocks (until the test releases it), another member's
     report and its decision are answered; the waiting member's decision comes once the fit ends, and a
-    second recipient deciding meanwhile shares that one fit."""
+    second recipient deciding meanwhile shares that one fit. With a fit in hand a recipient is answered at
+    once, and the next fit waits as long as the last took (here an hour)."""
     import asyncio
+    import dataclasses
     import threading
 
     from search import population as population_module
@@ -350,11 +351,11 @@ def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_
     started, release, fits = threading.Event(), threading.Event(), []
     real_fit = GPFit.fit.__func__
 
-    def blocking_fit(cls, *args):
+    def blocking_fit(cls, *args, **kwargs):
         fits.append(args[-1])
         started.set()
         assert release.wait(30)
-        return real_fit(cls, *args)
+        return dataclasses.replace(real_fit(cls, *args, **kwargs), seconds=3600.0)
 
     monkeypatch.setattr(population_module.GPFit, "fit", classmethod(blocking_fit))
 
@@ -363,17 +364,24 @@ def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_
         pop = actor.population
         ranked = sorted(pop.members.values(), key=lambda m: m.score)
         (worst, ws), (second, ss), (best, bs) = ((m, m.step + 10) for m in (ranked[0], ranked[1], ranked[-1]))
-        await actor.report(worst.trial, worst.index, ws, -worst.score + 0.5, dict(worst.hparams), "/p/w")
+        assert await actor.report(worst.trial, worst.index, ws, -worst.score + 0.5, dict(worst.hparams), "/p/w") is None
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)  # the fit runs, blocked
         # the best member reports and is answered (go) while the fit is blocked
-        await actor.report(best.trial, best.index, bs, -best.score - 0.01, dict(best.hparams), "/p/b")
-        assert await actor.decision(best.trial, bs, 5.0) == "go"
+        assert await actor.report(best.trial, best.index, bs, -best.score - 0.01, dict(best.hparams), "/p/b") == "go"
         assert await actor.decision(worst.trial, ws, 0.01) is None, "its decision waits for the fit"
-        await actor.report(second.trial, second.index, ss, -second.score + 0.5, dict(second.hparams), "/p/s")
+        assert await actor.report(second.trial, second.index, ss, -second.score + 0.5, dict(second.hparams), "/p/s") is None
         release.set()
         first, then = await actor.decision(worst.trial, ws, 30.0), await actor.decision(second.trial, ss, 30.0)
         assert first["donor"] and then["donor"] and first["values"] != then["values"]
         assert len(fits) == 1, "the two recipients shared the fit that was running"
+        assert actor.fitting is None and actor.fit_timer is not None, "new points: the next fit is timed, not run"
+        w = pop.members[worst.trial]
+        ws2 = w.step + 10
+        answer = await actor.report(worst.trial, worst.index, ws2, -best.score + 9.0, dict(w.hparams), "/p/w2")
+        assert answer["donor"], "answered at the report, on the fit it has"
+        assert await actor.decision(worst.trial, ws2, 0.01) is None, "answered once"
+        assert len(fits) == 1 and actor.fitting is None
+        actor.fit_timer.cancel()
 
     asyncio.run(scenario())
 
@@ -385,9 +393,12 @@ def test_a_synchronous_round_decides_each_member_once():
 
     async def scenario():
         actor = PopulationActor(_population(size=4, synch=True, quantile_fraction=0.25))
-        for i, loss in enumerate((1.0, 2.0, 3.0, 4.0)):
+        reported = [
             await actor.report(f"t{i}", i, 10, loss, {"optimizer.lr": 10 ** (-2 - i / 2)}, f"/pins/t{i}/10")
-        answers = [await actor.decision(f"t{i}", 10, 0.01) for i in range(4)]
+            for i, loss in enumerate((1.0, 2.0, 3.0, 4.0))
+        ]
+        assert reported[:3] == [None] * 3, "the round waits for all four; the last report is answered with it"
+        answers = [await actor.decision(f"t{i}", 10, 0.01) for i in range(3)] + reported[3:]
         assert answers[:3] == ["go"] * 3 and answers[3]["donor"] == "t0"
         assert [m.decisions for m in actor.population.members.values()] == [1, 1, 1, 1]
         assert await actor.decision("t3", 10, 0.01) is None, "answered once, never decided again"
