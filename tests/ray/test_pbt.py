@@ -115,6 +115,16 @@ class InterruptAfterExploit(tune.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def _end_held_worker(exp_dir: Path) -> None:
+    """The worker `HoldOnceFromDonor` held (its pid in the marker), if the interrupted experiment's end left it
+    holding: it would wait out the hold's timeout (180 s) with its run's CPUs, and the experiments after this
+    one (the module shares one Ray) would wait for them."""
+    try:
+        os.kill(int((location(exp_dir) / "held-once").read_text()), signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        pass
+
+
 @pytest.fixture(scope="module")
 def nan_resumed(ray_pbt, corpus_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pbt-nan")
@@ -133,6 +143,7 @@ def nan_resumed(ray_pbt, corpus_dir, tmp_path_factory):
     exp = load_experiment(path)
     save(exp)
     first = run_experiment(exp, verbose=0, callbacks=[InterruptAfterExploit(exp.exp_dir)])
+    _end_held_worker(exp.exp_dir)
     before = {"reports": list(first.reports), "events": list(first.events), "finished": first.finished}
     resumed = run_experiment(exp, resume=True, verbose=0)
     return exp, before, resumed
