@@ -88,9 +88,7 @@ class GateLoop(LatestMetrics):
             if result.stopped is not None or result.step >= trainer.cfg.train.steps:
                 return result
             answer = self._ask(result.step, wait=True)
-            if isinstance(
-                answer, dict
-            ):  # an exploit: the trial installed the donor's checkpoint as our newest
+            if isinstance(answer, dict):  # an exploit: the trial's pin of the donor's checkpoint, and the values
                 self.branch = answer["branch"]
                 extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
                 trainer.restore(

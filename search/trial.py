@@ -11,9 +11,9 @@ How a trial trains between reports (`trial_runs` in the experiment YAML):
 - `live`: one Train run for the trial's life. Rank 0 posts each report to the trial's gate (an actor) as
   soon as its checkpoint is committed. Where the scheduler decides (PBT/PB2 past burn-in) the workers wait
   at the gate for the trial's answer: go on, or load a donor's checkpoint in place. An exploit never
-  restarts the run: the trial makes the donor's pin its own, logs the exploit (the one record), installs
-  the pin as the run's newest checkpoint (so a worker lost right after resumes the exploited state), and
-  answers with the checkpoint and the values.
+  restarts the run: the trial makes the donor's pin its own, logs the exploit (the one record), and
+  answers the gate with the pin and the values. Nothing of it is written into the run: a worker group Ray
+  restarts before the branch has committed a checkpoint of its own starts from the gate's `current()`.
   The workers run a plain loop (`search.hooks.GateLoop`): train to the next report (`Trainer.fit(until)`),
   ask, then `Trainer.restore(donor, values)` or go on. Where the scheduler cannot act (ASHA, random search,
   burn-in) the workers only look whether the trial said stop and train on.
@@ -491,8 +491,9 @@ def _run_config(
         name=run_dir.name,
         run_dir=str(run_dir),
         # No donor: `auto` in a run dir made new for this run (its name is unique) finds nothing at the start,
-        # and on a restart of the run's workers its own newest commit, also one installed by an exploit
-        # before Ray's controller registered the run's report (`none` would start that restart from scratch).
+        # and on a restart of the run's workers its own newest commit, one Ray's controller may not have
+        # registered yet (`none` would start that restart from scratch); after an exploit the gate's
+        # `current()` names the exploit's pin instead, until the branch commits.
         **{"checkpoint.resume": str(resume) if resume else "auto", "checkpoint.keep": keep},
         **trial_tracking(exp, run_dir.parent.name),  # run_dir = EXP_DIR/runs/<trial>/<run>
     )
