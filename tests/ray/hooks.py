@@ -287,7 +287,8 @@ class ReplicaLog(TrainerCallback):
     number of live groups, the window ids it trained on in that step's attempt (an attempt that did not
     commit is forgotten), and a digest of its weights, to replicas/group<G>.jsonl; and the step's window ids
     once its vote commits it, to replicas/group<G>.commits.jsonl (a group lost after its gradients were
-    averaged, before the step's end, trained its share of a step its peers commit). `kill_group` SIGKILLs its
+    averaged, before the step's end, trained its share of a step its peers commit: each attempt's ids are also
+    appended as they are read, to replicas/group<G>.attempts.jsonl, where a test finds that share). `kill_group` SIGKILLs its
     own process inside step `kill_step` (after its first micro-batch's samples are read; its first worker, in a
     group of several, whose files are group<G>.rank<R>.*): a lost group with the step in flight. It fires once
     in the run (a marker file), not in the group Ray starts in its place."""
@@ -306,12 +307,19 @@ class ReplicaLog(TrainerCallback):
         marker = trainer.run_dir / "replicas" / "killed"
         begin, get = trainer.engine.begin_step, trainer.train_data.get
 
+        attempts = self.path.with_suffix(".attempts.jsonl")
+        attempt = 0
+
         def begin_step() -> None:
-            self._ids = []  # a new attempt at a step
+            nonlocal attempt
+            self._ids, attempt = [], attempt + 1  # a new attempt at a step
             begin()
 
         def recording_get(ids):
             self._ids.extend(int(i) for i in ids)
+            with open(attempts, "a") as f:
+                f.write(json.dumps({"step": trainer.step + 1, "pid": os.getpid(), "attempt": attempt,
+                                    "ids": [int(i) for i in ids]}) + "\n")
             if group == self.kill_group and rank == 0 and trainer.step + 1 == self.kill_step and not marker.exists():
                 marker.write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)

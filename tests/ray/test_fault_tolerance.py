@@ -33,7 +33,7 @@ def _replica_lines(run_dir: Path, pattern: str = "group?.jsonl") -> dict:
     """ReplicaLog's lines by group (by (group, rank) with groups of several workers: pattern group*.jsonl)."""
     out: dict = {}
     for path in sorted((run_dir / "replicas").glob(pattern)):
-        if path.name.endswith(".commits.jsonl"):
+        if path.name.endswith((".commits.jsonl", ".attempts.jsonl")):
             continue
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         out[lines[0]["group"] if pattern == "group?.jsonl" else (lines[0]["group"], lines[0]["rank"])] = lines
