@@ -7,11 +7,14 @@ pyproject.toml's range (RAY_VERSIONS_READ); differences between them are shimmed
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # The Ray releases each entry here was read from: one per minor of pyproject.toml's range, oldest to newest (a
 # minor's x.y.0 and x.y.1 had the same files for every name here). tests/unit/test_ray_compat.py checks the names
@@ -19,12 +22,18 @@ from typing import Any
 RAY_VERSIONS_READ = ("2.55.1", "2.56.1", "2.57.1", "2.58.1", "2.59.0", "2.60.0")
 
 __all__ = [
+    "DEFER_PATCH",
+    "EXPERIMENT_STATE_LOGGER",
     "HEAD_NODE_RESOURCE",
     "RAY_VERSIONS_READ",
     "TOKEN_SETUP_LOGGER",
+    "WORKER_GROUP_PATCH",
     "actor_handle",
     "actors_of_this_job",
+    "defer_unplaceable_replacements",
     "error_printer",
+    "has_torchft_config",
+    "is_staging_temp_race",
     "kuberay_autoscaling_config",
     "local_ray_pids",
     "own_worker_address",
@@ -32,12 +41,14 @@ __all__ = [
     "prepare_ray_up_config",
     "ray_init_system_config",
     "refresh_autoscaling_view",
+    "replica_groups_of",
     "reporter_text",
     "set_error_printer",
     "torch_backend_with",
+    "torchft_config",
     "train_logging_config",
-    "trainer_without_ray_data",
     "train_report_logger",
+    "trainer_without_ray_data",
     "worker_output_dispatcher",
 ]
 
@@ -117,11 +128,13 @@ def torchft_config(
         def __init__(self) -> None:
             super().__init__()
             replica_groups_of(group_size)
+            defer_unplaceable_replacements()
 
         def __setstate__(self, state: dict[str, Any]) -> None:
             # Unpickled in Ray Train's controller (the driver made it), where the worker groups are made.
             self.__dict__.update(state)
             replica_groups_of(group_size)
+            defer_unplaceable_replacements()
 
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
             before_start(worker_group)
@@ -130,11 +143,9 @@ def torchft_config(
         def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
             # Ray's, with the lighthouse's Rust log at `log_level` (at INFO it prints every quorum of every
             # step on the driver's console): made here first, Ray's method then reads its address. It asks for
-            # no CPU, as Ray Train's own controller beside it does: the driver's node may have none (clusters/
-            # start the head with --num-cpus=0). Without it the cluster tier's whole run failed once, its
-            # controller told "The actor is not schedulable: The node specified via
-            # NodeAffinitySchedulingStrategy doesn't exist any more or is infeasible" (the same test alone had
-            # passed three times, and a local Ray of 0 CPUs placed such an actor: the cause is not pinned down).
+            # no CPU, as Ray Train's own controller beside it does: it is pinned to the driver's node, which may
+            # have none (clusters/ start the head with --num-cpus=0), and an actor pinned to a node that lacks
+            # its CPU is not schedulable there.
             if self.lighthouse_actor is None:
                 self.lighthouse_actor = LighthouseServerActor.options(
                     num_cpus=0,
@@ -204,6 +215,69 @@ def replica_groups_of(size: int) -> None:
     setattr(WorkerGroup, WORKER_GROUP_PATCH, size)
 
 
+# The same file: the controller replaces a lost replica group at once (`replace_replica_group`, from
+# `_execute_resize_decision`) on the placement group's bundles of the lost workers. Their node may be dead and not
+# yet declared so (the new workers die with it: `WorkerGroupStartupFailedError`, which the controller retries
+# through a restart of its state machine), or declared dead with no room elsewhere (the new workers wait for a node
+# inside `_init_train_context_on_workers`'s `ray.get`, which holds the controller: it never sees the others finish,
+# and the group that starts when a host returns finds the run over and resumes it from its last checkpoint).
+# Patched: a replacement whose bundles are not all on live nodes, or whose workers fail to start, is deferred, and
+# `_poll_workers_and_collect_errors` (each poll) reads its workers as the live groups' (running while any runs, no
+# error) until its bundles are placed again, when it replaces the group there. The run goes on without it meanwhile
+# and ends when the others finish.
+DEFER_PATCH = "_raytrain_defers_replacements"
+
+
+def defer_unplaceable_replacements() -> None:
+    """In Ray Train's controller process: a lost replica group's replacement waits for room without holding the
+    controller, and never fails the run."""
+    import ray
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
+
+    if getattr(WorkerGroup, DEFER_PATCH, False):
+        return
+    replace, collect = WorkerGroup.replace_replica_group, WorkerGroup._poll_workers_and_collect_errors
+
+    def deferred(self: Any) -> dict[int, list[int]]:  # group index -> its workers' world ranks
+        return self.__dict__.setdefault("_raytrain_deferred", {})
+
+    def placed(self: Any, index: int) -> bool:
+        bundles = [w.placement_group_bundle_index for w in self._replica_groups[index].get_workers()]
+        table = ray.util.placement_group_table(self._worker_group_state.placement_group_handle.placement_group)
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        where = table.get("bundles_to_node_id", {})
+        return table.get("state") == "CREATED" and all(where.get(b) in alive for b in bundles)
+
+    @functools.wraps(replace)
+    def replace_replica_group(self: Any, replica_group_index: int) -> None:
+        ranks = [w.distributed_context.world_rank for w in self._replica_groups[replica_group_index].get_workers()]
+        deferred(self).pop(replica_group_index, None)
+        try:
+            if placed(self, replica_group_index):
+                return replace(self, replica_group_index)
+        except WorkerGroupStartupFailedError as e:  # Ray's own has shut the new workers down
+            logger.info("Replica group %d's replacement did not start (%s); tried again when placed",
+                        replica_group_index, e)
+        deferred(self)[replica_group_index] = ranks
+
+    @functools.wraps(collect)
+    def _poll_workers_and_collect_errors(self: Any, timeout: Any) -> list[Any]:
+        for index in [i for i in deferred(self) if placed(self, i)]:
+            replace_replica_group(self, index)  # deferred again if it fails
+        statuses = collect(self, timeout)
+        waiting = {rank for ranks in deferred(self).values() for rank in ranks}
+        if not waiting:
+            return statuses
+        running = any(s.running for rank, s in enumerate(statuses) if rank not in waiting)
+        return [WorkerStatus(running=running) if rank in waiting else s for rank, s in enumerate(statuses)]
+
+    WorkerGroup.replace_replica_group = replace_replica_group
+    WorkerGroup._poll_workers_and_collect_errors = _poll_workers_and_collect_errors
+    setattr(WorkerGroup, DEFER_PATCH, True)
+
+
 # ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py: Ray Train's elastic scaling policy
 # sizes a worker group from the resources this detached actor reserves for it, and the actor re-reads the
 # node table only every `TICK_INTERVAL_S` (20 s). After a host is lost or joins, a
@@ -264,7 +338,7 @@ def set_error_printer(printer: Callable[..., None]) -> None:
 # then a rename) while the upload that the previous save launched may still be copying that folder to
 # storage. That upload then fails on the renamed temp file, and the next save logs it at ERROR with its
 # traceback ("Saving experiment state to storage ... failed") before launching its own upload of the whole
-# folder: nothing is lost, nothing to act on (seen on a Ctrl-C's final save, CI of stop 49).
+# folder: nothing is lost, nothing to act on (a Ctrl-C's final save races its upload so).
 EXPERIMENT_STATE_LOGGER = "ray.tune.execution.experiment_state"
 _MISSING_LOCAL_FILE = re.compile(r"Failed to open local file '([^']+)'")  # pyarrow's copy_files
 

@@ -176,3 +176,88 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     # The losses of one process that lost nothing (the same global batch, accumulated).
     want = reference_losses(tier, raw, nproc=1)
     assert {r["step"]: r["loss"] for r in rows} == pytest.approx(want, rel=1e-5)
+
+
+AWAY_S = 50  # the issue's "longer than Ray takes to declare it dead" (~10 s here): a crashed machine stays down
+
+
+def test_a_host_away_past_its_death_gets_its_group_back_and_nobody_restarts(tier):
+    """h3 killed and kept down for AWAY_S: Ray's controller asks for a group in its place at once (on a node not
+    yet declared dead, then with no room anywhere), and that never turns into a restart of the worker group; the
+    group on h2 trains on in one process from the fault to the end, and the run is at two groups again within
+    20 s of h3's return."""
+    name = f"ft-{tier.runs}"
+    tier.runs += 1
+    run_dir = tier.workdir() / name
+    raw = run_raw(str(run_dir), data=str(tier.corpus), parallel={"engine": "ddp"},
+                  scaling={"fault_tolerance": "per_step", "num_workers": 2, "cpus_per_worker": 1},
+                  train={"steps": STEPS, "eval_every": 0, "global_batch_size": BATCH, "micro_batch_size": 4},
+                  checkpoint={"every": 100, "keep": 2})
+    unpaced = run_dir / "unpaced"
+    driver = start_train(tier, write_yaml(tier.workdir(), name, raw), "--callback", "tests.ray.hooks:ReplicaLog",
+                         "--callback", f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(unpaced)!r})")
+    h3 = tier.hosts["h3"]
+    driver.wait_rows(run_dir, lambda rows: any(r["replicas"] == 2 and r["step"] > 10 for r in rows),
+                     "10 steps on two groups", WAIT_S)
+    t_kill = time.time()
+    h3.kill()
+    driver.wait_line("raytrain: lost host h3", timeout=WAIT_S)
+    # The fault's length is the scenario (not a synchronisation): the host stays down, its node declared dead.
+    time.sleep(max(0.0, t_kill + AWAY_S - time.time()))
+    assert driver.proc.poll() is None, driver.text()[-4000:]
+    away_until = train_rows(run_dir)[-1]["step"]
+    h3.start()
+    t_back = time.time()
+    tier.ray.start_worker("h3")
+    driver.wait_rows(run_dir, lambda rows: any(r["replicas"] == 2 and r["step"] > away_until for r in rows),
+                     "two groups after h3's return", WAIT_S)
+    back = next(r for r in train_rows(run_dir) if r["replicas"] == 2 and r["step"] > away_until)
+    assert back["step"] < STEPS - 20, "the pace did not last through the fault"
+    unpaced.touch()
+    code = driver.wait(WAIT_S)
+    text = driver.text()
+    assert code == 0, text[-5000:]
+    lines = [x for x in console_lines(text) if x.startswith(("raytrain:", "step ", "resumed"))]
+    told = "\n".join(lines)
+    assert not [x for x in lines if "resumed from step" in x], told  # no restart of the worker group
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once in metrics.jsonl"
+    assert rows[-1]["replicas"] == 2, told
+    survivor = [x for x in _replica_lines(run_dir) if x["host"] == "h2"]
+    assert len({x["pid"] for x in survivor}) == 1, "the group on h2 was restarted"
+    # Full size again within 20 s of the host's boot: its Ray joins, a group is placed, imports and heals.
+    back_s = back["time"] - t_back
+    assert back_s <= 20.0, f"two groups again {back_s:.1f} s after h3's return\n{told}"
+
+
+def test_a_run_whose_lost_host_stays_away_ends_when_the_others_finish(tier):
+    """h3 killed and not booted before the end: its group's replacement finds no room (Ray places a lost group's
+    workers on its old bundles, which wait for a node); the group on h2 trains to the end alone and the run ends
+    then, with no group started later that resumes it from a checkpoint."""
+    name = f"ft-{tier.runs}"
+    tier.runs += 1
+    run_dir = tier.workdir() / name
+    raw = run_raw(str(run_dir), data=str(tier.corpus), parallel={"engine": "ddp"},
+                  scaling={"fault_tolerance": "per_step", "num_workers": 2, "cpus_per_worker": 1},
+                  train={"steps": 300, "eval_every": 0, "global_batch_size": BATCH, "micro_batch_size": 4},
+                  checkpoint={"every": 100, "keep": 2})
+    unpaced = run_dir / "unpaced"
+    driver = start_train(tier, write_yaml(tier.workdir(), name, raw), "--callback", "tests.ray.hooks:ReplicaLog",
+                         "--callback", f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(unpaced)!r})")
+    h3 = tier.hosts["h3"]
+    driver.wait_rows(run_dir, lambda rows: any(r["replicas"] == 2 and r["step"] > 10 for r in rows),
+                     "10 steps on two groups", WAIT_S)
+    h3.kill()
+    try:
+        driver.wait_line("raytrain: lost host h3", timeout=WAIT_S)
+        unpaced.touch()
+        code = driver.wait(WAIT_S)
+    finally:
+        h3.start()
+        tier.ray.start_worker("h3")
+    text = driver.text()
+    assert code == 0, text[-5000:]
+    assert "resumed from step" not in text and "Traceback" not in text, text[-5000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 301)) and rows[-1]["replicas"] == 1
+    assert len({x["pid"] for x in _replica_lines(run_dir) if x["host"] == "h2"}) == 1, "the group on h2 was restarted"

@@ -182,3 +182,80 @@ def test_replica_groups_of_several_workers_where_ray_has_torchft_groups():
     finally:
         WorkerGroup._create_workers, WorkerGroup._init_train_context = ours
         setattr(WorkerGroup, ray_compat.WORKER_GROUP_PATCH, size)
+
+
+def test_all_names_every_public_name():
+    import types
+
+    public = {n for n, v in vars(ray_compat).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)
+              and getattr(v, "__module__", ray_compat.__name__) == ray_compat.__name__ and n != "logger"}
+    assert public - {"annotations", "Any", "Callable", "cache"} == set(ray_compat.__all__)
+
+
+def test_a_replacement_with_no_room_waits_without_holding_the_controller(monkeypatch):
+    """ray_compat.defer_unplaceable_replacements: a lost group whose bundles are not on live nodes, or whose new
+    workers fail to start, is not replaced now; each poll reads its workers as the live groups' (running while any
+    runs, no error) and replaces it once its bundles are placed."""
+    if _minor(ray.__version__) < (2, 60):
+        assert not ray_compat.has_torchft_config()
+        return
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+    from ray.train.v2._internal.execution.controller import controller
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
+
+    # What Ray does, the premise: the controller replaces each failing group at once, on its old bundles, and
+    # waits for the new workers with no timeout; a poll's statuses are a list in world-rank order.
+    assert "self._worker_group.replace_replica_group(rg_index)" in inspect.getsource(
+        controller.TrainController._replace_bad_workers)
+    impl = inspect.getsource(WorkerGroup._replace_replica_group_impl)
+    assert "placement_group_bundle_indices=old_placement_group_bundle_indices" in impl
+    assert "self._worker_group_state.placement_group_handle.placement_group" in impl
+    assert "ray.get(context_init_tasks)" in inspect.getsource(WorkerGroup._init_train_context_on_workers)
+    assert "worker_statuses=dict(enumerate(poll_results))" in inspect.getsource(WorkerGroup.poll_status)
+    assert list(inspect.signature(WorkerGroup.replace_replica_group).parameters) == ["self", "replica_group_index"]
+    assert list(inspect.signature(WorkerGroup._poll_workers_and_collect_errors).parameters) == ["self", "timeout"]
+
+    replaced, fail, running = [], [False], [True]
+
+    def rays_replace(self, index):
+        replaced.append(index)
+        if fail[0]:
+            raise WorkerGroupStartupFailedError("The node the worker was on died")
+
+    def rays_collect(self, timeout):
+        return [WorkerStatus(running=running[0]), WorkerStatus(running=False, error=RuntimeError("actor died"))]
+
+    monkeypatch.setattr(WorkerGroup, "replace_replica_group", rays_replace)
+    monkeypatch.setattr(WorkerGroup, "_poll_workers_and_collect_errors", rays_collect)
+    monkeypatch.setattr(WorkerGroup, ray_compat.DEFER_PATCH, False, raising=False)
+    ray_compat.defer_unplaceable_replacements()
+    nodes, where, state = {"a": True, "b": False}, {0: "a", 1: "b"}, ["CREATED"]
+    monkeypatch.setattr(ray.util, "placement_group_table",
+                        lambda pg: {"state": state[0], "bundles_to_node_id": dict(where)})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": alive} for n, alive in nodes.items()])
+    group = WorkerGroup.__new__(WorkerGroup)  # two replica groups of one worker, on bundles 0 and 1
+
+    def workers(rank):
+        return lambda: [SimpleNamespace(placement_group_bundle_index=rank,
+                                        distributed_context=SimpleNamespace(world_rank=rank))]
+
+    group._replica_groups = [SimpleNamespace(get_workers=workers(0)), SimpleNamespace(get_workers=workers(1))]
+    group._worker_group_state = SimpleNamespace(placement_group_handle=SimpleNamespace(placement_group="pg"))
+
+    group.replace_replica_group(1)  # its bundle on a dead node: not tried
+    assert replaced == []
+    assert [(s.running, s.error) for s in group._poll_workers_and_collect_errors(1.0)] == [(True, None), (True, None)]
+    where[1], state[0] = "", "RESCHEDULING"  # Ray declared the node dead: the bundle waits for room
+    assert [(s.running, s.error) for s in group._poll_workers_and_collect_errors(1.0)] == [(True, None), (True, None)]
+    assert replaced == []
+    where[1], state[0], fail[0] = "a", "CREATED", True  # placed again, on a node that dies as the workers start
+    assert [(s.running, s.error) for s in group._poll_workers_and_collect_errors(1.0)] == [(True, None), (True, None)]
+    assert replaced == [1]
+    running[0] = False  # the live group finished: so does the run, without the one that waits
+    assert [(s.running, s.error) for s in group._poll_workers_and_collect_errors(1.0)] == [(False, None), (False, None)]
+    fail[0] = False
+    statuses = group._poll_workers_and_collect_errors(1.0)  # placed and started: polled as Ray polls it
+    assert replaced == [1, 1, 1] and isinstance(statuses[1].error, RuntimeError)
