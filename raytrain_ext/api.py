@@ -21,6 +21,7 @@ from raytrain_ext.result import RunResult
 
 if TYPE_CHECKING:
     from trainers.config import RunConfig
+    from trainers.trainer import TrainerCallback
 
 __all__ = ["RunResult", "as_set_items", "run_config", "train"]
 
@@ -32,7 +33,7 @@ def train(
     address: str | None = None,
     no_ray: bool = False,
     progress: bool = True,
-    callbacks: Sequence[str] = (),
+    callbacks: Sequence[str | TrainerCallback] = (),
     ray_log_level: str = "WARNING",
 ) -> RunResult:
     """Train one run and wait for it.
@@ -40,7 +41,8 @@ def train(
     `config`: a run YAML's path, its mapping, or a RunConfig. `overrides`: dotted keys to Python values,
     applied as the command's `--set KEY=VALUE` ({"train.steps": 20, "optimizer.lr": 1e-3}). `address`: a
     Ray cluster to join (`auto`, `ray://host:10001`). `no_ray`: train in this process, without Ray.
-    `callbacks`: TrainerCallback specs built in every worker ("mypkg.hooks:Notify(every=10)").
+    `callbacks`: TrainerCallback specs built in every worker ("mypkg.hooks:Notify(every=10)"), or TrainerCallbacks
+    (picklable: each worker gets a copy).
     `ray_log_level`: of Ray Train's own console lines. On Ray, `launcher.train` starts a local Ray when none
     runs and no address is given, and stops only what it started.
     Raises ConfigError (a ValueError) with one line naming the field and the fix, before anything starts."""

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_ext import ray_compat
 from raytrain_ext.cleanup import (
@@ -58,6 +58,9 @@ from trainers.storage import (
     remove_file,
     remove_tree,
 )
+
+if TYPE_CHECKING:
+    from trainers.trainer import TrainerCallback
 
 __all__ = [
     "RunResult",
@@ -180,14 +183,15 @@ def stop_ray() -> None:
 
 def build_trainer(
     cfg: RunConfig,
-    callbacks: Sequence[str] = (),
+    callbacks: Sequence[str | TrainerCallback] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
     loop: Callable[[], Any] | None = None,
     ray_run: str = "run",
 ):
     """The TorchTrainer for this run (not started), as Ray run `ray_run` (in `RunDir.ray_runs`).
-    `callbacks`: TrainerCallback specs ("module:Name") built inside every worker; `loop`: a factory (called in
+    `callbacks`: TrainerCallback specs ("module:Name"), built inside every worker, or TrainerCallbacks (pickled
+    to every worker); `loop`: a factory (called in
     each worker) of a loop that drives the worker's Trainer (a TrainerCallback with `run(trainer)`:
     `raytrain_ext.worker.train_fn`),
     else `fit()`; `ray_callbacks`: `ray.train.UserCallback`s run on the controller;
@@ -241,7 +245,7 @@ def train(
     cfg: RunConfig,
     address: str | None = None,
     progress: bool = True,
-    callbacks: Sequence[str] = (),
+    callbacks: Sequence[str | TrainerCallback] = (),
     ray_callbacks: Sequence[Any] = (),
     ray_log_level: str = RAY_LOG_LEVEL,
     loop: Callable[[], Any] | None = None,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["check_run", "load_callback"]
 
 
-def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
+def check_run(cfg: RunConfig, callbacks: Sequence[str | TrainerCallback] = ()) -> None:
     """Everything that can be checked before a worker starts: inputs on disk, that the checkpoint it would
     resume from fits this config, that the callbacks import, and that every world size the run may take
     is a valid layout (`trainers.layout.check_world_sizes`, the rules the workers run: engine, pp/tp/ep
@@ -37,7 +37,8 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str] = ()) -> None:
     check_run_storage(cfg)
     check_resume(cfg, check_inputs(cfg))
     for spec in callbacks:
-        _check_callback(spec)
+        if isinstance(spec, str):  # a TrainerCallback is already built
+            _check_callback(spec)
     check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are its replica groups'
     check_world_sizes(cfg, group_world_sizes(cfg))
     if per_step(cfg) and not ray_compat.has_torchft_config():

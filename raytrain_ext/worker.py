@@ -183,7 +183,7 @@ def train_fn(config: dict[str, Any]) -> None:
     if per_step(cfg):
         name_replica_group(cfg.scaling.workers_per_group)
     try:
-        users = [load_callback(spec) for spec in config.get("callbacks", [])]
+        users = [load_callback(c) if isinstance(c, str) else c for c in config.get("callbacks", [])]
         run_local(
             cfg,
             callbacks=[*report, *([loop] if loop is not None else []), *users],

@@ -41,6 +41,7 @@ class ReplayResult:
 def replay(exp_dir: Path, trial: str = "best") -> ReplayResult:
     """Ray must be initialised (the run is a Ray Train run like the trials', same workers)."""
     from raytrain_ext.launcher import train
+    from search.hooks import ApplySchedule
 
     exp = load_experiment_dir(exp_dir)
     reports, events = collect(exp.exp_dir)
@@ -54,7 +55,7 @@ def replay(exp_dir: Path, trial: str = "best") -> ReplayResult:
         first, name=run_dir.name, run_dir=str(run_dir), **{"train.steps": schedule.final_step}
     )
     # the experiment's own callbacks too: one may add the metric (`metric: eval/accuracy`)
-    callbacks = [*([f"search.hooks:ApplySchedule(changes={later!r})"] if later else []), *exp.callbacks]
+    callbacks = [*([ApplySchedule(changes=later)] if later else []), *exp.callbacks]
     result = train(cfg, progress=False, callbacks=callbacks)
     final = {k: v for r in read_metrics(RunDir(run_dir).metrics) if r.get("step") == result.step for k, v in r.items()}
     replayed = final.get(exp.metric_key)

@@ -374,13 +374,14 @@ class TrialRun(tune.Trainable):
 
     def _segment(self) -> _Interval:
         from raytrain_ext.launcher import train
+        from search.hooks import StopAtStep
 
         stop, start = self._next_stop(), self.step_no
         run_dir = self._run_dir("seg")
         cfg = _run_config(self.exp, self.hparams, run_dir, self.step_dir, keep=1)
         launched = time.time()
         try:
-            result = train(cfg, progress=False, callbacks=[f"search.hooks:StopAtStep(step={stop})", *self.exp.callbacks])
+            result = train(cfg, progress=False, callbacks=[StopAtStep(step=stop), *self.exp.callbacks])
         except Exception as e:  # NaN loss, a crash Ray could not recover: PBT replaces this member
             return _Interval(stop, _worst(self.exp), None, 0.0, f"{type(e).__name__}: {e}")
         rows = read_metrics(RunDir(run_dir).metrics)

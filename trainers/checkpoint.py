@@ -71,7 +71,6 @@ from trainers.checkpoint_files import (
     checkpoint_step,
     committed_checkpoints,
     delete_checkpoint,
-    install_checkpoint,
     is_complete,
     link_tree,
     read_trainer_state,
@@ -587,10 +586,6 @@ class Checkpointer:
                 raise CheckpointError(f"{partial}: no checksum for piece {index} of {name}")
             files[name]["pieces"].append(digests[(name, index)])
         return files
-
-    def install(self, src: Path) -> Path:
-        """See `install_checkpoint`: `src` becomes this run's newest checkpoint."""
-        return install_checkpoint(self.root, src)
 
     @staticmethod
     def trainer_state(path: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainers.config import RunConfig
+from trainers.fault_tolerance import per_step
 from trainers.layout import ParallelLayout
 from trainers.parallel.distributed import device_for_rank
 from trainers.parallel.engine import Engine, LocalEngine
@@ -16,7 +17,7 @@ def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine
     layout = layout or ParallelLayout.from_process_group(cfg)  # every layout rule runs here
     device = device_for_rank()
     engine = cfg.parallel.engine
-    if cfg.scaling.fault_tolerance == "per_step":  # a worker of a torchft replica group (trainers.fault_tolerance)
+    if per_step(cfg):  # a worker of a torchft replica group (trainers.fault_tolerance)
         from trainers.parallel.replicas import ReplicaGroupEngine, ReplicaGroupFSDPEngine
 
         group_engine = ReplicaGroupFSDPEngine if engine == "fsdp" else ReplicaGroupEngine
