@@ -259,3 +259,39 @@ def test_a_replacement_with_no_room_waits_without_holding_the_controller(monkeyp
     fail[0] = False
     statuses = group._poll_workers_and_collect_errors(1.0)  # placed and started: polled as Ray polls it
     assert replaced == [1, 1, 1] and isinstance(statuses[1].error, RuntimeError)
+
+
+def test_the_torch_backends_run_our_step_before_rays_process_group(monkeypatch):
+    """ray_compat.torch_backend_with and torchft_config: subclasses of Ray's private backends whose on_start runs
+    `before_start(worker_group)` first, then Ray's; the torchft one makes its lighthouse actor itself (no CPU,
+    Rust log level), which Ray's method then finds and only reads."""
+    from ray.train.torch.config import TorchConfig, _TorchBackend
+
+    calls = []
+    monkeypatch.setattr(_TorchBackend, "on_start", lambda self, group, config: calls.append(("ray", group)))
+    backend = ray_compat.torch_backend_with(lambda group: calls.append(("ours", group)))
+    assert issubclass(backend, _TorchBackend)
+    assert list(inspect.signature(TorchConfig.backend_cls.fget).parameters) == ["self"]  # the hook that names it
+    backend().on_start("group", TorchConfig())
+    assert calls == [("ours", "group"), ("ray", "group")]
+    if not ray_compat.has_torchft_config():
+        return
+    from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+
+    made = inspect.getsource(_TorchftBackend._maybe_create_lighthouse_actor)
+    assert made.index("if self.lighthouse_actor is not None:") < made.index("LighthouseServerActor.options(")
+    assert "self._maybe_create_lighthouse_actor(" in inspect.getsource(_TorchftBackend.on_start)
+    patched = []
+    monkeypatch.setattr(ray_compat, "replica_groups_of", lambda size: patched.append(("groups of", size)))
+    monkeypatch.setattr(ray_compat, "defer_unplaceable_replacements", lambda: patched.append(("defer",)))
+    calls.clear()
+    monkeypatch.setattr(_TorchftBackend, "on_start", lambda self, group, config: calls.append(("ray", group)))
+    config = ray_compat.torchft_config(lambda group: calls.append(("ours", group)), {"min_replicas": 1}, "gloo",
+                                       group_size=2)
+    assert isinstance(config, TorchftConfig) and config.lighthouse_kwargs == {"min_replicas": 1}
+    made = config.backend_cls()  # in the driver
+    made.__setstate__(dict(made.__dict__))  # as Ray Train's controller unpickles it: the patches there too
+    assert issubclass(config.backend_cls, _TorchftBackend)
+    assert patched == [("groups of", 2), ("defer",)] * 2
+    made.on_start("group", config)
+    assert calls == [("ours", "group"), ("ray", "group")]
