@@ -224,7 +224,7 @@ def build_trainer(
         **ray_compat.train_logging_config(ray_log_level),  # ray.train.LoggingConfig where there is one
         worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(s.cpus_per_worker), 1)),
                                          # torchft's Rust side logs every quorum and commit at info
-                                         **({"RUST_LOG": os.environ.get("RUST_LOG", "warn")} if per_step(cfg) else {})}},
+                                         **({"RUST_LOG": os.environ.get("RUST_LOG", "warn")} if per_step(s) else {})}},
     )
     return ray_compat.trainer_without_ray_data(TorchTrainer)(
         train_fn,
@@ -234,7 +234,7 @@ def build_trainer(
             "loop": loop,
             "ray_log_level": ray_log_level,
         },
-        torch_config=replica_groups_config(backend, s.workers_per_group) if per_step(cfg)
+        torch_config=replica_groups_config(backend, s.workers_per_group) if per_step(s)
         else NodeAddressTorchConfig(backend=backend),
         scaling_config=scaling,
         run_config=run,
@@ -273,7 +273,7 @@ def train(
         watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name, bar=progress)
         try:
             watcher.start()
-            with WorkerLogs(run_dir, replica_groups=per_step(cfg)):  # a lost worker: one line here, the tracebacks in the run's log
+            with WorkerLogs(run_dir, replica_groups=per_step(cfg.scaling)):  # a lost worker: one line here, the tracebacks in the run's log
                 result = _run_restarting_controller(
                     lambda: build_trainer(cfg, callbacks, ray_callbacks, ray_log_level, loop, ray_run), run_dir, cfg
                 )

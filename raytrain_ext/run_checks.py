@@ -40,8 +40,8 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str | TrainerCallback] = ()) -
         if isinstance(spec, str):  # a TrainerCallback is already built
             _check_callback(spec)
     check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are its replica groups'
-    check_world_sizes(cfg, group_world_sizes(cfg))
-    if per_step(cfg) and not ray_compat.has_torchft_config():
+    check_world_sizes(cfg, group_world_sizes(cfg.scaling))
+    if per_step(cfg.scaling) and not ray_compat.has_torchft_config():
         import ray
 
         raise ConfigError(

@@ -179,8 +179,8 @@ def train_fn(config: dict[str, Any]) -> None:
     had_checkpoint = given is not None or _has_checkpoint(cfg)
     # Per-step fault tolerance: `ray.train.report` is a barrier over every worker, which a lost replica group
     # would hold; the run dir's committed checkpoints are the record (Ray is given none).
-    report = [] if per_step(cfg) else [ReportToRay()]
-    if per_step(cfg):
+    report = [] if per_step(cfg.scaling) else [ReportToRay()]
+    if per_step(cfg.scaling):
         name_replica_group(cfg.scaling.workers_per_group)
     try:
         users = [load_callback(c) if isinstance(c, str) else c for c in config.get("callbacks", [])]

@@ -59,14 +59,15 @@ TIMEOUT_S = 30.0  # torchft's quorums, commit votes and state transfers (a step'
 SUPPORTED_ENGINES = ("ddp", "fsdp")  # inside a replica group: the whole model, or FSDP2 over the group's workers
 
 
-def per_step(cfg) -> bool:
-    return cfg.scaling.fault_tolerance == "per_step"
+def per_step(scaling) -> bool:
+    """Whether a run's `scaling` section asks for per-step fault tolerance (torchft replica groups)."""
+    return scaling.fault_tolerance == "per_step"
 
 
 def check_fault_tolerance(cfg) -> None:
     """The rules of a per-step fault-tolerant run, each refused in one line naming the field and the fix."""
     s = cfg.scaling
-    if not per_step(cfg):
+    if not per_step(s):
         if s.workers_per_group != 1:
             raise ConfigError(
                 f"scaling.workers_per_group={s.workers_per_group} without scaling.fault_tolerance=per_step: only a "
@@ -131,7 +132,7 @@ def check_fault_tolerance(cfg) -> None:
 
 def refuse_without_ray(cfg, how: str) -> None:
     """`--no-ray` and torchrun have no replica groups to lose."""
-    if per_step(cfg):
+    if per_step(cfg.scaling):
         raise ConfigError(
             f"scaling.fault_tolerance=per_step runs replica groups on Ray Train, not {how}; fix: `raytrain train` "
             f"on Ray, or --set scaling.fault_tolerance=none"
@@ -142,9 +143,10 @@ def replica_group() -> int:
     return int(os.environ.get(GROUP_ENV, "0"))
 
 
-def group_world_sizes(cfg) -> range:
-    """The process-group sizes a run's workers may see: a per-step run's are its replica groups'."""
-    return range(cfg.scaling.workers_per_group, cfg.scaling.workers_per_group + 1) if per_step(cfg) else cfg.scaling.sizes
+def group_world_sizes(scaling) -> range:
+    """The process-group sizes a run's workers may see (from its `scaling` section): a per-step run's are its
+    replica groups'."""
+    return range(scaling.workers_per_group, scaling.workers_per_group + 1) if per_step(scaling) else scaling.sizes
 
 
 def _lcm(n: int) -> int:

@@ -1,5 +1,6 @@
 """Private names of PyTorch that trainers/ relies on, in one place, each with what it is for. Read from
-torch 2.11 (the GPU machine's) and 2.13 (the pinned CPU build); tests/unit/test_torch_compat.py fails when
+torch 2.11 (the GPU machine's), 2.13 (the pinned CPU build) and 2.14 (the newest the package index serves:
+`make test-compat-torch`); tests/unit/test_torch_compat.py fails when
 one moves or changes shape, and no other module of ours names a private part of torch.
 
 The classes and functions of private torch modules are imported on first use (`from trainers.torch_compat
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # the names `_LAZY` imports on first use
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-TORCH_VERSIONS = ("2.11", "2.13")
+TORCH_VERSIONS = ("2.11", "2.13", "2.14")
 
 __all__ = [
     "HOP_WRAP_LOGGER",

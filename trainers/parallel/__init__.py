@@ -17,7 +17,7 @@ def build_engine(cfg: RunConfig, layout: ParallelLayout | None = None) -> Engine
     layout = layout or ParallelLayout.from_process_group(cfg)  # every layout rule runs here
     device = device_for_rank()
     engine = cfg.parallel.engine
-    if per_step(cfg):  # a worker of a torchft replica group (trainers.fault_tolerance)
+    if per_step(cfg.scaling):  # a worker of a torchft replica group (trainers.fault_tolerance)
         from trainers.parallel.replicas import ReplicaGroupEngine, ReplicaGroupFSDPEngine
 
         group_engine = ReplicaGroupFSDPEngine if engine == "fsdp" else ReplicaGroupEngine
