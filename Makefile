@@ -13,7 +13,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # the GPU targets need no setup: this checkout's venv where there is one, else the machine's python3 with torch
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-compat test-gpu bench bench-cluster bench-gpu bench-stale lint clean
+.PHONY: setup demo finetune-demo test test-slow test-cluster test-under-load test-compat test-compat-torch test-gpu bench bench-cluster bench-gpu bench-stale lint clean
 
 setup: $(STAMP)
 
@@ -106,6 +106,28 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT_PY) -m pytest -q -m "not slow and not cluster" $(COMPAT_UNIT) $(PYTEST_ARGS) || $(NO_TESTS_OK)
 	# the smoke set, whatever its marks (most of it is in the slow tier on the main venv)
 	$(COMPAT_PY) -m pytest -q $(COMPAT_SMOKE) $(PYTEST_ARGS)
+
+# The newest torch the package index serves (pyproject.toml's upper minor; constraints-torch.txt), the same way:
+# a venv over .venv with that torch alone, then the whole unit tier and the Ray smoke set on it. Its CUDA build
+# (5 GB of wheels, local) runs on CPU.
+TORCH_VENV  ?= .venv-torch
+TORCH_PY    := $(TORCH_VENV)/bin/python
+TORCH_STAMP := $(TORCH_VENV)/.installed
+
+$(TORCH_STAMP): pyproject.toml constraints.txt constraints-torch.txt | $(STAMP)
+	rm -rf $(TORCH_VENV) && python3 -m venv $(TORCH_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(TORCH_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_raytrain_main_venv.pth"
+	grep -v '^torch==' constraints.txt | cat - constraints-torch.txt > $(TORCH_VENV)/constraints.txt
+	$(TORCH_PY) -m pip install -q --no-compile -c $(TORCH_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
+	# Ray comes from .venv: its `ray` command too, run by this venv's python (the smoke set's `ray start`)
+	sed '1s|.*|#!$(CURDIR)/$(TORCH_PY)|' $(VENV)/bin/ray > $(TORCH_VENV)/bin/ray && chmod +x $(TORCH_VENV)/bin/ray
+	$(TORCH_PY) -c "import ray, torch; print('test-compat-torch: torch', torch.__version__, 'from', torch.__file__)"
+	touch $(TORCH_STAMP)
+
+test-compat-torch: $(TORCH_STAMP)
+	$(TORCH_PY) -m pytest -q -m "not slow and not cluster" tests/unit tests/test_architecture.py $(XDIST) $(PYTEST_ARGS) || $(NO_TESTS_OK)
+	$(TORCH_PY) -m pytest -q $(COMPAT_SMOKE) $(PYTEST_ARGS)
 
 test-cluster: $(STAMP)
 	# the cluster tier: test hosts from network namespaces on this machine (root; skipped with one line elsewhere)

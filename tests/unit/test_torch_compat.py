@@ -1,6 +1,6 @@
 """trainers.torch_compat holds every private name of torch that trainers/ uses. These tests fail when the
-installed torch moved one or changed its shape (torch 2.11 on the GPU machine, 2.13 here), and when a module
-of ours names a private part of torch outside it."""
+installed torch moved one or changed its shape (torch 2.11 on the GPU machine, 2.13 here, 2.14 in `make
+test-compat-torch`), and when a module of ours names a private part of torch outside it."""
 
 from __future__ import annotations
 
