@@ -41,7 +41,7 @@ from tests.s3_server import s3_server  # noqa: E402
 from trainers.checkpoint import Checkpointer, ModelOptimizerState  # noqa: E402
 from trainers.checkpoint_files import install_checkpoint, link_tree  # noqa: E402
 from trainers.models import build_model  # noqa: E402
-from trainers.models.config import ModelConfig  # noqa: E402
+from trainers.sections.model import ModelConfig  # noqa: E402
 from trainers.storage import location, remove_tree  # noqa: E402
 
 

@@ -36,19 +36,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage", ("trainers.storage",)),
     # the names of a run dir's files, read and written through storage
     ("run_dir", ("trainers.run_dir",)),
-    # each component's section of the run YAML, and what a section needs to validate itself (models.config
-    # fills itself from an init_from folder's config.json: hf.config_json); profiling's section lives with
-    # its profiler
-    (
-        "sections",
-        (
-            "trainers.models.config",
-            "trainers.data.config",
-            "trainers.tracking.config",
-            "trainers.profiling",
-            "trainers.hf.config_json",
-        ),
-    ),
+    # each component's section of the run YAML, and what a section needs to validate itself (the model's
+    # fills itself from an init_from folder's config.json: sections.hf_config), in a package of their own;
+    # profiling's section lives with its profiler
+    ("sections", ("trainers.sections.*", "trainers.profiling")),
     # the run config: one YAML validated into the sections, with the cross-section rules (the parallel
     # layout's rules that need no world size among them)
     ("config", ("trainers.config",)),
@@ -316,8 +307,8 @@ def test_moved_names_stay_importable_where_they_were():
         ("trainers.layout", "check_config"): "trainers.config",  # as check_layout
         ("trainers.layout", "num_stages"): "trainers.config",
         ("trainers.layout", "SPLIT_BACKWARD_SCHEDULES"): "trainers.config",
-        ("trainers.hf.format", "model_section_from_hf"): "trainers.hf.config_json",
-        ("trainers.hf.format", "read_small"): "trainers.hf.config_json",
+        ("trainers.hf.format", "model_section_from_hf"): "trainers.sections.hf_config",
+        ("trainers.hf.format", "read_small"): "trainers.sections.hf_config",
         ("trainers.parallel.native", "apply_fsdp"): "trainers.parallel.parallelize",
         ("trainers.parallel.pipeline", "split_stages"): "trainers.layout",
         ("trainers.parallel.pipeline", "block_costs"): "trainers.layout",

@@ -31,11 +31,11 @@ from pydantic import (
 )
 
 from trainers._base import ConfigError, StrictModel, checked_size
-from trainers.data.config import DataConfig
-from trainers.models.config import ModelConfig, MoEConfig
 from trainers.profiling import ProfileConfig
+from trainers.sections.data import DataConfig
+from trainers.sections.model import ModelConfig, MoEConfig
+from trainers.sections.tracking import TrackingConfig
 from trainers.storage import Location
-from trainers.tracking.config import TrackingConfig
 
 __all__ = [
     "CheckpointConfig",

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from trainers.models.config import ModelConfig
+    from trainers.sections.model import ModelConfig
 
 __all__ = [
     "MULTI_STAGE_SCHEDULES",

@@ -50,7 +50,6 @@ from typing import Any, Literal
 from trainers._base import ConfigError, format_bytes, parse_bytes  # sizes live in _base; importable here too
 from trainers.config import RunConfig, apply_overrides, parse_config
 from trainers.layout import ParallelLayout, block_costs, split_stages
-from trainers.models.config import ModelConfig
 from trainers.models.flops import (
     block_params,
     block_shapes,
@@ -63,6 +62,7 @@ from trainers.models.flops import (
     param_count,
     param_shapes,
 )
+from trainers.sections.model import ModelConfig
 
 __all__ = [
     "GPUS_PER_NODE",

@@ -20,7 +20,6 @@ from raytrain_ext.cli import main
 from trainers.config import ConfigError, parse_config
 from trainers.layout import ParallelLayout
 from trainers.models import param_count
-from trainers.models.config import ModelConfig, MoEConfig
 from trainers.models.llama import TransformerBlock, rope_cos_sin
 from trainers.plan import (
     Widths,
@@ -31,6 +30,7 @@ from trainers.plan import (
     plan_run,
     widths,
 )
+from trainers.sections.model import ModelConfig, MoEConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32, AUTOCAST_BF16, BF16 = Widths(4, 4, 4, False), Widths(2, 4, 4, True), Widths(2, 2, 2, False)

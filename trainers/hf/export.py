@@ -38,9 +38,9 @@ from trainers.checkpoint_files import (
 )
 from trainers.hf.format import CONFIG_FILE, expert_index, hf_config, hf_names, inexact
 from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, clean_fqn
-from trainers.models.config import ModelConfig
 from trainers.preflight import require_deepspeed
 from trainers.run_dir import CONFIG, RunDir
+from trainers.sections.model import ModelConfig
 from trainers.storage import write_json_atomic
 
 __all__ = ["DTYPES", "ExportResult", "export", "parse_size", "resolve_checkpoint"]

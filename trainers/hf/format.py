@@ -2,7 +2,7 @@
 tensor names <-> our parameter names (the same names under `model.`, but Mixtral's experts are one tensor
 per expert where ours are stacked: `experts.w1` (E, hidden, dim) is `experts.{e}.w1.weight`).
 
-Reading config.json into the `model` section is `trainers.hf.config_json`'s (below the model config, which
+Reading config.json into the `model` section is `trainers.sections.hf_config`'s (below the model config, which
 calls it); its names are importable from here too. This module writes config.json from a `ModelConfig`
 (`hf_config`, `inexact`) and maps the tensor names.
 
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainers.hf.config_json import (
+from trainers.sections.hf_config import (
     CONFIG_FILE,
     model_section_from_hf,
     read_hf_config,
     read_small,
     unsupported,
 )
-from trainers.models.config import ModelConfig
+from trainers.sections.model import ModelConfig
 
 __all__ = [
     "CONFIG_FILE",

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainers._base import ConfigError
 from trainers.hf.format import expert_index, hf_names, read_small
-from trainers.models.config import ModelConfig
+from trainers.sections.model import ModelConfig
 from trainers.storage import fs_and_path, local_path, location, one_line_errors
 
 __all__ = [

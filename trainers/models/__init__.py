@@ -1,7 +1,7 @@
 """The Llama-form decoder (Mixtral-form MoE when `ModelConfig.moe` is set), and its counts.
 
 Single-device code: parallelism is applied from outside (see `trainers.parallel`). The names below load on
-first use, so that a config (`trainers.models.config`) or a count (`trainers.models.flops`) reads without torch.
+first use, so that a config (`trainers.sections.model`) or a count (`trainers.models.flops`) reads without torch.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 from trainers._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from trainers.models.config import ModelConfig, MoEConfig
     from trainers.models.flops import active_param_count, flops_per_token, param_count
     from trainers.models.llama import Transformer, build_model
     from trainers.models.moe import MoE, moe_layers, moe_stats, set_aux_grad_scale
+    from trainers.sections.model import ModelConfig, MoEConfig
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "ModelConfig": "trainers.models.config",
-    "MoEConfig": "trainers.models.config",
+    "ModelConfig": "trainers.sections.model",
+    "MoEConfig": "trainers.sections.model",
     "active_param_count": "trainers.models.flops",
     "flops_per_token": "trainers.models.flops",
     "param_count": "trainers.models.flops",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainers.models.config import ModelConfig
+from trainers.sections.model import ModelConfig
 
 __all__ = [
     "ParamShape",

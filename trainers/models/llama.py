@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainers.loss import chunked_lm_loss, lm_loss, lm_loss_compiled
-from trainers.models.config import ModelConfig
 from trainers.models.moe import MoE
+from trainers.sections.model import ModelConfig
 
 __all__ = ["Attention", "FeedForward", "Transformer", "TransformerBlock", "build_model", "apply_rotary_emb", "rope_cos_sin"]
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainers.models.config import ModelConfig
+from trainers.sections.model import ModelConfig
 from trainers.torch_compat import current_graph_task_id, grouped_mm
 
 __all__ = [

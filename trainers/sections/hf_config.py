@@ -1,7 +1,7 @@
 """config.json of a Hugging Face Llama/Mixtral folder, read into our `model` section: the keys it fixes, the
 models ours cannot compute, the mismatches with the YAML (one line each), and the reader of a folder's
 small files (local or in a bucket). `ModelConfig` fills itself from here when `init_from` is set, so this
-module sits below `trainers.models.config` and imports none of the model; writing config.json from a
+module sits below `trainers.sections.model` and imports none of the model; writing config.json from a
 `ModelConfig` and the tensor names are `trainers.hf.format`'s.
 """
 

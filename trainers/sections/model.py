@@ -1,5 +1,5 @@
 """Model hyperparameters: the Llama form, and its Mixtral (MoE) form when `moe` is set. With `init_from`
-the keys config.json fixes are read from the folder (`trainers.hf.config_json`, below this module)."""
+the keys config.json fixes are read from the folder (`trainers.sections.hf_config`, below this module)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class ModelConfig(StrictModel):
     @classmethod
     def _from_hf(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("init_from") is not None:
-            from trainers.hf.config_json import model_section_from_hf  # reads config.json
+            from trainers.sections.hf_config import model_section_from_hf  # reads config.json
 
             return model_section_from_hf(data)
         return data

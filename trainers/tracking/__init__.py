@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from trainers._base import flat_keys
 from trainers.run_dir import RunDir
-from trainers.tracking.config import MlflowConfig, TrackingConfig, WandbConfig
+from trainers.sections.tracking import MlflowConfig, TrackingConfig, WandbConfig
 from trainers.tracking.sink import Tracker, TrackingSink
 
 if TYPE_CHECKING:

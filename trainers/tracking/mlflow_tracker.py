@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.run_dir import RunDir
-from trainers.tracking.config import MlflowConfig
+from trainers.sections.tracking import MlflowConfig
 from trainers.tracking.sink import Tracker, metric_values
 
 __all__ = ["MlflowTracker", "local_store"]

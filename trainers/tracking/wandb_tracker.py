@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainers.tracking.config import WandbConfig
+from trainers.sections.tracking import WandbConfig
 from trainers.tracking.sink import Tracker, metric_values
 
 __all__ = ["WandbTracker"]
