@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any
 
 import ray
@@ -25,7 +26,7 @@ from ray import tune
 from raytrain_ext.hosts import on_this_node
 from search.population import experiment_actor_name
 
-__all__ = ["SlotRelease", "Slots", "slots_name"]
+__all__ = ["SlotHold", "SlotRelease", "Slots", "slots_name"]
 
 
 class Slots:
@@ -83,6 +84,38 @@ def start_slots(name: str, capacity: int) -> Any:
 
 def slots_name(exp_dir: Any) -> str:
     return experiment_actor_name("slots", exp_dir)
+
+
+class SlotHold:
+    """A trial's side of the slots (None: the cluster holds the whole population, no member ever waits)."""
+
+    def __init__(self, slots: Any, trial: str) -> None:
+        self.slots, self.trial = slots, trial
+        self.held = False
+        self.running = 0  # members holding a slot when this one got its own
+
+    def take(self, steps: int) -> float | None:
+        """Before a Train run starts: waits for a slot (the members with fewer steps first); the seconds it
+        waited, or None where it holds one already or there are no slots."""
+        if self.slots is None or self.held:
+            return None
+        began = time.perf_counter()
+        self.running = ray.get(self.slots.acquire.remote(self.trial, steps))
+        self.held = True
+        return time.perf_counter() - began
+
+    def wanted(self, done: bool) -> bool:
+        """At a report: whether to give the slot to a waiting member (Ray's PBT pauses a member when another
+        is pending). A finished trial's slot goes back as Tune ends it."""
+        return self.slots is not None and self.held and not done and ray.get(self.slots.waiting.remote()) > 0
+
+    def give_back(self) -> None:
+        if self.slots is not None and self.held:
+            self.held = False
+            try:
+                ray.get(self.slots.release.remote(self.trial))
+            except ray.exceptions.RayActorError:  # the driver is gone
+                pass
 
 
 class SlotRelease(tune.Callback):

@@ -11,7 +11,7 @@ import pytest
 
 from raytrain_ext.worker import LatestMetrics
 from search.config import load_experiment
-from search.trial import _metric_of, _reported
+from search.runs import metric_of, reported
 from trainers._base import ConfigError
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback
@@ -32,7 +32,7 @@ def _demo(tmp_path, corpus_dir, *overrides: str):
 def test_a_metric_names_a_value_of_the_runs_reports(tmp_path, corpus_dir, metric, key):
     exp = _demo(tmp_path, corpus_dir, f"metric={metric}")
     assert exp.metric_key == key
-    assert _metric_of(exp, {"step": 40, "val_loss": 3.5, "loss": 3.25, "grad_norm": 0.5}) == {
+    assert metric_of(exp, {"step": 40, "val_loss": 3.5, "loss": 3.25, "grad_norm": 0.5}) == {
         "val_loss": 3.5, "loss": 3.25, "grad_norm": 0.5}[key]
 
 
@@ -51,10 +51,10 @@ def test_a_metric_no_run_could_report_is_refused_in_one_line(tmp_path, corpus_di
 
 def test_a_report_without_the_metric_fails_the_interval_with_the_reason(tmp_path, corpus_dir):
     exp = _demo(tmp_path, corpus_dir, "metric=eval/accuracy", "mode=max", "callbacks=[mypkg:Eval]")
-    out = _reported(exp, 40, {"step": 40, "val_loss": 3.5, "loss": 3.2}, tmp_path, 1.0, {})
+    out = reported(exp, 40, {"step": 40, "val_loss": 3.5, "loss": 3.2}, tmp_path, 1.0, {})
     assert out.metric == -math.inf and out.step_dir is None
     assert out.error.startswith("ConfigError: metric eval/accuracy: the run's report at step 40 has no 'accuracy'")
-    ok = _reported(exp, 40, {"step": 40, "val_loss": 3.5, "accuracy": 0.25}, tmp_path, 1.0, {})
+    ok = reported(exp, 40, {"step": 40, "val_loss": 3.5, "accuracy": 0.25}, tmp_path, 1.0, {})
     assert ok.metric == 0.25 and ok.error is None and ok.step_dir == tmp_path
 
 

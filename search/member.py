@@ -1,0 +1,67 @@
+"""A trial's side of the population's actor (`search.population.PopulationActor`; PBT and PB2, none for the
+other schedulers): its report, answered with the decision when the rule makes it at once, the wait for the
+decision otherwise, and the lineage row of an exploit the trial takes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from search.lineage import LineageLog
+
+__all__ = ["Member", "log_exploit"]
+
+
+class Member:
+    def __init__(self, population: Any, trial: str, index: int, sync_timeout_s: float) -> None:
+        self.population, self.trial, self.index = population, trial, index
+        self.sync_timeout_s = sync_timeout_s
+        self.answered: tuple[int, Any] | None = None  # (step, decision) when the report was answered with it
+
+    def report(self, step: int, metric: float, hparams: dict[str, Any], pin: str | None, failed: bool) -> None:
+        """After the trial's lineage row (a restarted population replays the logs)."""
+        if self.population is None:
+            return
+        answer = ray.get(self.population.report.remote(self.trial, self.index, step, metric, hparams, pin, failed))
+        self.answered = None if answer is None else (step, answer)
+
+    def decision(self, step: int, meanwhile: Callable[[], None]) -> Any:
+        """The population's decision on this trial's report of `step` ("go" or an exploit). A synchronous PBT
+        decides once the population is there (or its `sync_timeout_s` has passed); `meanwhile` runs at each
+        wait (the trial gives its slot up there when another member queued for one: that member may be the
+        one the round waits for)."""
+        if self.population is None:
+            return "go"
+        if self.answered is not None and self.answered[0] == step:  # the report's own answer
+            return self.answered[1]
+        limit = time.monotonic() + self.sync_timeout_s + 60.0
+        while time.monotonic() < limit:
+            decision = ray.get(self.population.decision.remote(self.trial, step, 5.0))
+            if decision is not None:
+                return decision
+            meanwhile()
+        return "go"  # never decided (the population is gone): train on
+
+
+def log_exploit(log: LineageLog, decision: dict[str, Any], values: dict[str, Any], pin: Path) -> None:
+    """The exploit's row, before the trial loads it (the one record: a restart after it continues from
+    `pin`)."""
+    last = log.last_report()
+    log.exploit(
+        step=decision["step"],
+        donor=decision["donor"],
+        donor_time=decision["donor_time"],
+        old_hparams=last["hparams"] if last else None,
+        new_hparams=values,
+        donor_hparams=decision["donor_hparams"],
+        score=last["metric"] if last else None,
+        donor_score=decision["donor_metric"],
+        exploit_id=decision["exploit_id"],
+        pin=str(pin),
+        from_step=last["step"] if last else None,
+        perturbed=decision.get("perturbed"),
+    )
