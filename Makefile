@@ -93,12 +93,18 @@ COMPAT_SMOKE ?= \
 # Built over .venv: .venv's site-packages is on this venv's path after its own (a .pth), so pip installs here only
 # what the pins make differ (Ray and what it alone needs) and leaves .venv's alone ("outside environment"): a
 # minute instead of a second torch, DeepSpeed and transformers.
-$(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt | $(STAMP)
-	rm -rf $(COMPAT_VENV) && python3 -m venv $(COMPAT_VENV)
+# $(call venv_over_main,VENV,PACKAGE,PINS): VENV with .venv's site-packages on its path after its own (a .pth),
+# constraints.txt's pins but PACKAGE's, which the file PINS gives; pip installs there only what those make differ.
+define venv_over_main
+	rm -rf $(1) && python3 -m venv $(1)
 	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
-		> "$$($(COMPAT_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_raytrain_main_venv.pth"
-	grep -v '^ray==' constraints.txt | cat - constraints-compat.txt > $(COMPAT_VENV)/constraints.txt
-	$(COMPAT_PY) -m pip install -q --no-compile -c $(COMPAT_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
+		> "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_raytrain_main_venv.pth"
+	grep -v '^$(2)==' constraints.txt | cat - $(3) > $(1)/constraints.txt
+	$(1)/bin/python -m pip install -q --no-compile -c $(1)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
+endef
+
+$(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt | $(STAMP)
+	$(call venv_over_main,$(COMPAT_VENV),ray,constraints-compat.txt)
 	$(COMPAT_PY) -c "import ray, torch; print('test-compat: ray', ray.__version__, 'from', ray.__file__)"
 	touch $(COMPAT_STAMP)
 
@@ -115,11 +121,7 @@ TORCH_PY    := $(TORCH_VENV)/bin/python
 TORCH_STAMP := $(TORCH_VENV)/.installed
 
 $(TORCH_STAMP): pyproject.toml constraints.txt constraints-torch.txt | $(STAMP)
-	rm -rf $(TORCH_VENV) && python3 -m venv $(TORCH_VENV)
-	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
-		> "$$($(TORCH_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_raytrain_main_venv.pth"
-	grep -v '^torch==' constraints.txt | cat - constraints-torch.txt > $(TORCH_VENV)/constraints.txt
-	$(TORCH_PY) -m pip install -q --no-compile -c $(TORCH_VENV)/constraints.txt -e '.[test,tracking,hf,s3,deepspeed,ft]'
+	$(call venv_over_main,$(TORCH_VENV),torch,constraints-torch.txt)
 	# Ray comes from .venv: its `ray` command too, run by this venv's python (the smoke set's `ray start`)
 	sed '1s|.*|#!$(CURDIR)/$(TORCH_PY)|' $(VENV)/bin/ray > $(TORCH_VENV)/bin/ray && chmod +x $(TORCH_VENV)/bin/ray
 	$(TORCH_PY) -c "import ray, torch; print('test-compat-torch: torch', torch.__version__, 'from', torch.__file__)"

@@ -178,6 +178,24 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     assert {r["step"]: r["loss"] for r in rows} == pytest.approx(want, rel=1e-5)
 
 
+def _two_groups_paced(tier, steps: int):
+    """A per-step run of two groups (h2, h3), paced until its `unpaced` file exists, 10 steps in on both:
+    (run dir, driver, unpaced)."""
+    name = f"ft-{tier.runs}"
+    tier.runs += 1
+    run_dir = tier.workdir() / name
+    raw = run_raw(str(run_dir), data=str(tier.corpus), parallel={"engine": "ddp"},
+                  scaling={"fault_tolerance": "per_step", "num_workers": 2, "cpus_per_worker": 1},
+                  train={"steps": steps, "eval_every": 0, "global_batch_size": BATCH, "micro_batch_size": 4},
+                  checkpoint={"every": 100, "keep": 2})
+    unpaced = run_dir / "unpaced"
+    driver = start_train(tier, write_yaml(tier.workdir(), name, raw), "--callback", "tests.ray.hooks:ReplicaLog",
+                         "--callback", f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(unpaced)!r})")
+    driver.wait_rows(run_dir, lambda rows: any(r["replicas"] == 2 and r["step"] > 10 for r in rows),
+                     "10 steps on two groups", WAIT_S)
+    return run_dir, driver, unpaced
+
+
 AWAY_S = 50  # the issue's "longer than Ray takes to declare it dead" (~10 s here): a crashed machine stays down
 
 
@@ -186,19 +204,8 @@ def test_a_host_away_past_its_death_gets_its_group_back_and_nobody_restarts(tier
     yet declared dead, then with no room anywhere), and that never turns into a restart of the worker group; the
     group on h2 trains on in one process from the fault to the end, and the run is at two groups again within
     20 s of h3's return."""
-    name = f"ft-{tier.runs}"
-    tier.runs += 1
-    run_dir = tier.workdir() / name
-    raw = run_raw(str(run_dir), data=str(tier.corpus), parallel={"engine": "ddp"},
-                  scaling={"fault_tolerance": "per_step", "num_workers": 2, "cpus_per_worker": 1},
-                  train={"steps": STEPS, "eval_every": 0, "global_batch_size": BATCH, "micro_batch_size": 4},
-                  checkpoint={"every": 100, "keep": 2})
-    unpaced = run_dir / "unpaced"
-    driver = start_train(tier, write_yaml(tier.workdir(), name, raw), "--callback", "tests.ray.hooks:ReplicaLog",
-                         "--callback", f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(unpaced)!r})")
+    run_dir, driver, unpaced = _two_groups_paced(tier, STEPS)
     h3 = tier.hosts["h3"]
-    driver.wait_rows(run_dir, lambda rows: any(r["replicas"] == 2 and r["step"] > 10 for r in rows),
-                     "10 steps on two groups", WAIT_S)
     t_kill = time.time()
     h3.kill()
     driver.wait_line("raytrain: lost host h3", timeout=WAIT_S)
@@ -234,19 +241,8 @@ def test_a_run_whose_lost_host_stays_away_ends_when_the_others_finish(tier):
     """h3 killed and not booted before the end: its group's replacement finds no room (Ray places a lost group's
     workers on its old bundles, which wait for a node); the group on h2 trains to the end alone and the run ends
     then, with no group started later that resumes it from a checkpoint."""
-    name = f"ft-{tier.runs}"
-    tier.runs += 1
-    run_dir = tier.workdir() / name
-    raw = run_raw(str(run_dir), data=str(tier.corpus), parallel={"engine": "ddp"},
-                  scaling={"fault_tolerance": "per_step", "num_workers": 2, "cpus_per_worker": 1},
-                  train={"steps": 300, "eval_every": 0, "global_batch_size": BATCH, "micro_batch_size": 4},
-                  checkpoint={"every": 100, "keep": 2})
-    unpaced = run_dir / "unpaced"
-    driver = start_train(tier, write_yaml(tier.workdir(), name, raw), "--callback", "tests.ray.hooks:ReplicaLog",
-                         "--callback", f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(unpaced)!r})")
+    run_dir, driver, unpaced = _two_groups_paced(tier, 300)
     h3 = tier.hosts["h3"]
-    driver.wait_rows(run_dir, lambda rows: any(r["replicas"] == 2 and r["step"] > 10 for r in rows),
-                     "10 steps on two groups", WAIT_S)
     h3.kill()
     try:
         driver.wait_line("raytrain: lost host h3", timeout=WAIT_S)
