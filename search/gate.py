@@ -8,7 +8,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["RunGate"]
+__all__ = ["RunGate", "waits_at"]
+
+
+def waits_at(wait_from: int | None, step: int) -> bool:
+    """Whether a live run's workers wait at the gate after the checkpoint of `step` for the trial's answer:
+    from `wait_from` on (PBT's first decision, `search.runs.wait_from`); never with None."""
+    return wait_from is not None and step >= wait_from
 
 
 class RunGate:

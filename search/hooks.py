@@ -12,6 +12,7 @@ from typing import Any
 import ray
 
 from raytrain_ext.worker import LatestMetrics
+from search.gate import waits_at
 from trainers.checkpoint_files import checkpoint_step
 from trainers.trainer import FitResult, Trainer, TrainerCallback
 
@@ -69,7 +70,7 @@ class GateLoop(LatestMetrics):
         return self.start
 
     def _waits(self, step: int) -> bool:
-        return self.wait_from is not None and step >= self.wait_from
+        return waits_at(self.wait_from, step)
 
     def _next_decision(self, trainer: Trainer) -> int | None:
         """The next report step the trial decides at, before the end; None: none is left."""

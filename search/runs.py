@@ -17,7 +17,7 @@ import ray
 
 from raytrain_ext.hosts import on_this_node
 from search.config import ExperimentConfig
-from search.gate import RunGate
+from search.gate import RunGate, waits_at
 from search.tracking import trial_tracking
 from trainers._base import ConfigError
 from trainers.checkpoint_files import STEP_DIR
@@ -86,7 +86,7 @@ class LiveRun:
         self.thread.start()
 
     def waits_at(self, step: int) -> bool:
-        return self.wait_from is not None and step >= self.wait_from
+        return waits_at(self.wait_from, step)
 
     def go(self, step: int) -> None:
         ray.get(self.gate.answer.remote(step, "go"))

@@ -42,6 +42,7 @@ import ray
 from ray import tune
 
 from search.config import ExperimentConfig
+from search.gate import waits_at
 from search.lineage import LineageLog
 from search.member import Member, log_exploit
 from search.pins import Pins, read_meta
@@ -188,8 +189,7 @@ class TrialRun(tune.Trainable):
     def _decides_at(self, step: int) -> bool:
         """Whether the scheduler may change this trial at its report of `step` (PBT/PB2 past burn-in), so
         that its next interval waits for the decision."""
-        first = wait_from(self.exp)
-        return self.exp.trial_runs == "live" and first is not None and step >= first
+        return self.exp.trial_runs == "live" and waits_at(wait_from(self.exp), step)
 
     def _follow_decision(self, step: int) -> None:
         """Before the next interval: the population's decision on the report of `step` ("go", or an
