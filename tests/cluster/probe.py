@@ -46,3 +46,16 @@ def wait_key(uri: str, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{uri} did not appear within {timeout:.0f}s")
         time.sleep(0.3)
+
+
+def node_started(address: str, ip: str) -> None:
+    """Print when the live Ray node at `ip` started (its `start_time_ms` in Ray's node table, as seconds)."""
+    import ray
+    from ray.util.state import list_nodes
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        started = [n.start_time_ms for n in list_nodes(detail=True) if n.node_ip == ip and n.state == "ALIVE"]
+        print(max(started) / 1000)
+    finally:
+        ray.shutdown()
