@@ -322,7 +322,7 @@ def test_moved_names_stay_importable_where_they_were():
 
 # The libraries whose private names (a leading underscore, not a dunder) may be read only in their
 # compatibility module: a Ray minor release or a torch one renames them without notice.
-FOREIGN = ("ray", "torch", "deepspeed")
+FOREIGN = ("ray", "torch", "torchft", "deepspeed")
 COMPAT_MODULES = ("raytrain_ext.ray_compat", "trainers.torch_compat", "trainers.deepspeed_compat")
 
 # Names with a leading underscore that their library documents as public.
@@ -338,11 +338,11 @@ PENDING: set[tuple[str, str]] = set()
 
 _FIX = (
     "fix: read it in the compatibility module (raytrain_ext/ray_compat.py for Ray, trainers/torch_compat.py for "
-    "torch, trainers/deepspeed_compat.py for DeepSpeed) as a small named function or constant, with a comment "
+    "torch and torchft, trainers/deepspeed_compat.py for DeepSpeed) as a small named function or constant, with a comment "
     "naming the library's file it reads and the version read, and a test in tests/unit/test_*_compat.py that "
     "pins it; the caller uses that name"
 )
-_DOTTED = re.compile(r"(?:ray|torch|deepspeed)(?:\.[A-Za-z_]\w*)+")
+_DOTTED = re.compile(r"(?:ray|torch|torchft|deepspeed)(?:\.[A-Za-z_]\w*)+")
 
 
 @dataclass(frozen=True)

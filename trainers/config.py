@@ -307,9 +307,10 @@ class ScalingConfig(StrictModel):
     # per_step: the workers of each replica group, which hold the model's FSDP shards (parallel.engine=fsdp);
     # 1: each worker a group
     workers_per_group: PositiveInt = 1
-    # per_step: how long a step's gradient all-reduce waits for the other groups before it gives up on a silent
-    # one (a host cut off keeps its sockets open) and the step is trained again without it; keep it above the
-    # longest normal wait (the slowest group's lag in a step, the all-reduce itself)
+    # per_step: how long a step's gradient all-reduce waits for a slow group before it gives up and the step is
+    # trained again without it; keep it above the longest normal wait (the slowest group's lag in a step, the
+    # all-reduce itself). A group the lighthouse stops hearing from (a host cut off) is given up on once it says
+    # so (1.5 s), on CPU; on CUDA at this timeout
     allreduce_timeout_s: PositiveFloat = 10.0
 
     @model_validator(mode="after")

@@ -25,8 +25,11 @@ means for a run:
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import os
+import re
+import urllib.request
 
 from trainers._base import ConfigError
 
@@ -35,11 +38,13 @@ __all__ = [
     "GROUP_ENV",
     "HOST_ENV",
     "LIGHTHOUSE",
+    "LIGHTHOUSE_ENV",
     "SUPPORTED_ENGINES",
     "check_fault_tolerance",
     "group_world_sizes",
     "per_step",
     "refuse_without_ray",
+    "silent_groups",
 ]
 
 FT_EXTRA = "pip install 'raytrain-ext[ft]'"
@@ -53,6 +58,7 @@ HOST_ENV = "RAYTRAIN_NODE_ADDRESS"  # the address its peers reach it at (Ray's n
 # A live group held in a failed step's collective by another live group holds every quorum (more than half the
 # heartbeating groups must join): `ReplicaGroupEngine.forward_backward` closes a failed group's side at once.
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1500, "quorum_tick_ms": 50}
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's: the lighthouse's address (Ray sets it in every worker)
 TIMEOUT_S = 30.0  # torchft's quorums, commit votes and state transfers (a step's all-reduce: scaling.allreduce_timeout_s)
 
 
@@ -156,3 +162,29 @@ def _lcm(n: int) -> int:
     for k in range(2, n + 1):
         out = out * k // math.gcd(out, k)
     return out
+
+
+# torchft 0.2.0's lighthouse serves a status page beside its gRPC (src/templates/status.html): the previous
+# quorum's members, each as `<b>REPLICA_ID</b>`, then under `<h2>Heartbeats</h2>` each replica's last heartbeat
+# as "REPLICA_ID: seen 1.846684447s ago" (a Rust Duration: s, ms, µs or ns). It has no other way to be asked.
+_MEMBER = re.compile(r"<b>([^<]+)</b>")
+_SEEN = re.compile(r"^\s*(\S+): seen ([\d.]+)(ns|µs|ms|s) ago", re.MULTILINE)
+_SECONDS = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lighthouse is in the cluster
+
+
+def silent_groups(address: str, timeout_s: float = 0.5) -> list[str] | None:
+    """The members of the lighthouse's quorum (replica ids) it has not heard from for longer than its
+    `heartbeat_timeout_ms`: out of the next quorum. None when the lighthouse does not answer (this host may be the
+    one cut off, or it has no address)."""
+    if not address:
+        return None
+    try:
+        with _DIRECT.open(address.rstrip("/") + "/status", timeout=timeout_s) as answer:
+            page = answer.read().decode()
+    except (OSError, http.client.HTTPException):
+        return None
+    quorum, _, beats = page.partition("<h2>Heartbeats</h2>")
+    seen = {replica: float(n) * _SECONDS[unit] for replica, n, unit in _SEEN.findall(beats)}
+    limit = LIGHTHOUSE["heartbeat_timeout_ms"] / 1000
+    return [m for m in _MEMBER.findall(quorum) if seen.get(m, 0.0) > limit]

@@ -38,6 +38,7 @@ __all__ = [
     "flatten_mesh",
     "grouped_mm",
     "record_memory_history",
+    "set_aside",
     "skip_side_effects_in_checkpoint_backward",
     "stop_memory_history",
     "tree_leaves",
@@ -95,6 +96,17 @@ def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
     """parallel/native.py, layout.py: a device mesh's dimensions as one (its process group spans them all),
     named `name` in the root mesh when given (torch/distributed/device_mesh.py `DeviceMesh._flatten`)."""
     return mesh._flatten(name)
+
+
+# torchft/process_group.py (torchft 0.2.0): `ProcessGroupWrapper.configure`, at each new quorum, aborts and drops
+# the process group the wrapper holds (`self._pg`) before it makes the quorum's. Gloo's abort and its destructor
+# wait for a collective still in flight (a peer silent, not gone) up to the group's timeout: 9.0 s of 10 measured.
+# Taken out of the wrapper first, it is neither aborted nor destroyed; the next configure starts a new one at once.
+def set_aside(pg: Any) -> Any:
+    """parallel/replicas.py: the process group a torchft wrapper holds, taken out of it (the next `configure`
+    makes a new one without waiting for this one's collectives); the caller keeps it until they end."""
+    inner, pg._pg = pg._pg, None
+    return inner
 
 
 def record_memory_history(max_entries: int) -> None:

@@ -357,13 +357,34 @@ class ReplicaLog(TrainerCallback):
 class Pace(TrainerCallback):
     """Each step lasts at least `seconds` (a sleep after it) until the file `until` exists: a run that lasts
     through what a test does to it meanwhile however fast the machine steps, and that then finishes at full
-    speed. Not a synchronisation: the test waits on the run's own records, never on this pace."""
+    speed. Not a synchronisation: the test waits on the run's own records, never on this pace.
 
-    def __init__(self, seconds: float, until: str) -> None:
-        self.seconds, self.until = seconds, Path(until)
+    `inside`: the sleep is in the step instead, after its quorum (a replica group's `begin_step`), where the
+    groups of the quorum are bound to average their gradients; each sleep's start writes the step to
+    replicas/in_step.<host>, which a test can wait on to act while the step is in flight."""
+
+    def __init__(self, seconds: float, until: str, inside: bool = False) -> None:
+        self.seconds, self.until, self.inside = seconds, Path(until), inside
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if not self.inside:
+            return
+        marker = trainer.run_dir / "replicas" / f"in_step.{socket.gethostname()}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        begin = trainer.engine.begin_step
+
+        def begin_step() -> None:
+            begin()
+            if not self.until.exists():
+                written = marker.with_name(marker.name + ".tmp")
+                written.write_text(str(trainer.step + 1))
+                written.replace(marker)
+                time.sleep(self.seconds)
+
+        trainer.engine.begin_step = begin_step
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        if not self.until.exists():
+        if not self.inside and not self.until.exists():
             time.sleep(self.seconds)
 
 

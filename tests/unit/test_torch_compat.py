@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import inspect
 import re
+import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed import AllreduceOptions, TCPStore
 
 from trainers import torch_compat
 
@@ -86,3 +91,46 @@ def test_the_mesh_flatten_takes_a_name_and_grouped_mm_is_there():
 
     assert list(inspect.signature(DeviceMesh._flatten).parameters)[:2] == ["self", "mesh_dim_name"]
     assert torch_compat.grouped_mm is torch._grouped_mm
+
+
+def _silent_peer_rank(rank: int, port: int, out: Any) -> None:
+    """One of two ranks of torchft's gloo groups A and B (a 2 s timeout); rank 1 falls silent after a first
+    all-reduce in each (alive, its sockets open). Rank 0 starts one more all-reduce in each and, 0.3 s later,
+    configures the group alone: A set aside first, B as it is."""
+    from torchft.process_group import ProcessGroupGloo
+
+    groups = {name: ProcessGroupGloo(timeout=timedelta(seconds=2)) for name in "AB"}
+    for name, pg in groups.items():
+        pg.configure(f"localhost:{port}/{name}2", f"r{rank}", rank, 2)
+        pg.allreduce([torch.ones(8)], AllreduceOptions()).wait()
+    if rank == 1:
+        time.sleep(8)
+        return
+    for name, pg in groups.items():
+        future = pg.allreduce([torch.ones(8)], AllreduceOptions()).get_future()
+        time.sleep(0.3)
+        aside = torch_compat.set_aside(pg) if name == "A" else None
+        began = time.perf_counter()
+        pg.configure(f"localhost:{port}/{name}1", "r0", 0, 1)
+        out.put((name, time.perf_counter() - began, future.done()))
+        del aside
+
+
+def test_a_torchft_group_set_aside_reconfigures_without_waiting_for_a_silent_peer():
+    """parallel/replicas.py's premise (torchft 0.2.0): reconfiguring a gloo group whose all-reduce waits on a
+    silent peer waits for that all-reduce's timeout, unless the process group was set aside first."""
+    pytest.importorskip("torchft")
+    ctx = torch.multiprocessing.get_context("spawn")
+    store = TCPStore("localhost", 0, 2, True, wait_for_workers=False)
+    out = ctx.Queue()
+    ranks = [ctx.Process(target=_silent_peer_rank, args=(r, store.port, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        took = {name: (seconds, done) for name, seconds, done in (out.get(timeout=60) for _ in "AB")}
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join()
+    assert took["A"][0] < 0.5 and not took["A"][1], took  # at once, the all-reduce still in flight
+    assert took["B"][0] > 1.0, took  # the premise: configure waits for the silent peer's all-reduce

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -24,10 +25,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp
 from torch.distributed.tensor import DTensor
 
-from trainers.fault_tolerance import HOST_ENV, TIMEOUT_S, replica_group
+from trainers.fault_tolerance import HOST_ENV, LIGHTHOUSE_ENV, TIMEOUT_S, replica_group, silent_groups
 from trainers.layout import ParallelLayout
 from trainers.parallel.engine import Batch, Engine
 from trainers.parallel.native import FSDPEngine
@@ -36,6 +37,9 @@ __all__ = ["ReplicaGroupEngine", "ReplicaGroupFSDPEngine", "ReplicaGroups"]
 
 # Steps in a row that do not commit before the run fails (a quorum that cannot hold together).
 MAX_UNCOMMITTED = 20
+# A step's all-reduce not done after this long asks the lighthouse, and again as often, whether a group of its
+# quorum stopped heartbeating (a host cut off: no socket closes); an all-reduce on CPU takes milliseconds here.
+SILENCE_CHECK_S = 0.25
 StateFns = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
 
 
@@ -58,6 +62,7 @@ class ReplicaGroups:
         self._quorum_ahead = False
         self.healed_from: dict[str, Any] | None = None  # the last heal: from which group, at which step, how long
         self._heal: dict[str, Any] | None = None  # a heal in a step's quorum, not yet taken (`take_heal`)
+        self._aside: list[tuple[Any, Any]] = []  # (process group, its collective): set aside on a silent peer
 
     @property
     def world_size(self) -> int:  # the live workers of this step
@@ -95,9 +100,8 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         warnings.filterwarnings("ignore", module=r"torchft\.")  # its transport's, on torch's newer APIs
         timeout = timedelta(seconds=TIMEOUT_S)
-        # The groups' process group, whose default timeout ends a step's all-reduce that waits on a peer fallen
-        # silent (a host cut off: no socket closes) after `allreduce_timeout_s`; the next quorum leaves it out
-        # (it stopped heartbeating). Measured on the test hosts: the others' gap ~0.1 s over the timeout.
+        # The groups' process group, whose default timeout ends a step's all-reduce that waits on a slow peer
+        # after `allreduce_timeout_s` (one fallen silent, a host cut off, sooner on CPU: `_sum_over_groups`).
         pg_timeout = timedelta(seconds=self.allreduce_timeout_s)
         if self.device.type == "cuda":
             from torchft import ProcessGroupNCCL
@@ -184,10 +188,11 @@ class ReplicaGroups:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
-        # The sum over the quorum, then the mean. On a peer's error torchft returns at once and the step's
-        # commit vote fails: the buffer is then never used (a silent peer: after `allreduce_timeout_s`).
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:
+        # The sum over the quorum, then the mean. On a peer's error, or its silence, the step's commit vote
+        # fails: the buffer is then never used.
+        if not self._sum_over_groups(flat):
+            flat = torch.zeros_like(flat)  # (the collective set aside still holds that one)
+        elif self.manager.errored() is not None:
             # A peer was lost inside the collective: close this group's side now, not at the next quorum's
             # reconfigure. In a ring a live peer can be waiting on this group's connection rather than the lost
             # one's; it holds until that connection closes, and the lighthouse forms no quorum without it
@@ -209,6 +214,38 @@ class ReplicaGroups:
                 offset += n
         self._loss = flat[-1].detach()
         return loss
+
+    def _sum_over_groups(self, flat: torch.Tensor) -> bool:
+        """`flat` summed over the quorum, in place; a peer's error is the manager's (the step does not commit).
+        On CPU, a peer the lighthouse stopped hearing from too, once it says so rather than after
+        `allreduce_timeout_s` (gloo's collective cannot be ended sooner): its process group, the collective in
+        flight, is set aside (ended by its timeout, in the background) and the next quorum makes a new one at
+        once. False then. On CUDA, NCCL's wait holds the stream, not this thread: torchft's own, to its timeout."""
+        manager = self.manager
+        if self.device.type == "cuda" or manager.errored() is not None:
+            manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()  # (a no-op once errored)
+            return True
+        from trainers.torch_compat import set_aside
+
+        manager.wait_quorum()
+        if not manager.is_participating():
+            flat.zero_()
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        future = self._pg.allreduce([flat], opts).get_future()
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(SILENCE_CHECK_S):
+            silent = silent_groups(os.environ.get(LIGHTHOUSE_ENV, ""))
+            if silent:
+                manager.report_error(TimeoutError(f"replica groups {silent} stopped heartbeating in a step"))
+                self._aside = [(pg, f) for pg, f in self._aside if not f.done()] + [(set_aside(self._pg), future)]
+                return False
+        try:
+            future.value()
+        except Exception as e:  # noqa: BLE001 - a peer lost in the collective: this step is not committed
+            manager.report_error(e)
+        return True
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The step's loss averaged with the gradients; an evaluation (every group evaluates the whole
