@@ -1,6 +1,6 @@
 """A trial's side of the population's actor (`search.population.PopulationActor`; PBT and PB2, none for the
 other schedulers): its report, answered with the decision when the rule makes it at once, the wait for the
-decision otherwise, and the lineage row of an exploit the trial takes."""
+decision otherwise, and an exploit taken: the donor's pin adopted and the lineage row written."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from typing import Any
 import ray
 
 from search.lineage import LineageLog
+from search.pins import Pins
+from trainers.storage import location
 
-__all__ = ["Member", "log_exploit"]
+__all__ = ["Member", "log_exploit", "take_exploit"]
 
 
 class Member:
@@ -45,6 +47,23 @@ class Member:
                 return decision
             meanwhile()
         return "go"  # never decided (the population is gone): train on
+
+
+def take_exploit(decision: Any, pins: Pins, log: LineageLog, space: dict[str, Any], in_use: tuple[Path | None, ...]
+                 ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
+    """A decision taken: the donor's pin made the trial's own (hard links: the donor may prune its pins from
+    now on) and the exploit's row logged (the one record: a restart after it continues from that pin); the pin,
+    its metadata (the donor's step) and the values to train with. None for "go", or when the donor pruned the
+    pin already (it reported `keep` times since): no exploit after all."""
+    if decision == "go":
+        return None
+    try:
+        pin, meta = pins.adopt(location(decision["pin"]), in_use)
+    except FileNotFoundError:
+        return None
+    values = {k: decision["values"][k] for k in space}
+    log_exploit(log, decision, values, pin)
+    return pin, meta, values
 
 
 def log_exploit(log: LineageLog, decision: dict[str, Any], values: dict[str, Any], pin: Path) -> None:

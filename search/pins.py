@@ -2,7 +2,7 @@
 into the trial's folder (`runs/<trial>/pins/`, copies by the store in a bucket), each with its metadata
 beside it, so that the Trainer's own retention never deletes what a report names. Named in the order they
 are made (the time first: a trial's steps go back when it exploits a donor behind it); the newest `keep` stay,
-and any the trial still trains from."""
+and any the trial still trains from (its `Place`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import json
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainers.checkpoint_files import link_tree
 from trainers.storage import list_names, location, remove_tree, write_json_atomic
 
-__all__ = ["META", "PINS", "Pins", "read_meta"]
+__all__ = ["META", "PINS", "Pins", "Place", "read_meta"]
 
 META = "meta.json"
 PINS = "pins"  # in the trial's folder
@@ -24,6 +25,34 @@ PINS = "pins"  # in the trial's folder
 
 def read_meta(pin: Path) -> dict[str, Any]:
     return json.loads((location(pin) / META).read_text())
+
+
+@dataclass
+class Place:
+    """Where a trial is: the step its next interval starts from, the checkpoint it trains from (`step_dir`: in
+    one of its Train runs, or in a pin), the pin its last report named, and the error its run failed with (it
+    then waits to be replaced)."""
+
+    step: int = 0
+    step_dir: Path | None = None
+    pin: Path | None = None
+    error: str | None = None
+
+    @classmethod
+    def at(cls, point: dict[str, Any]) -> Place:
+        """A lineage log's resume point (`LineageLog.resume_point`): a report's or an exploit's pin, or a failure."""
+        pin = location(point["pin"]) if "pin" in point else None
+        return cls(point["step"], pin / read_meta(pin)["step_dir"] if pin else None, pin, point.get("error"))
+
+    def in_use(self) -> tuple[Path | None, ...]:
+        """What the trial trains from: its pins keep these."""
+        return self.pin, self.step_dir.parent if self.step_dir else None
+
+    def meta(self, trial: str, hparams: dict[str, Any], metric: float | None) -> dict[str, Any]:
+        """A pin's metadata, of a report at this place."""
+        step_dir = self.step_dir.name if self.step_dir else None
+        return {"trial": trial, "step": self.step, "time": time.time(), "hparams": hparams, "metric": metric,
+                "step_dir": step_dir}
 
 
 class Pins:

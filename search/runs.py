@@ -1,5 +1,5 @@
-"""A trial's Train runs (`search.trial.TrialRun` drives them): a live run for the trial's life, its workers
-waiting at a gate actor where the scheduler decides (`LiveRun`), or a bounded run per interval
+"""A trial's Train runs (`TrialRuns`, which `search.trial.TrialRun` drives): a live run for the trial's life, its
+workers waiting at a gate actor where the scheduler decides (`LiveRun`), or a bounded run per interval
 (`run_segment`); each interval ends in an `Interval` read from the run's report and its metrics."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import ray
 from raytrain_ext.hosts import on_this_node
 from search.config import ExperimentConfig
 from search.gate import RunGate, waits_at
+from search.slots import SlotHold
 from search.tracking import trial_tracking
 from trainers._base import ConfigError
 from trainers.checkpoint_files import STEP_DIR
@@ -25,7 +26,7 @@ from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
 from trainers.storage import location, remove_tree
 
-__all__ = ["Interval", "LiveRun", "exploits", "metric_of", "reported", "run_segment", "wait_from", "worst"]
+__all__ = ["Interval", "LiveRun", "TrialRuns", "exploits", "metric_of", "reported", "run_segment", "wait_from", "worst"]
 
 
 def exploits(exp: ExperimentConfig) -> bool:
@@ -219,3 +220,51 @@ def run_times(run_dir: Path, after: int, upto: int, launched: float | None = Non
         parts["start_s"] = max(0.0, first["time"] - first["step_time_s"] - launched)
     steps = sum(r["step_time_s"] for r in within if r["kind"] == "train")
     return steps, parts
+
+
+class TrialRuns:
+    """A trial's Train runs from report to report: its live run, kept from interval to interval, or a bounded
+    run per interval (`trial_runs: segments`), each started once the trial holds a slot (`search.slots`)."""
+
+    def __init__(self, exp: ExperimentConfig, trial_dir: Path, slot: SlotHold) -> None:
+        self.exp, self.dir, self.slot = exp, trial_dir, slot
+        self.live: LiveRun | None = None
+
+    def next_stop(self, step: int) -> int:
+        """The report after `step`."""
+        interval = self.exp.scheduler.interval
+        return min((step // interval + 1) * interval, self.exp.steps)
+
+    def train(self, step: int, step_dir: Path | None, hparams: dict[str, Any]) -> Interval:
+        """From `step` (its checkpoint `step_dir`) to the next report; a live run that failed is ended."""
+        waited = self.slot.take(step)
+        if self.exp.trial_runs == "segments":
+            out = run_segment(self.exp, hparams, self._run_dir("seg", step), step_dir, step, self.next_stop(step),
+                              self.dir)
+        else:
+            if self.live is None:
+                self.live = LiveRun(self.exp, hparams, self._run_dir("live", step), step_dir)
+            out = self.live.next(step, self.next_stop(step))
+            if out.error is not None:
+                self.stop()
+        if waited is not None:
+            out.parts["slot_s"] = out.parts.get("slot_s", 0.0) + waited
+        return out
+
+    def waits_at(self, step: int) -> bool:
+        """Whether the live run's workers wait at the gate after the report of `step`."""
+        return self.live is not None and self.live.waits_at(step)
+
+    def stop(self) -> None:
+        """The live run ended (its workers stop at the gate, after the checkpoint the last report names)."""
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def give_way(self) -> None:
+        """The slot given back (to a member waiting for one): the live run ends first."""
+        self.stop()
+        self.slot.give_back()
+
+    def _run_dir(self, kind: str, step: int) -> Path:
+        return self.dir / f"{kind}-{step:08d}-{uuid.uuid4().hex[:6]}"  # search.trial.RUN_DIR

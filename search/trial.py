@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,18 +42,17 @@ from ray import tune
 from search.config import ExperimentConfig
 from search.gate import waits_at
 from search.lineage import LineageLog
-from search.member import Member, log_exploit
-from search.pins import Pins, read_meta
-from search.runs import Interval, LiveRun, exploits, run_segment, wait_from, worst
+from search.member import Member, take_exploit
+from search.pins import Pins, Place
+from search.runs import Interval, TrialRuns, exploits, wait_from, worst
 from search.schedulers import MEMBER, TIME_ATTR
 from search.slots import SlotHold
 from search.tracking import in_place_tags
 from trainers.config import HPARAM_PREFIXES
-from trainers.storage import location
 
 __all__ = ["RUN_DIR", "TrialRun"]
 
-# A trial's Train run folders (`TrialRun._run_dir`): live-<step it starts at:08d>-<id>, or seg-... per segment
+# A trial's Train run folders (`TrialRuns._run_dir`): live-<step it starts at:08d>-<id>, or seg-... per segment
 RUN_DIR = re.compile(r"^(live|seg)-\d{8}-[0-9a-f]+$")
 
 
@@ -79,8 +76,8 @@ class TrialRun(tune.Trainable):
         self.log = LineageLog(exp.exp_dir, self.trial_id)
         self.dir = exp.exp_dir / "runs" / self.trial_id
         self.pins = Pins(self.dir, exp.keep_checkpoints)
-        self.step_no, self.step_dir, self.pin, self.error = 0, None, None, None
-        self.runner: LiveRun | None = None
+        self.place = Place()
+        self.runs = TrialRuns(exp, self.dir, self.slot)
         self.awaiting: int | None = None  # the report step whose decision the next interval follows
         self.continued = False  # whether step() has put this trial where its lineage log says it is
         self.exploited: dict[str, Any] | None = None  # the exploit the current interval began with
@@ -92,34 +89,31 @@ class TrialRun(tune.Trainable):
         exp = self.exp
         if not self.continued:
             self._continue_from_log()
-        if self.step_no >= exp.steps:  # restored at the end of the budget (a resumed, finished trial)
+        place = self.place
+        if place.step >= exp.steps:  # restored at the end of the budget (a resumed, finished trial)
             last = self.log.last_report()
-            return {
-                exp.metric: last["metric"] if last else worst(exp),
-                TIME_ATTR: self.step_no,
-                "done": True,
-            }
+            return {exp.metric: last["metric"] if last else worst(exp), TIME_ATTR: place.step, "done": True}
         self.exploited = None
         if self.awaiting is not None:  # the population's decision on the last report
             began = time.perf_counter()
             self._follow_decision(self.awaiting)
             self.awaiting = None
-            self._add_part("decision_s", time.perf_counter() - began)
-        if self.error is not None:  # waiting to be replaced: no training, the worst metric
-            out = Interval(self._next_stop(), worst(exp), None, 0.0, "waiting to be replaced")
+            self.parts["decision_s"] = time.perf_counter() - began
+        place = self.place  # (an exploit moved it)
+        if place.error is not None:  # waiting to be replaced: no training, the worst metric
+            out = Interval(self.runs.next_stop(place.step), worst(exp), None, 0.0, "waiting to be replaced")
         else:
-            out = self._train_interval()
-        self.error = self.error or out.error
-        self.step_no = out.step
+            out = self.runs.train(place.step, place.step_dir, self.hparams)
+        place.error, place.step = place.error or out.error, out.step
         if out.step_dir is not None:
-            self.step_dir = out.step_dir
-            self.pin = self.pins.make(out.step_dir, self._meta(out.metric), self._in_use())
+            place.step_dir = out.step_dir
+            place.pin = self.pins.make(out.step_dir, place.meta(self.trial_id, self.hparams, out.metric), place.in_use())
         wall, self.clock = time.perf_counter() - self.clock, time.perf_counter()
-        failed = self.error is not None
+        failed = place.error is not None
         done = out.step >= exp.steps or (failed and not exploits(exp))
         yields = self.slot.wanted(done)
         parts, self.parts = {**self.parts, **out.parts}, {}
-        pin = str(self.pin) if self.pin is not None and not failed else None
+        pin = str(place.pin) if place.pin is not None and not failed else None
         self.log.report(
             out.step,
             out.metric,
@@ -136,7 +130,7 @@ class TrialRun(tune.Trainable):
         )
         self.member.report(out.step, out.metric, self.hparams, pin, failed)
         if yields:  # the report is committed: the run ends at its checkpoint, the slot goes on
-            self._yield()
+            self.runs.give_way()
         if not done and self._decides_at(out.step):
             self.awaiting = out.step
         # Tune reports `config` with each result (its best-trial line shows it): the values trained with
@@ -161,10 +155,7 @@ class TrialRun(tune.Trainable):
         """Never called (no checkpoint is saved): the lineage log, not Tune, says where a trial is."""
 
     def cleanup(self) -> None:
-        if self.runner is not None:
-            self.runner.stop()
-            self.runner = None
-        self.slot.give_back()
+        self.runs.give_way()
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         return False  # a new actor per trial start: no Train run outlives its trial
@@ -176,12 +167,9 @@ class TrialRun(tune.Trainable):
         self.continued = True
         self.log.repair()
         point = self.log.resume_point()
-        if point is None:
-            return
-        self.step_no, self.step_dir, self.pin, self.error = point["step"], None, None, point.get("error")
-        if "pin" in point:
-            self.pin = location(point["pin"])
-            self.step_dir = self.pin / read_meta(self.pin)["step_dir"]
+        if point is not None:
+            self.place = Place.at(point)
+        if point is not None and "pin" in point:
             self.hparams = {k: point["hparams"].get(k, v) for k, v in self.hparams.items()}
 
     # ------------------------------------------------------------------------------ exploit in place
@@ -194,78 +182,21 @@ class TrialRun(tune.Trainable):
     def _follow_decision(self, step: int) -> None:
         """Before the next interval: the population's decision on the report of `step` ("go", or an
         exploit, which a live run loads in place)."""
-        decision = self.member.decision(step, meanwhile=self._yield_if_wanted)
-        try:  # the donor's pin, made this trial's own (hard links): the donor may prune its pins from now on
-            pin, meta = self.pins.adopt(location(decision["pin"]), self._in_use()) if decision != "go" else (None, None)
-        except FileNotFoundError:  # pruned already (it reported `keep` times since): no exploit after all
-            pin = None
-        if pin is None:
-            if self.runner is not None and self.runner.waits_at(step):
-                self.runner.go(step)
+        runs = self.runs
+        # (at each wait: a member queued for a slot after our report may be the one a synchronous round waits for)
+        decision = self.member.decision(step, meanwhile=lambda: self.slot.wanted(done=False) and runs.give_way())
+        taken = take_exploit(decision, self.pins, self.log, self.exp.search_space, self.place.in_use())
+        if taken is None:
+            if runs.waits_at(step):
+                runs.live.go(step)
             return
-        values = {k: decision["values"][k] for k in self.exp.search_space}
+        pin, meta, values = taken
         changed = {k for k in values if values[k] != self.hparams.get(k)}
-        log_exploit(self.log, decision, values, pin)  # the one record: a restart after it continues from `pin`
         self.exploited = {"donor": decision["donor"], "step": meta["step"], "old": dict(self.hparams), "new": values}
         self.hparams = values
         donor_dir = pin / meta["step_dir"]
-        live = self.runner is not None and self.error is None
-        if live and self.runner.waits_at(step) and all(k.startswith(HPARAM_PREFIXES) for k in changed):
-            self.runner.load(donor_dir, values, decision["donor"], step, in_place_tags(self.exp, self.trial_id))
-        elif self.runner is not None:  # a value a running Trainer cannot take on: a new run from the donor
-            self.runner.stop()
-            self.runner = None
-        self.step_no, self.step_dir, self.pin, self.error = meta["step"], donor_dir, pin, None
-
-    def _meta(self, metric: float | None) -> dict[str, Any]:
-        return {
-            "trial": self.trial_id,
-            "step": self.step_no,
-            "time": time.time(),
-            "hparams": self.hparams,
-            "metric": metric,
-            "step_dir": self.step_dir.name if self.step_dir else None,
-        }
-
-    def _in_use(self) -> tuple[Path | None, ...]:
-        """What the trial trains from: its pins keep these."""
-        return self.pin, self.step_dir.parent if self.step_dir else None
-
-    # ------------------------------------------------------------------------------- time-sharing
-
-    def _yield(self) -> None:
-        if self.runner is not None:
-            self.runner.stop()  # the workers stop at the gate, after the checkpoint the report names
-            self.runner = None
-        self.slot.give_back()
-
-    def _yield_if_wanted(self) -> None:
-        if self.slot.wanted(done=False):  # a member queued for a slot after our report
-            self._yield()
-
-    def _add_part(self, key: str, seconds: float) -> None:
-        self.parts[key] = self.parts.get(key, 0.0) + seconds
-
-    # ----------------------------------------------------------------------------------- training
-
-    def _next_stop(self) -> int:
-        interval = self.exp.scheduler.interval
-        return min((self.step_no // interval + 1) * interval, self.exp.steps)
-
-    def _run_dir(self, kind: str) -> Path:
-        return self.dir / f"{kind}-{self.step_no:08d}-{uuid.uuid4().hex[:6]}"  # RUN_DIR
-
-    def _train_interval(self) -> Interval:
-        waited = self.slot.take(self.step_no)
-        if waited is not None:
-            self._add_part("slot_s", waited)
-        if self.exp.trial_runs == "segments":
-            return run_segment(self.exp, self.hparams, self._run_dir("seg"), self.step_dir, self.step_no,
-                               self._next_stop(), self.dir)
-        if self.runner is None:
-            self.runner = LiveRun(self.exp, self.hparams, self._run_dir("live"), self.step_dir)
-        out = self.runner.next(self.step_no, self._next_stop())
-        if out.error is not None:
-            self.runner.stop()
-            self.runner = None
-        return out
+        if self.place.error is None and runs.waits_at(step) and all(k.startswith(HPARAM_PREFIXES) for k in changed):
+            runs.live.load(donor_dir, values, decision["donor"], step, in_place_tags(self.exp, self.trial_id))
+        else:  # a value a running Trainer cannot take on: a new run from the donor
+            runs.stop()
+        self.place = Place(meta["step"], donor_dir, pin)

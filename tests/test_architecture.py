@@ -954,3 +954,33 @@ def test_the_import_each_check_catches_a_planted_subpackage_module(tmp_path):
     assert failed == ["planted.sub.deep.broken"] and "missing_module" in said, said
     (tmp_path / "planted/sub/deep/broken.py").unlink()
     assert modules_failing_alone("planted", tmp_path, preload="")[0] == []
+
+
+# ------------------------------------------------------------------------------ no code in strings (issue 69)
+
+# The one parse of code-like text in the product: the CLI's `--callback module:Name(key=value)` spec, the user's
+# own (checked by the driver before any worker starts, parsed again where the hooks are built).
+CODE_PARSERS = {("raytrain_ext/run_checks.py", "load_callback")}
+_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\(")  # "module:Name(" at the start of a built string
+
+
+def test_no_code_is_built_into_strings_and_parsed():
+    """Hooks travel as objects: no `eval`/`exec`/`ast.literal_eval` outside the CLI's spec parser, and no module
+    builds a `module:Name(...)` spec (an f-string or a `%`/`.format` template starting so) for one to parse."""
+    parsed, built = set(), []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            tree = ast.parse(path.read_text())
+            for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Call) and ast.unparse(node.func) in ("eval", "exec", "ast.literal_eval",
+                                                                                "literal_eval"):
+                        parsed.add((rel, func.name))
+            for node in ast.walk(tree):
+                head = node.values[0] if isinstance(node, ast.JoinedStr) and node.values else node
+                if isinstance(head, ast.Constant) and isinstance(head.value, str) and _SPEC.match(head.value):
+                    if isinstance(node, ast.JoinedStr) or "{" in head.value or "%" in head.value:
+                        built.append(f"{rel}:{node.lineno}")
+    assert parsed == CODE_PARSERS, f"code parsed from strings outside the CLI's --callback spec: {parsed - CODE_PARSERS}"
+    assert built == [], f"callback specs built as strings (pass the TrainerCallback object instead): {built}"
