@@ -40,16 +40,11 @@ STEPS, BATCH, PACE_S = 1200, 8, 0.4  # paced: 480 s at most, for ~110 s of fault
 WAIT_S = 300
 
 
-def _replica_lines(run_dir: Path) -> list[dict]:
-    lines = []
-    for path in (run_dir / "replicas").glob("group?.jsonl"):
-        lines += [json.loads(line) for line in path.read_text().splitlines() if line]
-    return lines
-
-
-def _lines(run_dir: Path, suffix: str) -> list[dict]:
-    """ReplicaLog's commits or attempts, of every process."""
-    return [json.loads(line) for path in (run_dir / "replicas").glob(f"group*.{suffix}.jsonl")
+def _lines(run_dir: Path, kind: str = "") -> list[dict]:
+    """ReplicaLog's lines of every process: a line per committed step of each group's first worker (`kind` ""),
+    or every worker's "commits" or "attempts"."""
+    pattern = f"group*.{kind}.jsonl" if kind else "group?.jsonl"
+    return [json.loads(line) for path in (run_dir / "replicas").glob(pattern)
             for line in path.read_text().splitlines() if line]
 
 
@@ -96,7 +91,7 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
         return lambda rows: any(r["replicas"] == 2 and r["step"] > step for r in rows)
 
     def h3_pids() -> set[int]:
-        return {x["pid"] for x in _replica_lines(run_dir) if x["host"] == "h3"}
+        return {x["pid"] for x in _lines(run_dir) if x["host"] == "h3"}
 
     driver.wait_rows(run_dir, full_size_after(10), "10 steps on two groups", WAIT_S)
     before_kill = h3_pids()
@@ -143,7 +138,7 @@ def test_replica_groups_train_on_through_a_killed_and_a_cut_off_host(tier):
     heals = [e for e in read_metrics(run_dir / "metrics.jsonl", "event") if e["event"] == "healed"]
     assert len(heals) == len([x for x in lines if "healed from group" in x]) >= 2, told
 
-    by_host = {host: sorted((x for x in _replica_lines(run_dir) if x["host"] == host), key=lambda x: x["step"])
+    by_host = {host: sorted((x for x in _lines(run_dir) if x["host"] == host), key=lambda x: x["step"])
                for host in ("h2", "h3")}
     survivor, lost = by_host["h2"], by_host["h3"]
     assert len({x["pid"] for x in survivor}) == 1, "the group on h2 was restarted"
@@ -238,7 +233,7 @@ def test_a_host_away_past_its_death_gets_its_group_back_and_nobody_restarts(tier
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once in metrics.jsonl"
     assert rows[-1]["replicas"] == 2, told
-    survivor = [x for x in _replica_lines(run_dir) if x["host"] == "h2"]
+    survivor = [x for x in _lines(run_dir) if x["host"] == "h2"]
     assert len({x["pid"] for x in survivor}) == 1, "the group on h2 was restarted"
     # Full size again within 20 s of the host's return: from its Ray's start (the node's start time in Ray's
     # table), a group is placed there, starts, imports and heals. Before that, the boot's `ray start` (3 s on a
@@ -269,4 +264,4 @@ def test_a_run_whose_lost_host_stays_away_ends_when_the_others_finish(tier):
     assert "resumed from step" not in text and "Traceback" not in text, text[-5000:]
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 301)) and rows[-1]["replicas"] == 1
-    assert len({x["pid"] for x in _replica_lines(run_dir) if x["host"] == "h2"}) == 1, "the group on h2 was restarted"
+    assert len({x["pid"] for x in _lines(run_dir) if x["host"] == "h2"}) == 1, "the group on h2 was restarted"
