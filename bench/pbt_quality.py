@@ -189,6 +189,7 @@ def quality_trial(config: dict[str, Any], exp: Any, population: str | None, budg
                 continue
             donor = Path(decision["pin"])
             trainer.restore(donor, decision["values"], event="exploit")
+            ray.get(pop.taken.remote(trial, decision["exploit_id"], True))  # (the trial's word after its row)
             exploited_from = decision["donor"]
             lineage = [seg for seg in json.loads((donor.parent / LINEAGE).read_text()) if seg[0] < trainer.step]
             lineage.append([trainer.step, trainer.cfg.optimizer.lr, trainer.cfg.optimizer.weight_decay])

@@ -107,6 +107,7 @@ async def member(actor: Any, exp_dir: Path, index: int, hparams: dict[str, Any],
                     donor_score=decision["donor_metric"], exploit_id=decision["exploit_id"],
                     pin=f"{exp_dir}/runs/{trial}/pins/{time.time_ns():020d}-step_{decision['step']:08d}",
                     from_step=step, perturbed=decision.get("perturbed"))
+        await actor.taken.remote(trial, decision["exploit_id"], True)
         hparams, step, exploits = values, decision["step"], exploits + 1
     return {"reports": made, "exploits": exploits, "capped": int(step < steps)}
 
@@ -184,6 +185,7 @@ def run_arm(size: int, scheduler: str, reports: int, period_s: float = PERIOD_S)
 
         members = asyncio.run(drive())
         rss_end = proc.memory_info().rss
+        fit_rss = sum(child.memory_info().rss for child in proc.children(recursive=True))  # PB2's fit process
         live, summary = ray.get(actor.state.remote()), ray.get(actor.summary.remote())
         ray.kill(actor)
         proc.wait(timeout=30)  # gone before the next arm looks for its own
@@ -204,7 +206,7 @@ def run_arm(size: int, scheduler: str, reports: int, period_s: float = PERIOD_S)
         "capped": sum(m["capped"] for m in members), "exploits": sum(m["exploits"] for m in members),
         "actor_exploits": summary["exploits"],
         "report_ms": percentiles(times["report"]), "decision_ms": percentiles(times["decision"]),
-        "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
+        "rss_start_bytes": rss_start, "rss_end_bytes": rss_end, "fit_process_rss_bytes": fit_rss,
         "rss_per_report_bytes": (rss_end - rss_start) / max(sum(made), 1),
         "lineage_bytes": lineage_bytes, "lineage_files": len(files),
         "replay_rows": {"reports": len(rows), "exploits": len(events)}, "replay_s": replay_s,
@@ -334,8 +336,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "period_s": args.period,
             "offered_reports_per_s": {str(n): round(n / args.period, 1) for n in args.populations},
             "rss": "the actor's worker process (this driver's descendant titled ray::PopulationActor), psutil: "
-                   "right after its first answer, and after the last member's end; PB2's growth includes the "
-                   "import of numpy and scikit-learn at its first GP fit",
+                   "right after its first answer, and after the last member's end; PB2's fits run in a process of "
+                   "the actor's own (search.population._fit_process), its RSS at the end apart "
+                   "(fit_process_rss_bytes)",
             "replay": "search.lineage.collect + Population(...).replay, timed together (search/driver.py)",
             "first_collect_s": warm_s,
         },

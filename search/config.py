@@ -316,7 +316,7 @@ def _check_space(exp: ExperimentConfig) -> None:
             )
         mutable = isinstance(space[key], (Range, IntRange, Choice))
         live = key.startswith(_LIVE_PREFIXES) and key not in _NOT_LIVE
-        if exp.scheduler.name in ("pbt", "pb2") and mutable and not live:
+        if exp.scheduler.exploits and mutable and not live:
             raise ConfigError(
                 f"space.{key}: {exp.scheduler.name} changes hyperparameters during a run, and only optimizer.* "
                 f"(not name) and schedule.* keys can change once training started; fix: make it a fixed "
@@ -327,7 +327,7 @@ def _check_space(exp: ExperimentConfig) -> None:
                 f"space.{key}: pb2 searches continuous ranges only; fix: use a uniform/loguniform/int range "
                 f"or scheduler.name=pbt"
             )
-    if exp.scheduler.name in ("pbt", "pb2") and not space.mutable:
+    if exp.scheduler.exploits and not space.mutable:
         raise ConfigError(f"space has no range or list for {exp.scheduler.name} to mutate; fix: add one")
     if exp.scheduler.name == "pb2":
         try:
@@ -357,12 +357,12 @@ def _check_budget(exp: ExperimentConfig) -> None:
             f"scheduler.interval={sched.interval} is larger than {budget}: a trial would report only at its "
             f"end; fix: set scheduler.interval <= {steps} or raise budget.steps"
         )
-    if sched.name in ("pbt", "pb2", "asha") and exp.population < 2:
+    if (sched.exploits or sched.name == "asha") and exp.population < 2:
         raise ConfigError(
             f"population={exp.population}: {sched.name} compares trials with each other; fix: set population "
             f">= 2 or scheduler.name=random"
         )
-    if sched.name in ("pbt", "pb2"):
+    if sched.exploits:
         burn_in_steps = sched.burn_in_steps(steps)
         first = max(1, math.ceil(burn_in_steps / sched.interval)) * sched.interval  # PBT's first decision
         if first >= steps:

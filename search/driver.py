@@ -21,7 +21,6 @@ from search.console import ExperimentReporter, quiet_warnings
 from search.lineage import best_trial, collect, latest_reports
 from search.population import Population, PopulationActor, population_name
 from search.result import ExperimentResult, experiment_result
-from search.runs import exploits
 from search.schedulers import MEMBER, TIME_ATTR, build_scheduler, population_space
 from search.slots import SlotRelease, slots_name, start_slots
 from search.state import check_same_experiment, check_tune_state, has_tune_state, saved_trial_statuses
@@ -92,7 +91,7 @@ def _tuner_parts(exp: ExperimentConfig, population: str | None, slots: str | Non
 def start_population(exp: ExperimentConfig, resume: bool) -> Any:
     """PBT/PB2's `Population` actor beside the driver (None for ASHA and random search); on `resume`,
     rebuilt from the trials' lineage logs."""
-    if not exploits(exp):
+    if not exp.scheduler.exploits:
         return None
     population = Population(exp.scheduler, exp.search_space, exp.mode, exp.steps, exp.population, seed=exp.seed)
     if resume:
@@ -132,7 +131,7 @@ def time_shared(exp: ExperimentConfig, slots: int) -> bool:
     """PBT/PB2 with a population larger than the cluster holds: members take turns at the `slots` Train
     runs that fit (search.slots), yielding at report boundaries, so that every member reaches every
     interval. Other schedulers run members one after another (ASHA and random search need no turns)."""
-    return exploits(exp) and slots < exp.population
+    return exp.scheduler.exploits and slots < exp.population
 
 
 def run_experiment(

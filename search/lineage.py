@@ -80,8 +80,8 @@ class LineageLog:
 
     def resume_point(self) -> dict[str, Any] | None:
         """Where a restarted trial continues: its log's newest row that names a whole pin (a report's own, an
-        exploit's donor's), as {"step", "pin", "hparams"}; {"step", "error"} when the trial had failed;
-        None for a log with neither (nothing reported yet, or written before rows named their pins)."""
+        exploit's donor's), as {"step", "pin", "hparams"} (and an exploit's "exploit_id"); {"step", "error"} when
+        the trial had failed; None for a log with neither (nothing reported yet, or written before rows named their pins)."""
         for row in reversed(self._rows()):
             if row["kind"] == "report" and row.get("failed"):
                 return {"step": row["step"], "error": row.get("error") or "failed before the restart"}
@@ -89,8 +89,9 @@ class LineageLog:
             if pin is None:  # a row from before rows named their pins, or of a restore that copied tensors
                 return None
             if read_bytes(location(pin) / "meta.json") is not None:  # else deleted: the row before
-                hparams = row["hparams"] if row["kind"] == "report" else row["new_hparams"]
-                return {"step": row["step"], "pin": pin, "hparams": hparams}
+                if row["kind"] == "report":
+                    return {"step": row["step"], "pin": pin, "hparams": row["hparams"]}
+                return {"step": row["step"], "pin": pin, "hparams": row["new_hparams"], "exploit_id": row.get("exploit_id")}
         return None
 
     def repair(self) -> None:

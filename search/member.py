@@ -48,6 +48,11 @@ class Member:
             meanwhile()
         return "go"  # never decided (the population is gone): train on
 
+    def taken(self, exploit_id: str, took: bool) -> None:
+        """Tell the population whether the trial took its exploit (after the row: `replay` applies it there)."""
+        if self.population is not None:
+            ray.get(self.population.taken.remote(self.trial, exploit_id, took))
+
 
 def take_exploit(decision: Any, pins: Pins, log: LineageLog, space: dict[str, Any], in_use: tuple[Path | None, ...]
                  ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:

@@ -26,19 +26,14 @@ from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
 from trainers.storage import location, remove_tree
 
-__all__ = ["Interval", "LiveRun", "TrialRuns", "exploits", "metric_of", "reported", "run_segment", "wait_from", "worst"]
-
-
-def exploits(exp: ExperimentConfig) -> bool:
-    """Whether the experiment's scheduler changes members at their reports (PBT, PB2)."""
-    return exp.scheduler.name in ("pbt", "pb2")
+__all__ = ["Interval", "LiveRun", "TrialRuns", "metric_of", "reported", "run_segment", "wait_from", "worst"]
 
 
 def wait_from(exp: ExperimentConfig) -> int | None:
     """The first report at which a live run's workers wait for the trial's answer: PBT's first decision (its
     burn-in's end); None where no scheduler decision can change the run (ASHA, random search: a stop is
     looked up without waiting)."""
-    return exp.scheduler.burn_in_steps(exp.steps) if exploits(exp) else None
+    return exp.scheduler.burn_in_steps(exp.steps) if exp.scheduler.exploits else None
 
 
 @dataclass

@@ -47,9 +47,12 @@ def _member_value(members: list[dict[str, Any]], key: str, config: dict[str, Any
     return members[config[MEMBER]][key]
 
 
+# the schedulers that change members at their reports (exploit and explore): `SchedulerConfig.exploits`
+POPULATION_BASED = ("pbt", "pb2")
+
 _ONLY_FOR = {  # settings that only one kind of scheduler reads: an error elsewhere, not ignored
     "burn_in": ("pbt",),
-    "quantile_fraction": ("pbt", "pb2"),
+    "quantile_fraction": POPULATION_BASED,
     "resample_probability": ("pbt",),
     "perturbation_factors": ("pbt",),
     "linear_step": ("pbt",),
@@ -74,6 +77,11 @@ class SchedulerConfig(StrictModel):
     sync_timeout_s: PositiveFloat = 900.0  # pbt synch: decide without members not there this long after the first
     grace_period: PositiveInt | None = None  # asha: steps before the first stop (None = interval)
     reduction_factor: float = Field(3.0, gt=1)  # asha
+
+    @property
+    def exploits(self) -> bool:
+        """Whether it changes members at their reports (PBT, PB2): a population's rule decides."""
+        return self.name in POPULATION_BASED
 
     def burn_in_steps(self, steps: int) -> int:
         """Steps before PBT's first exploit, in a trial of `steps` (0 for the other schedulers)."""

@@ -62,6 +62,7 @@ def toy_trainable(config: dict[str, Any]) -> None:
             state = json.loads(Path(decision["pin"]).read_text())
             theta, step = np.array(state["theta"]), state["step"]
             h = np.array([decision["values"]["h0"], decision["values"]["h1"]])
+            ray.get(population.taken.remote(trial, decision["exploit_id"], True))
 
 
 def run_toy(

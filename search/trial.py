@@ -44,7 +44,7 @@ from search.gate import waits_at
 from search.lineage import LineageLog
 from search.member import Member, take_exploit
 from search.pins import Pins, Place
-from search.runs import Interval, TrialRuns, exploits, wait_from, worst
+from search.runs import Interval, TrialRuns, wait_from, worst
 from search.schedulers import MEMBER, TIME_ATTR
 from search.slots import SlotHold
 from search.tracking import in_place_tags
@@ -110,7 +110,7 @@ class TrialRun(tune.Trainable):
             place.pin = self.pins.make(out.step_dir, place.meta(self.trial_id, self.hparams, out.metric), place.in_use())
         wall, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         failed = place.error is not None
-        done = out.step >= exp.steps or (failed and not exploits(exp))
+        done = out.step >= exp.steps or (failed and not exp.scheduler.exploits)
         yields = self.slot.wanted(done)
         parts, self.parts = {**self.parts, **out.parts}, {}
         pin = str(place.pin) if place.pin is not None and not failed else None
@@ -171,6 +171,8 @@ class TrialRun(tune.Trainable):
             self.place = Place.at(point)
         if point is not None and "pin" in point:
             self.hparams = {k: point["hparams"].get(k, v) for k, v in self.hparams.items()}
+        if point is not None and point.get("exploit_id"):  # killed between the exploit's row and its word to the rule
+            self.member.taken(point["exploit_id"], True)
 
     # ------------------------------------------------------------------------------ exploit in place
 
@@ -186,6 +188,8 @@ class TrialRun(tune.Trainable):
         # (at each wait: a member queued for a slot after our report may be the one a synchronous round waits for)
         decision = self.member.decision(step, meanwhile=lambda: self.slot.wanted(done=False) and runs.give_way())
         taken = take_exploit(decision, self.pins, self.log, self.exp.search_space, self.place.in_use())
+        if decision != "go":
+            self.member.taken(decision["exploit_id"], taken is not None)
         if taken is None:
             if runs.waits_at(step):
                 runs.live.go(step)

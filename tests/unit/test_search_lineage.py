@@ -130,7 +130,8 @@ def test_a_restarted_trial_continues_from_its_logs_last_row_whatever_tune_saved(
     b.report(10, 4.0, {"lr": 0.2}, failed=False, steps_s=1.0, wall_s=2.0, pin=_pin(tmp_path, "b10", 10))
     donor = _pin(tmp_path, "a10", 10)
     b.exploit(10, "a", 1.0, {"lr": 0.2}, {"lr": 0.12}, {"lr": 0.1}, 4.0, 3.0, exploit_id="e1", pin=donor, from_step=10)
-    assert b.resume_point() == {"step": 10, "pin": donor, "hparams": {"lr": 0.12}}, "killed before it loaded"
+    assert b.resume_point() == {"step": 10, "pin": donor, "hparams": {"lr": 0.12}, "exploit_id": "e1"}, (
+        "killed before it loaded (the restarted trial tells the rule it took e1)")
     b.report(20, 2.5, {"lr": 0.12}, failed=False, steps_s=1.0, wall_s=2.0, pin=_pin(tmp_path, "b20", 20))
     with b.path.open("a") as f:
         f.write('{"time": 9, "trial": "b", "kind": "rep')

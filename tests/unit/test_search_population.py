@@ -23,6 +23,14 @@ def _population(size=3, space=SPACE, seed=0, **cfg):
     return Population(SchedulerConfig(**cfg), space, "min", 40, size, seed=seed)
 
 
+def _decide(pop, trial):
+    """The member's decision, taken by its trial (as a trial that holds the donor's pin says)."""
+    d = pop.decide(trial)
+    if d is not None:
+        pop.taken(trial, d.exploit_id, True)
+    return d
+
+
 def _report(pop, trial, step, loss, lr, index=None):
     """A member's report; returns whether it is decided on at it."""
     index = int(trial[1:]) if index is None else index
@@ -34,7 +42,7 @@ def test_asynchronous_pbt_decides_each_report_against_those_reported_so_far():
     decided = []
     for trial, loss, lr in (("t0", 3.0, 1e-2), ("t1", 4.0, 1e-3), ("t2", 5.0, 1e-4)):
         assert _report(pop, trial, 10, loss, lr)
-        decided.append(pop.decide(trial))
+        decided.append(_decide(pop, trial))
     # the first alone (go), the second the worse of two, the third the worst of three: both exploit t0's report
     assert decided[0] is None
     assert decided[1].donor == decided[2].donor == "t0" and decided[1].pin == "/pins/t0/10" == decided[2].pin
@@ -49,7 +57,7 @@ def test_no_decision_before_burn_in_or_within_an_interval_of_the_last():
     pop = _population(burn_in=20)
     assert not _report(pop, "t0", 10, 3.0, 1e-2)  # burn-in
     assert _report(pop, "t0", 20, 3.0, 1e-2)
-    pop.decide("t0")
+    _decide(pop, "t0")
     assert not _report(pop, "t0", 25, 3.0, 1e-2)  # 5 steps since its last decision
     assert _report(pop, "t0", 30, 3.0, 1e-2)
     assert not _report(pop, "t0", 40, 3.0, 1e-2)  # the end of the budget: nothing to decide
@@ -62,7 +70,7 @@ def test_quantiles_are_at_most_half_and_a_failed_member_ranks_last():
     pop.record("t3", 3, 10, None, {"optimizer.lr": 1e-3}, None, failed=True)
     lower, upper = pop.quantiles()
     assert [m.trial for m in lower] == ["t3", "t2"] and [m.trial for m in upper] == ["t1", "t0"]
-    decision = pop.decide("t3")
+    decision = _decide(pop, "t3")
     assert decision is not None and decision.donor in ("t0", "t1"), "a failed member is replaced by exploit"
 
 
@@ -91,7 +99,7 @@ def test_a_synchronous_round_goes_on_without_a_member_past_its_timeout_and_decid
     # the member that hung reports late: not held for a round that has passed, decided alone
     assert _report(pop, "t1", 10, 4.0, 1e-3)
     assert not pop.arrive("t1", now=62.0)
-    assert pop.decide("t1") is None  # ranked with all three: the middle one (t2 still ranks by its 5.0)
+    assert _decide(pop, "t1") is None  # ranked with all three: the middle one (t2 still ranks by its 5.0)
     assert pop.members["t1"].perturbed == 10 and pop.next_round == 20
 
 
@@ -118,7 +126,7 @@ def test_a_space_with_no_unused_configuration_left_still_explores():
     pop = _population(size=4, space=space, quantile_fraction=0.5)
     for i, kind in enumerate("abab"):
         pop.record(f"t{i}", i, 10, float(i), {"model.kind": kind}, f"/pins/t{i}")
-    decision = pop.decide("t3")  # every value is held: the last draw is kept
+    decision = _decide(pop, "t3")  # every value is held: the last draw is kept
     assert decision is not None and decision.values["model.kind"] in ("a", "b")
 
 
@@ -138,7 +146,7 @@ def test_a_population_rebuilt_from_the_lineage_decides_as_the_original():
                        "hparams": {"optimizer.lr": lr}, "pin": f"/pins/{trial}/{step}", "failed": False}
                 reports.append(row)
                 if pop.record(trial, int(trial[1]), step, loss, row["hparams"], row["pin"], when=row["time"]):
-                    d = pop.decide(trial)
+                    d = _decide(pop, trial)
                     if d is not None:
                         events.append({"time": row["time"] + 0.5, "trial": trial, "donor": d.donor, "step": d.step,
                                        "new_hparams": d.values, "donor_hparams": d.donor_hparams, "pin": d.pin,
@@ -175,7 +183,7 @@ def _pb2_proposals(space_raw: dict, best_log10_lr: float, proposals: int = 4) ->
     for _ in range(proposals):
         worst = min(pop.members.values(), key=lambda m: m.score if m.pin else math.inf)
         trial = f"t{[i for i in range(6) if f't{i}' == worst.trial][0]}"
-        decision = pop.decide(trial)
+        decision = _decide(pop, trial)
         assert decision is not None
         out.append(decision.values)
         pop.record(trial, int(trial[1]), 50, loss[int(trial[1])], {"optimizer.lr": lrs[int(trial[1])], "train.accum": 4}, f"/pins/{trial}/50b")
@@ -280,12 +288,12 @@ def test_a_member_that_finished_its_budget_is_no_donor():
     _report(pop, "t0", 40, 1.0, 1e-2)  # done
     _report(pop, "t1", 30, 2.0, 1e-3)
     assert _report(pop, "t2", 30, 5.0, 1e-4)
-    decision = pop.decide("t2")
+    decision = _decide(pop, "t2")
     assert decision is None or decision.donor == "t1"
     pop2 = _population(size=2, quantile_fraction=0.5)
     _report(pop2, "t0", 40, 1.0, 1e-2)
     assert _report(pop2, "t1", 30, 5.0, 1e-4)
-    assert pop2.decide("t1") is None, "the only better member has finished: no exploit"
+    assert _decide(pop2, "t1") is None, "the only better member has finished: no exploit"
 
 
 # ------------------------------------------------------------------------- PB2 at any history length
@@ -314,7 +322,7 @@ def test_pb2_fits_the_newest_window_of_its_history_and_decides_as_before_within_
     def decide(window, reports):
         pop = _pop_with_gp(window, reports)
         worst = min(pop.members.values(), key=lambda m: m.score).trial
-        return pop, pop.decide(worst)
+        return pop, _decide(pop, worst)
 
     short = 1 + PB2_WINDOW // 6 - 1  # (reports - 1) x 6 points, within the window
     bounded, d1 = decide(PB2_WINDOW, short)
@@ -324,7 +332,7 @@ def test_pb2_fits_the_newest_window_of_its_history_and_decides_as_before_within_
     assert long.points > 2 * PB2_WINDOW and len(long.history) == long.gp.size == PB2_WINDOW
     fit = long.gp
     second = [m for m in long.members.values() if m.pin is not None][0].trial
-    long.decide(second)
+    _decide(long, second)
     assert long.gp is fit, "no new point since the last fit: not fit again"
 
 
@@ -336,28 +344,35 @@ def _pop_with_gp(window=None, reports=6):
     return pop
 
 
-def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_fit(monkeypatch):
-    """The actor fits PB2's GP in a thread: while a fit blocks (until the test releases it), another member's
-    report and its decision are answered; the waiting member's decision comes once the fit ends, and a
-    second recipient deciding meanwhile shares that one fit. With a fit in hand a recipient is answered at
-    once, and the next fit waits as long as the last took (here an hour)."""
-    import asyncio
+def _fit_when_released(started, release, job):
+    """In the actor's fit process: a fit that starts when the test says so (events of a manager)."""
     import dataclasses
-    import threading
 
-    from search import population as population_module
-    from search.population import GPFit, PopulationActor
+    started.set()
+    assert release.wait(30)
+    return dataclasses.replace(job(), seconds=3600.0)
 
-    started, release, fits = threading.Event(), threading.Event(), []
-    real_fit = GPFit.fit.__func__
 
-    def blocking_fit(cls, *args, **kwargs):
-        fits.append(args[-1])
-        started.set()
-        assert release.wait(30)
-        return dataclasses.replace(real_fit(cls, *args, **kwargs), seconds=3600.0)
+def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_fit(monkeypatch):
+    """The actor fits PB2's GP in a process of its own: while a fit blocks there (until the test releases it),
+    another member's report and its decision are answered; the waiting member's decision comes once the fit
+    ends, and a second recipient deciding meanwhile shares that one fit. With a fit in hand a recipient is
+    answered at once, and the next fit waits as long as the last took (here an hour)."""
+    import asyncio
+    import multiprocessing
+    from functools import partial
 
-    monkeypatch.setattr(population_module.GPFit, "fit", classmethod(blocking_fit))
+    from search.population import Population, PopulationActor
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    started, release, fits = manager.Event(), manager.Event(), []
+    real_job = Population.fit_job
+
+    def blocking_job(self):
+        fits.append(self.points)
+        return partial(_fit_when_released, started, release, real_job(self))
+
+    monkeypatch.setattr(Population, "fit_job", blocking_job)
 
     async def scenario():
         actor = PopulationActor(_pop_with_gp())
@@ -365,7 +380,7 @@ def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_
         ranked = sorted(pop.members.values(), key=lambda m: m.score)
         (worst, ws), (second, ss), (best, bs) = ((m, m.step + 10) for m in (ranked[0], ranked[1], ranked[-1]))
         assert await actor.report(worst.trial, worst.index, ws, -worst.score + 0.5, dict(worst.hparams), "/p/w") is None
-        await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)  # the fit runs, blocked
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 60)  # the fit runs, blocked
         # the best member reports and is answered (go) while the fit is blocked
         assert await actor.report(best.trial, best.index, bs, -best.score - 0.01, dict(best.hparams), "/p/b") == "go"
         assert await actor.decision(worst.trial, ws, 0.01) is None, "its decision waits for the fit"
@@ -382,8 +397,10 @@ def test_a_report_is_answered_while_a_pb2_fit_runs_and_the_decision_follows_the_
         assert await actor.decision(worst.trial, ws2, 0.01) is None, "answered once"
         assert len(fits) == 1 and actor.fitting is None
         actor.fit_timer.cancel()
+        actor.pool.shutdown()
 
-    asyncio.run(scenario())
+    with manager:
+        asyncio.run(scenario())
 
 
 def test_a_synchronous_round_decides_each_member_once():
@@ -402,6 +419,8 @@ def test_a_synchronous_round_decides_each_member_once():
         assert answers[:3] == ["go"] * 3 and answers[3]["donor"] == "t0"
         assert [m.decisions for m in actor.population.members.values()] == [1, 1, 1, 1]
         assert await actor.decision("t3", 10, 0.01) is None, "answered once, never decided again"
+        assert actor.population.exploits == 0, "an exploit counts once its trial took it"
+        await actor.taken("t3", answers[3]["exploit_id"], True)
         assert actor.population.exploits == 1 and [m.decisions for m in actor.population.members.values()] == [1] * 4
 
     asyncio.run(scenario())
@@ -416,7 +435,7 @@ def test_replay_gives_a_recipient_the_perturbation_step_its_decision_gave_though
     def report(trial, step, loss, lr, t, row_at=None):
         rows.append({"time": t, "trial": trial, "step": step, "metric": loss, "hparams": {"optimizer.lr": lr},
                      "pin": f"/pins/{trial}/{step}"})
-        d = live.decide(trial) if _report(live, trial, step, loss, lr) else None
+        d = _decide(live, trial) if _report(live, trial, step, loss, lr) else None
         if d is not None:  # the exploit's row, written by the trial once it holds the pin
             events.append({"time": row_at or t + 0.5, "trial": trial, "donor": d.donor, "step": d.step,
                            "new_hparams": d.values, "donor_hparams": d.donor_hparams, "pin": d.pin,
@@ -435,3 +454,54 @@ def test_replay_gives_a_recipient_the_perturbation_step_its_decision_gave_though
     older = _population(size=3, quantile_fraction=0.34)  # rows written before they carried it: the donor's now
     older.replay(rows, [{k: v for k, v in e.items() if k != "perturbed"} for e in events], {"t0": 0, "t1": 1, "t2": 2})
     assert older.members["t2"].perturbed == 20
+
+
+@pytest.mark.parametrize("pruned", [True, False])
+def test_a_donor_pin_pruned_between_decision_and_adoption_leaves_population_lineage_and_replay_agreeing(
+    tmp_path, pruned
+):
+    """As trials run it (search/trial.py): each report pinned and logged, then handed to the rule; the
+    recipient adopts the donor's pin (`take_exploit`) and says whether it took it. The donor prunes that pin
+    between the decision and the adoption: no exploit row, the member as before the decision, and the
+    population rebuilt from the lineage equals the live one; the member then reports on and is decided again."""
+    from search.lineage import LineageLog, collect
+    from search.member import take_exploit
+    from search.pins import Pins
+
+    live = _population(size=3, quantile_fraction=0.34)
+    logs = {t: LineageLog(tmp_path, t) for t in ("t0", "t1", "t2")}
+    pins = {t: Pins(tmp_path / "runs" / t, keep=1) for t in logs}
+
+    def report(trial, step, loss, lr):
+        step_dir = tmp_path / "train" / trial / f"step_{step:08d}"
+        step_dir.mkdir(parents=True)
+        (step_dir / "model.pt").write_bytes(b"w")
+        hparams = {"optimizer.lr": lr}
+        pin = pins[trial].make(step_dir, {"trial": trial, "step": step, "hparams": hparams, "step_dir": step_dir.name})
+        logs[trial].report(step, loss, hparams, failed=False, pin=str(pin), member=int(trial[1]))
+        return live.record(trial, int(trial[1]), step, loss, hparams, str(pin)) and live.decide(trial)
+
+    def rebuilt():
+        reports, events = collect(tmp_path)
+        pop = _population(size=3, quantile_fraction=0.34)
+        pop.replay(reports, events, {t: int(t[1]) for t in logs})
+        return pop.state()
+
+    assert not report("t1", 10, 2.0, 1e-3) and not report("t0", 10, 1.0, 1e-2)  # the better: no exploit
+    decision = report("t2", 10, 5.0, 1e-4)
+    assert decision and decision.donor == "t0"
+    if pruned:
+        report("t0", 20, 0.9, 1e-2)  # keep=1: the donor's pin at 10 goes
+    taken = take_exploit(decision.as_dict(), pins["t2"], logs["t2"], SPACE, ())
+    live.taken("t2", decision.exploit_id, taken is not None)
+    assert (taken is None) == pruned and logs["t2"].exploits() == (0 if pruned else 1)
+    assert live.exploits == (0 if pruned else 1) and not live.pending
+    assert rebuilt() == live.state()
+    t2 = live.members["t2"]
+    assert (t2.step, t2.hparams["optimizer.lr"]) == ((10, 1e-4) if pruned else (10, decision.values["optimizer.lr"]))
+    assert (t2.pin is None) != pruned, "its own pin back, or none until it reports from the donor's"
+    lr = t2.hparams["optimizer.lr"]
+    again = report("t2", 20, 4.0, lr)
+    assert again and again.donor == "t0" and live.members["t2"].decisions == 2, "decided again at its next report"
+    live.taken("t2", again.exploit_id, take_exploit(again.as_dict(), pins["t2"], logs["t2"], SPACE, ()) is not None)
+    assert rebuilt() == live.state() and live.exploits == logs["t2"].exploits() == (1 if pruned else 2)
