@@ -77,8 +77,8 @@ class BoundedExplore:
     """PBT's explore step: the donor's values explored inside the space (`SearchSpace.explore`: by kind,
     reflected at the bounds, neighbours for lists). An explored configuration never equals one another
     member holds (`avoid`): it is drawn again, up to `REDRAWS` times. Without that a value at a bound stays
-    there under every perturbation (weight decay 0 x 1.2 is 0), and two recipients of one donor trained the
-    same configuration for the rest of the run (`make demo`, issue 25). Where the space has no unused
+    there under every perturbation (weight decay 0 x 1.2 is 0), and two recipients of one donor would train the
+    same configuration for the rest of the run. Where the space has no unused
     configuration left (a small categorical space), the last draw is kept."""
 
     REDRAWS = 32
