@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from trainers._base import ConfigError
-from trainers.config import RunConfig, with_values
+from trainers.config import MemoryConfig, RunConfig, with_values
 from trainers.plan import (
     USABLE_FRACTION,
     MemoryChange,
@@ -39,7 +39,7 @@ from trainers.plan import (
     replan,
 )
 
-__all__ = ["FitChoice", "device_memory_bytes", "fit_for_this_rank", "fit_memory", "resolve_fit"]
+__all__ = ["FitChoice", "device_memory_bytes", "fit_memory", "resolve_fit"]
 
 @dataclass
 class FitChoice:
@@ -68,10 +68,10 @@ def _get(raw: dict[str, Any], dotted: str) -> Any:
     return raw
 
 
-def device_memory_bytes(cfg: RunConfig, device: torch.device, local_ranks: int = 1) -> tuple[int, str]:
-    """Bytes one rank may plan for, and where the figure came from."""
-    if cfg.memory.device_memory is not None:
-        return parse_bytes(cfg.memory.device_memory, "memory.device_memory"), "memory.device_memory"
+def device_memory_bytes(memory: MemoryConfig, device: torch.device, local_ranks: int = 1) -> tuple[int, str]:
+    """Bytes one rank may plan for (`memory.device_memory`, else the device's), and where the figure came from."""
+    if memory.device_memory is not None:
+        return parse_bytes(memory.device_memory, "memory.device_memory"), "memory.device_memory"
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory), f"{device}'s total memory"
     available = _mem_available()
@@ -137,24 +137,17 @@ def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: 
     return FitChoice(trial, sets, peak, device_bytes, source, raw, why + ")")
 
 
-def fit_for_this_rank(cfg: RunConfig) -> FitChoice:
-    """`fit_memory` for the running process group (or this process alone), on this rank's device."""
+def resolve_fit(cfg: RunConfig) -> tuple[RunConfig, FitChoice | None]:
+    """The final config of this rank's run: with `memory.fit: auto`, the one `fit_memory` chose for the running
+    process group (or this process alone) on this rank's device, marked `memory.fit: off` (it is what runs:
+    resolving it again changes nothing), and the choice; `cfg` itself and None otherwise."""
+    if cfg.memory.fit != "auto":
+        return cfg, None
     import torch.distributed as dist
 
     from trainers.parallel.distributed import device_for_rank
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    device = device_for_rank()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device_bytes, source = device_memory_bytes(cfg, device, local)
-    return fit_memory(cfg, world, device.type, device_bytes, source)
-
-
-def resolve_fit(cfg: RunConfig) -> tuple[RunConfig, FitChoice | None]:
-    """The final config of this rank's run: with `memory.fit: auto`, the one `fit_for_this_rank` chose,
-    marked `memory.fit: off` (it is what runs: resolving it again changes nothing), and the choice; `cfg`
-    itself and None otherwise."""
-    if cfg.memory.fit != "auto":
-        return cfg, None
-    choice = fit_for_this_rank(cfg)
+    device, local = device_for_rank(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    choice = fit_memory(cfg, world, device.type, *device_memory_bytes(cfg.memory, device, local))
     return with_values(choice.cfg, {"memory.fit": "off"}), choice

@@ -485,13 +485,12 @@ def check_layout(cfg: RunConfig) -> None:
             f"fix: use an ep that divides it"
         )
     if par.tp > 1:
-        _check_tp(cfg)
+        _check_tp(par.tp, model, cfg.data.seq_len, cfg.precision.dtype)
 
 
-def _check_tp(cfg: RunConfig) -> None:
-    """Tensor parallelism splits heads and the FFN's hidden units into tp equal parts (the vocabulary into
-    parts as equal as torch.chunk makes them: a vocabulary of 257 is split 129 + 128)."""
-    tp, model = cfg.parallel.tp, cfg.model
+def _check_tp(tp: int, model: ModelConfig, seq_len: int, dtype: str) -> None:
+    """Tensor parallelism over `tp` ranks splits heads, the FFN's hidden units and each sequence of `seq_len`
+    tokens into tp equal parts (the vocabulary as torch.chunk splits it: 257 into 129 + 128)."""
     sizes = [("model.n_heads", model.n_heads), ("the KV heads (model.n_kv_heads)", model.kv_heads)]
     sizes += [("the FFN hidden size", model.hidden_dim)]
     for what, size in sizes:
@@ -501,9 +500,9 @@ def _check_tp(cfg: RunConfig) -> None:
                 f"parallel.tp={tp} does not divide {what} = {size} (tensor parallelism splits it into tp "
                 f"equal parts); fix: use tp in {divisors or [1]} or change the model"
             )
-    if cfg.data.seq_len % tp:
+    if seq_len % tp:
         raise ConfigError(
-            f"parallel.tp={tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallelism splits "
+            f"parallel.tp={tp} does not divide data.seq_len={seq_len} (sequence parallelism splits "
             f"each sequence over the tp ranks); fix: use a seq_len that is a multiple of {tp}"
         )
     if model.tie_embeddings:
@@ -517,7 +516,7 @@ def _check_tp(cfg: RunConfig) -> None:
             "not built yet); fix: start the run at tp=1 (save a checkpoint, e.g. train.steps=0) and resume it "
             "with parallel.tp set: checkpoints reshard across tp"
         )
-    if cfg.precision.dtype == "fp16":
+    if dtype == "fp16":
         raise ConfigError(
             "precision.dtype=fp16 with parallel.tp > 1 (the loss scaler does not see tensor-parallel "
             "gradients); fix: use precision.dtype=bf16 or fp32"

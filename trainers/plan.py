@@ -315,19 +315,6 @@ def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widt
     return int(tokens * rows * (f + model.dim) * w.compute) + stacked * weight_grads
 
 
-# ------------------------------------------------------------------------------------ parameters
-
-
-def _deepspeed_setting(cfg: RunConfig, key: str, default: int) -> int:
-    return int((cfg.parallel.deepspeed_extra.get("zero_optimization") or {}).get(key, default))
-
-
-def _small_params(cfg: RunConfig) -> int:
-    """Elements DeepSpeed stage 3 keeps whole (`stage3_param_persistence_threshold`)."""
-    threshold = _deepspeed_setting(cfg, "stage3_param_persistence_threshold", _DS_PERSISTENCE)
-    return sum(s.numel for s in param_shapes(cfg.model) if s.numel < threshold)
-
-
 # ------------------------------------------------------------------------------- pipeline ranks
 
 
@@ -341,21 +328,6 @@ class _Rank:
     embeds: bool
     head: bool
     in_flight: float
-
-
-def _ranks(cfg: RunConfig, lay: ParallelLayout) -> list[_Rank]:
-    """Blocks per pipeline rank as the pipeline engine splits them (by cost) and the layout assigns its
-    stages (`ParallelLayout.stage_ids`: looped or V-shaped)."""
-    if lay.pp == 1:
-        return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
-    stages = lay.num_stages
-    split = split_stages(block_costs(cfg.model, cfg.data.seq_len), stages)
-    out = []
-    for r in range(lay.pp):
-        ids = lay.stage_ids(pp_rank=r)
-        blocks = tuple(b for s in ids for b in split[s])
-        out.append(_Rank(r, blocks, 0 in ids, stages - 1 in ids, _in_flight(lay, r)))
-    return out
 
 
 def _in_flight(lay: ParallelLayout, r: int) -> float:
@@ -389,69 +361,6 @@ class _States:
     persistent_buffers: int = 0  # e.g. DDP's gradient buckets
 
 
-def _model_states(cfg: RunConfig, lay: ParallelLayout, dense: int, experts: int, w: Widths,
-                  device_type: DeviceType) -> _States:
-    """`dense`: parameters the data-parallel engine shards over dp; `experts`: this rank's expert
-    parameters when ep > 1 (kept whole: replicated over the dp/ep ranks holding the same experts)."""
-    engine, offload = cfg.parallel.engine, cfg.parallel.offload
-    n_opt = _OPTIMIZER_STATES.get(cfg.optimizer.name, 0)
-    if cfg.optimizer.name in ("sgd", "rmsprop"):
-        n_opt = (cfg.optimizer.momentum > 0) + (cfg.optimizer.name == "rmsprop")
-    dp = lay.dp
-    if engine == "deepspeed":
-        st = _deepspeed_states(cfg, dense, dp, n_opt, w)
-    elif engine == "fsdp":
-        shard = math.ceil(dense / dp) + experts
-        st = _States(4 * shard, 4 * shard, 4 * n_opt * shard)
-        if offload == "all":
-            st.host = {"parameters": st.parameters, "gradients": st.gradients, "optimizer": st.optimizer}
-            st.parameters = st.gradients = st.optimizer = 0
-    else:  # none, ddp: every rank holds everything in fp32 (autocast copies are activations)
-        full = dense + experts
-        st = _States(4 * full, 4 * full, 4 * n_opt * full)
-        if engine == "ddp":
-            st.persistent_buffers = 4 * full  # the reducer's flat gradient buckets
-    local = st.parameters // 4 if engine != "deepspeed" else 0
-    if local and n_opt:
-        # torch's foreach step (CUDA) makes one temporary per parameter (sqrt of the second moment);
-        # the per-tensor step (CPU) two of the largest tensor's size (this rank's tp share of it).
-        tp = lay.tp
-        largest = max(math.ceil(cfg.model.vocab_size / tp) * cfg.model.dim,
-                      cfg.model.dim * cfg.model.hidden_dim // tp)
-        largest = math.ceil(largest / dp) if engine == "fsdp" else largest  # a shard of it
-        st.step_temp = 4 * local if device_type == "cuda" else 2 * 4 * min(largest, local)
-        if cfg.optimizer.fused:  # one kernel per parameter, in place
-            st.step_temp = 0
-    return st
-
-
-def _deepspeed_states(cfg: RunConfig, p: int, dp: int, n_opt: int, w: Widths) -> _States:
-    """DeepSpeed ZeRO (stage_1_and_2.py, stage3.py): the module's parameters and gradients in the
-    training dtype (stage 3: its flat 16-bit gradient partition), an fp32 partition of the parameters and
-    the optimizer state; at the step an fp32 copy of the gradient partition. Persistent: the ZeRO paper's
-    (2 + 2 + 12) bytes/param at 16-bit; at the step 4 more."""
-    stage, offload, b = cfg.parallel.stage, cfg.parallel.offload, w.gathered
-    part = math.ceil(p / dp)
-    params = b * (part if stage == 3 else p)
-    grads = b * (part if stage >= 2 else p)
-    master = 4 * (part if stage >= 1 else (p if b == 2 else 0))
-    optimizer = 4 * n_opt * (part if stage >= 1 else p)
-    st = _States(params, grads, master + optimizer)
-    st.step_temp = 4 * part if stage >= 1 else 0
-    if stage >= 1:  # the reduce bucket; our engine caps it at the model's size (at least 1e6 elements)
-        st.persistent_buffers = b * int(min(_DEEPSPEED_BUCKET, max(param_count(cfg.model), 1e6)))
-    if stage == 3:  # parameters under the persistence threshold are also whole on every rank
-        st.parameters += b * _small_params(cfg)  # (next to their partition; bench/README.md, ZeRO section)
-    if offload != "none":  # ZeRO-Offload: fp32 master, optimizer and step on the CPU
-        st.host = {"optimizer": master + optimizer + st.step_temp}
-        st.optimizer, st.step_temp = 0, 0
-        if stage >= 2:  # the gradient partition is accumulated in CPU memory (fp32)
-            st.host["gradients"], st.gradients = 4 * part, 0
-    if offload == "all":
-        st.host["parameters"], st.parameters = st.parameters, 0
-    return st
-
-
 # --------------------------------------------------------------------------------------- the plan
 
 
@@ -482,24 +391,20 @@ def plan_memory(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda
     """Peak memory per rank of one training step of `cfg` on `world_size` ranks (the worst rank).
     `grads_kept`: a loop that zeroes gradients instead of freeing them (`zero_grad(set_to_none=False)`,
     as the seed's naive loop) holds every gradient through the step; the Trainer frees them."""
-    if world_size < 1:
-        raise ConfigError(f"world size {world_size} must be at least 1; fix: the number of ranks, e.g. 8")
-    lay = ParallelLayout.of(cfg, world_size)  # every layout rule: the same line as the workers'
-    plans = [_RankPlanner(cfg, lay, rank, device_type, grads_kept).plan() for rank in _ranks(cfg, lay)]
-    return max(plans, key=lambda p: p.peak_bytes)
+    return _Planner(cfg, world_size, device_type).plan(grads_kept)
 
 
 _Moment = tuple[dict[str, int], dict[str, int]]  # (bytes by kind except buffers, buffers by name)
 
 
 class _RankPlanner:
-    """The moments of one pipeline rank's step (all ranks alike without a pipeline)."""
+    """The moments of one pipeline rank's step (all ranks alike without a pipeline), in its run's `_Planner`."""
 
-    def __init__(self, cfg: RunConfig, lay: ParallelLayout, rank: _Rank, device_type: DeviceType,
-                 grads_kept: bool = False):
-        self.cfg, self.lay, self.rank, self.device_type = cfg, lay, rank, device_type
-        self.grads_kept = grads_kept
-        model, self.w, seq, tp, ep = cfg.model, widths(cfg), cfg.data.seq_len, lay.tp, lay.ep
+    def __init__(self, planner: _Planner, rank: _Rank, grads_kept: bool = False):
+        cfg, lay, device_type = planner.cfg, planner.lay, planner.device_type
+        self.planner, self.cfg, self.lay, self.device_type = planner, cfg, lay, device_type
+        self.rank, self.grads_kept = rank, grads_kept
+        model, self.w, seq, tp, ep = cfg.model, planner.w, cfg.data.seq_len, lay.tp, lay.ep
         self.tokens = lay.microbatch_size * seq  # whole sequences: what attention and the MLP see
         # The residual stream between blocks: this rank's sequence shard under tensor parallelism.
         self.shard_tokens = int(_sequence_shard(self.tokens, tp, seq))
@@ -521,8 +426,10 @@ class _RankPlanner:
             self.kept = {b: self.block_input for b in rank.blocks}
         self.saved = {b: self.kept[b] if b in self.checkpointed else self.full[b] for b in rank.blocks}
         # token ids and targets (int64); under tp the vocabulary-parallel embedding also keeps its masked ids
-        self.edge = (self.tokens * (16 if tp == 1 else 24) if rank.embeds else 0) + (
-            _head_saved(model, self.tokens, self.w, tp, seq, self.chunk, self.compiled_loss) if rank.head else 0)
+        self.head_saved = (_head_saved(model, self.tokens, self.w, tp, seq, self.chunk, self.compiled_loss)
+                           if rank.head else 0)
+        self.token_ids = self.tokens * (16 if tp == 1 else 24) if rank.embeds else 0
+        self.edge = self.token_ids + self.head_saved
         # Parameters (trainers.models.flops: this rank's tp share of each tensor): `sharded` ones go
         # through the data-parallel engine; with ep > 1 the experts are kept whole on their ep rank
         # instead (1/ep of each MoE layer's experts, and 1/tp of their hidden units).
@@ -537,7 +444,7 @@ class _RankPlanner:
         self.head = sum(s.local_numel(tp) for s in head_shapes(model)) if rank.head else 0
         self.params = sum(self.local.values()) + self.root  # this rank's stage, unsharded
         dense = sum(self.sharded.values()) + self.root
-        self.states = _model_states(cfg, lay, dense, self.params - dense, self.w, device_type)
+        self.states = planner.model_states(dense, self.params - dense)
         self.grad_per_param = self.states.gradients / max(self.params, 1)
         self.others = (rank.in_flight - 1) * (sum(self.saved.values()) + self.edge)  # other micro-batches
 
@@ -600,9 +507,8 @@ class _RankPlanner:
     def _deepspeed_keeps_gathered(self) -> bool:
         """DeepSpeed stage 3 keeps a parameter gathered from forward to backward when the elements fetched
         in between (at most twice the stage's) stay within `stage3_max_reuse_distance` (1e9)."""
-        cfg = self.cfg
-        return cfg.parallel.engine == "deepspeed" and 2 * self.params <= _deepspeed_setting(
-            cfg, "stage3_max_reuse_distance", _DS_REUSE)
+        return self.cfg.parallel.engine == "deepspeed" and 2 * self.params <= self.planner.deepspeed_setting(
+            "stage3_max_reuse_distance", _DS_REUSE)
 
     @property
     def _fsdp(self) -> bool:
@@ -612,8 +518,7 @@ class _RankPlanner:
 
     def _earlier(self, b: int) -> int:
         """Saved activations of the blocks before b and the token ids (the loss's are freed by its backward)."""
-        acts = sum(self.saved[x] for x in self.rank.blocks if x < b)
-        return acts + (self.tokens * (16 if self.lay.tp == 1 else 24) if self.rank.embeds else 0)
+        return sum(self.saved[x] for x in self.rank.blocks if x < b) + self.token_ids
 
     def _kinds(self, gradients: float, activations: float) -> dict[str, int]:
         return {"parameters": self.states.parameters, "gradients": int(gradients),
@@ -692,16 +597,14 @@ class _RankPlanner:
                 "blocks": len(rank.blocks),
                 "micro_batch_tokens": self.tokens,
                 "in_flight_microbatches": rank.in_flight,
-                "loss_and_head_bytes": _head_saved(self.cfg.model, self.tokens, self.w, self.lay.tp,
-                                                   self.cfg.data.seq_len, self.chunk,
-                                                   self.compiled_loss) if rank.head else 0,
+                "loss_and_head_bytes": self.head_saved,
                 "selective_kept_block_bytes": ({str(b): self.kept[b] for b in rank.blocks}
                                                if self.cfg.memory.ac_selective else None),
                 "residual_stream_tokens": self.shard_tokens,
             },
             moe=self._moe(),
             moments=totals,
-            assumptions=_assumptions(self.cfg, self.lay, self.device_type),
+            assumptions=self.planner.assumptions(),
         )
 
     def _moe(self) -> dict[str, Any] | None:
@@ -719,29 +622,6 @@ class _RankPlanner:
                                                             for b in self.rank.blocks) + whole_root, 1),
             "kept_assignments_per_token": _kept_per_token(self.cfg.model, self.tokens),
         }
-
-
-def _assumptions(cfg: RunConfig, lay: ParallelLayout, device_type: DeviceType) -> list[str]:
-    out = [f"optimizer step temporaries of torch's {'foreach' if device_type == 'cuda' else 'per-tensor'} "
-           f"implementation ({device_type})"]
-    if device_type == "cuda":
-        out.append("CUDA: cuBLAS/cuBLASLt workspaces from the caching allocator; the CUDA context (~0.5 GiB) and "
-                   "the allocator's fragmentation are left to the usable fraction's margin")
-        if cfg.train.compile:
-            out.append("train.compile: dense blocks save what inductor's partitioner keeps (matmul inputs and "
-                       "outputs), not eager's per-op casts and norm internals")
-    if cfg.model.moe is not None:
-        out.append("MoE routing balanced: each expert gets tokens * top_k / num_experts assignments")
-    if lay.ep > 1:
-        out.append("experts are kept out of FSDP and whole on their ep rank")
-    if lay.pp > 1:
-        out.append(f"pipeline: {lay.pipeline_schedule}, {lay.microbatches} microbatches of train.micro_batch_size")
-    if lay.tp > 1:
-        out.append(f"tensor parallelism over {lay.tp} ranks with sequence parallelism: norms and the residual "
-                   f"stream on 1/tp of the tokens; heads, FFN/expert hidden units and the vocabulary split; the "
-                   f"all-gathered inputs of q/k/v, gate/up (or the MoE) and the head saved whole (torch's "
-                   f"DTensor keeps them; Megatron re-gathers them in backward)")
-    return out
 
 
 def layout_dict(lay: ParallelLayout) -> dict[str, Any]:
@@ -778,38 +658,12 @@ def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: D
     """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, re-plan the rungs
     of the memory ladder, cheapest first, and name the first that fits. `gpus_per_node` bounds the tensor-
     parallel degrees suggested (a tp group stays inside a node)."""
-    plan = plan_memory(cfg, world_size, device_type)
-    usable = int(device_memory * USABLE_FRACTION)
+    planner = _Planner(cfg, world_size, device_type)
+    plan, usable = planner.plan(), int(device_memory * USABLE_FRACTION)
     fits = plan.peak_bytes <= usable
-    candidates = [] if fits else _candidates(cfg, world_size, device_type, usable, raw, gpus_per_node)
+    candidates = [] if fits else planner.candidates(usable, raw, gpus_per_node)
     change = next((c for c in candidates if c["fits"]), None)
     return RunPlan(plan, device_memory, usable, fits, change, candidates)
-
-
-def _candidates(cfg: RunConfig, world_size: int, device_type: DeviceType, usable: int,
-                raw: dict[str, Any] | None, gpus_per_node: int = GPUS_PER_NODE) -> list[dict[str, Any]]:
-    """Each rung of the ladder alone, in its order; if none fits, rungs added up greedily in that order (a
-    rung joins when it lowers the peak). A rung that is not a valid run (e.g. a tp that does not divide the
-    heads) is left out."""
-    raw = raw if raw is not None else json.loads(cfg.model_dump_json())
-    ladder, out = memory_ladder(cfg, world_size, device_type, gpus_per_node), []
-    for change in ladder:
-        planned = replan(raw, change.sets, world_size, device_type)
-        if planned is not None:
-            peak = planned[1]
-            out.append({"set": change.sets, "why": change.why, "peak_bytes": peak, "fits": peak <= usable})
-            if peak <= usable:
-                return out
-    combined, best = {}, plan_memory(cfg, world_size, device_type).peak_bytes
-    for change in ladder:
-        trial = {**combined, **change.sets}
-        planned = replan(raw, trial, world_size, device_type)
-        if planned is not None and planned[1] < best:
-            combined, best = trial, planned[1]
-            out.append({"set": trial, "why": "together: " + change.why, "peak_bytes": best, "fits": best <= usable})
-            if best <= usable:
-                return out
-    return out
 
 
 # ------------------------------------------------------------------------------ the memory ladder
@@ -847,96 +701,14 @@ def memory_ladder(cfg: RunConfig, world_size: int, device_type: DeviceType = "cu
     term by tp but puts 4 activation all-gathers / reduce-scatters per block in forward and as many in
     backward, not overlapped, so only within a node's NVLink), more pipeline stages (the bubble (p-1)/m
     grows), CPU offload (the step moves to the host over PCIe)."""
-    activations = _activation_changes(cfg, world_size, device_type)
-    return [
-        *(c for c in activations if c.cost < CHEAP_COST),
-        *_sharding_changes(cfg, world_size),
-        *(c for c in activations if c.cost >= CHEAP_COST),
-        *_critical_path_changes(cfg, world_size, gpus_per_node),
-    ]
-
-
-def _activation_changes(cfg: RunConfig, world_size: int, device_type: DeviceType) -> list[MemoryChange]:
-    """The rungs that lower the activations' peak without touching the model states (the global batch is
-    kept), each priced by `predicted_step_s` against the run as written and sorted by that price (stable:
-    at equal prices the order below). A rung that is not a valid run (e.g. a micro-batch a pipeline
-    refuses) is left out."""
-    out: list[tuple[dict[str, Any], str]] = []
-    if not cfg.memory.loss_chunk:
-        from trainers.loss import chunk_tokens  # torch's module: a plan that needs no chunk reads without it
-
-        chunk = chunk_tokens(cfg.model.vocab_size, device_type)
-        out.append(({"memory.loss_chunk": chunk}, f"chunk the output projection and loss, {chunk} tokens a "
-                     f"chunk (no tokens x vocab logits)"))
-    mb = cfg.train.micro_batch_size
-    for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
-        out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
-                     f"same global batch)"))
-    if cfg.memory.activation_checkpointing == "off":
-        out.append(({"memory.activation_checkpointing": "selective"}, "selective activation checkpointing "
-                     "(recompute norms, SwiGLU and RoPE; keep the matmuls' outputs)"))
-    if cfg.memory.ac_every != 1:
-        out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
-    raw = json.loads(cfg.model_dump_json())
-    base = predicted_step_s(cfg, world_size, device_type)
-    priced = []
-    for sets, why in out:
-        try:
-            cost = predicted_step_s(_changed(raw, sets), world_size, device_type) / base - 1
-        except ConfigError:
-            continue
-        priced.append(MemoryChange(sets, why, cost, activations=True))
-    return sorted(priced, key=lambda c: c.cost)
-
-
-def _sharding_changes(cfg: RunConfig, world_size: int) -> list[MemoryChange]:
-    """Shard the model states further: a higher ZeRO stage, FSDP instead of DDP, gradients accumulated in
-    the shards."""
-    par, out = cfg.parallel, []
-    if par.engine == "fsdp" and par.stage == 2:
-        out.append(MemoryChange({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters "
-                                "after forward"))
-    if par.engine == "deepspeed" and par.stage < 3:
-        out += [MemoryChange({"parallel.zero_stage": s}, f"raise the ZeRO stage to {s}")
-                for s in range(par.stage + 1, 4)]
-    if par.engine == "ddp" and par.pp == 1:
-        out.append(MemoryChange({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
-                                "shard the model states: FSDP (ZeRO-3) instead of DDP"))
-    dp = world_size // (par.pp * par.tp) if world_size % (par.pp * par.tp) == 0 else 0
-    whole = cfg.train.global_batch_size // dp if dp and cfg.train.global_batch_size % dp == 0 else 0
-    if par.engine == "fsdp" and par.pp == 1 and whole > cfg.train.micro_batch_size and not par.sharded_accumulation:
-        # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
-        out.append(MemoryChange({"parallel.grad_accumulation": "sharded"}, "accumulate gradients in the shards "
-                                "(a reduce-scatter per micro-batch)"))
-    return out
-
-
-def _critical_path_changes(cfg: RunConfig, world_size: int, gpus_per_node: int) -> list[MemoryChange]:
-    """Split the model over more ranks (tensor parallelism inside a node, more pipeline stages) or move its
-    states to the host."""
-    par, out = cfg.parallel, []
-    if par.engine == "fsdp":
-        for more in (par.tp * 2, par.tp * 4, par.tp * 8):  # a tp group must sit inside a node: tp divides its GPUs
-            if gpus_per_node % more == 0 and world_size % (par.pp * more) == 0:
-                was = f" instead of {par.tp}" if par.tp > 1 else ""
-                out.append(MemoryChange({"parallel.tp": more}, f"tensor parallelism over {more} GPUs of a node{was} "
-                                        f"(activation collectives in every block, on the node's links)"))
-        for more in (par.pp * 2, par.pp * 4):
-            if world_size % more == 0:
-                out.append(MemoryChange({"parallel.pp": more}, f"{more} pipeline stages instead of {par.pp}"))
-        if par.offload == "none":
-            out.append(MemoryChange({"parallel.offload": "all"},
-                                    "FSDP CPU offload of parameters, gradients and optimizer"))
-    if par.engine == "deepspeed" and par.offload == "none":
-        out.append(MemoryChange({"parallel.offload": "optimizer"}, "DeepSpeed CPU offload of the optimizer"))
-    return out
+    return _Planner(cfg, world_size, device_type).ladder(gpus_per_node)
 
 
 def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda"
                    ) -> list[tuple[dict[str, Any], str, float]]:
     """The ladder's activation rungs as (settings, why, cost) tuples, cheapest first (the name and shape
     from before `memory_ladder`; kept for callers of it)."""
-    return [(c.sets, c.why, c.cost) for c in _activation_changes(cfg, world_size, device_type)]
+    return [(c.sets, c.why, c.cost) for c in _Planner(cfg, world_size, device_type).activation_changes()]
 
 
 def replan(raw: dict[str, Any], sets: dict[str, Any], world_size: int, device_type: DeviceType
@@ -954,6 +726,243 @@ def _changed(raw: dict[str, Any], sets: dict[str, Any]) -> RunConfig:
     return parse_config(apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
 
 
+# ------------------------------------------------------------------------------------ the planner
+
+
+class _Planner:
+    """One run at one world size: its config and layout, its pipeline ranks and the model states each holds, what
+    its plan assumes, and the rungs of its memory ladder. `_RankPlanner` plans each pipeline rank from it."""
+
+    def __init__(self, cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda"):
+        if world_size < 1:
+            raise ConfigError(f"world size {world_size} must be at least 1; fix: the number of ranks, e.g. 8")
+        self.cfg, self.world_size, self.device_type, self.w = cfg, world_size, device_type, widths(cfg)
+        self.lay = ParallelLayout.of(cfg, world_size)  # every layout rule: the same line as the workers'
+
+    def plan(self, grads_kept: bool = False) -> MemoryPlan:
+        """The plan of the rank with the largest peak."""
+        return max((_RankPlanner(self, r, grads_kept).plan() for r in self.ranks()), key=lambda p: p.peak_bytes)
+
+    def ranks(self) -> list[_Rank]:
+        """Blocks per pipeline rank as the pipeline engine splits them (by cost) and the layout assigns its
+        stages (`ParallelLayout.stage_ids`: looped or V-shaped)."""
+        cfg, lay = self.cfg, self.lay
+        if lay.pp == 1:
+            return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
+        stages = lay.num_stages
+        split = split_stages(block_costs(cfg.model, cfg.data.seq_len), stages)
+        out = []
+        for r in range(lay.pp):
+            ids = lay.stage_ids(pp_rank=r)
+            blocks = tuple(b for s in ids for b in split[s])
+            out.append(_Rank(r, blocks, 0 in ids, stages - 1 in ids, _in_flight(lay, r)))
+        return out
+
+    def model_states(self, dense: int, experts: int) -> _States:
+        """`dense`: parameters the data-parallel engine shards over dp; `experts`: this rank's expert
+        parameters when ep > 1 (kept whole: replicated over the dp/ep ranks holding the same experts)."""
+        cfg, dp = self.cfg, self.lay.dp
+        engine, offload = cfg.parallel.engine, cfg.parallel.offload
+        n_opt = _OPTIMIZER_STATES.get(cfg.optimizer.name, 0)
+        if cfg.optimizer.name in ("sgd", "rmsprop"):
+            n_opt = (cfg.optimizer.momentum > 0) + (cfg.optimizer.name == "rmsprop")
+        if engine == "deepspeed":
+            st = self.deepspeed_states(dense, n_opt)
+        elif engine == "fsdp":
+            shard = math.ceil(dense / dp) + experts
+            st = _States(4 * shard, 4 * shard, 4 * n_opt * shard)
+            if offload == "all":
+                st.host = {"parameters": st.parameters, "gradients": st.gradients, "optimizer": st.optimizer}
+                st.parameters = st.gradients = st.optimizer = 0
+        else:  # none, ddp: every rank holds everything in fp32 (autocast copies are activations)
+            full = dense + experts
+            st = _States(4 * full, 4 * full, 4 * n_opt * full)
+            if engine == "ddp":
+                st.persistent_buffers = 4 * full  # the reducer's flat gradient buckets
+        local = st.parameters // 4 if engine != "deepspeed" else 0
+        if local and n_opt:
+            # torch's foreach step (CUDA) makes one temporary per parameter (sqrt of the second moment);
+            # the per-tensor step (CPU) two of the largest tensor's size (this rank's tp share of it).
+            tp = self.lay.tp
+            largest = max(math.ceil(cfg.model.vocab_size / tp) * cfg.model.dim,
+                          cfg.model.dim * cfg.model.hidden_dim // tp)
+            largest = math.ceil(largest / dp) if engine == "fsdp" else largest  # a shard of it
+            st.step_temp = 4 * local if self.device_type == "cuda" else 2 * 4 * min(largest, local)
+            if cfg.optimizer.fused:  # one kernel per parameter, in place
+                st.step_temp = 0
+        return st
+
+    def deepspeed_states(self, p: int, n_opt: int) -> _States:
+        """DeepSpeed ZeRO (stage_1_and_2.py, stage3.py): the module's parameters and gradients in the
+        training dtype (stage 3: its flat 16-bit gradient partition), an fp32 partition of the parameters and
+        the optimizer state; at the step an fp32 copy of the gradient partition. Persistent: the ZeRO paper's
+        (2 + 2 + 12) bytes/param at 16-bit; at the step 4 more."""
+        stage, offload, b = self.cfg.parallel.stage, self.cfg.parallel.offload, self.w.gathered
+        part = math.ceil(p / self.lay.dp)
+        params = b * (part if stage == 3 else p)
+        grads = b * (part if stage >= 2 else p)
+        master = 4 * (part if stage >= 1 else (p if b == 2 else 0))
+        optimizer = 4 * n_opt * (part if stage >= 1 else p)
+        st = _States(params, grads, master + optimizer)
+        st.step_temp = 4 * part if stage >= 1 else 0
+        if stage >= 1:  # the reduce bucket; our engine caps it at the model's size (at least 1e6 elements)
+            st.persistent_buffers = b * int(min(_DEEPSPEED_BUCKET, max(param_count(self.cfg.model), 1e6)))
+        if stage == 3:  # parameters under the persistence threshold are also whole on every rank
+            st.parameters += b * self.small_params()  # (next to their partition; bench/README.md, ZeRO section)
+        if offload != "none":  # ZeRO-Offload: fp32 master, optimizer and step on the CPU
+            st.host = {"optimizer": master + optimizer + st.step_temp}
+            st.optimizer, st.step_temp = 0, 0
+            if stage >= 2:  # the gradient partition is accumulated in CPU memory (fp32)
+                st.host["gradients"], st.gradients = 4 * part, 0
+        if offload == "all":
+            st.host["parameters"], st.parameters = st.parameters, 0
+        return st
+
+    def deepspeed_setting(self, key: str, default: int) -> int:
+        """A `zero_optimization` setting of `parallel.deepspeed_extra`, else DeepSpeed's default."""
+        return int((self.cfg.parallel.deepspeed_extra.get("zero_optimization") or {}).get(key, default))
+
+    def small_params(self) -> int:
+        """Elements DeepSpeed stage 3 keeps whole (`stage3_param_persistence_threshold`)."""
+        threshold = self.deepspeed_setting("stage3_param_persistence_threshold", _DS_PERSISTENCE)
+        return sum(s.numel for s in param_shapes(self.cfg.model) if s.numel < threshold)
+
+    def assumptions(self) -> list[str]:
+        """What the plan takes for granted, one line each, as `raytrain plan` lists them."""
+        cfg, lay, device_type = self.cfg, self.lay, self.device_type
+        out = [f"optimizer step temporaries of torch's {'foreach' if device_type == 'cuda' else 'per-tensor'} "
+               f"implementation ({device_type})"]
+        if device_type == "cuda":
+            out.append("CUDA: cuBLAS/cuBLASLt workspaces from the caching allocator; the CUDA context (~0.5 GiB) "
+                       "and the allocator's fragmentation are left to the usable fraction's margin")
+            if cfg.train.compile:
+                out.append("train.compile: dense blocks save what inductor's partitioner keeps (matmul inputs and "
+                           "outputs), not eager's per-op casts and norm internals")
+        if cfg.model.moe is not None:
+            out.append("MoE routing balanced: each expert gets tokens * top_k / num_experts assignments")
+        if lay.ep > 1:
+            out.append("experts are kept out of FSDP and whole on their ep rank")
+        if lay.pp > 1:
+            out.append(f"pipeline: {lay.pipeline_schedule}, {lay.microbatches} microbatches of "
+                       "train.micro_batch_size")
+        if lay.tp > 1:
+            out.append(f"tensor parallelism over {lay.tp} ranks with sequence parallelism: norms and the "
+                       "residual stream on 1/tp of the tokens; heads, FFN/expert hidden units and the vocabulary "
+                       "split; the all-gathered inputs of q/k/v, gate/up (or the MoE) and the head saved whole "
+                       "(torch's DTensor keeps them; Megatron re-gathers them in backward)")
+        return out
+
+    # ------------------------------------------------------------------------- the memory ladder
+
+    def ladder(self, gpus_per_node: int = GPUS_PER_NODE) -> list[MemoryChange]:
+        """`memory_ladder`'s rungs, in its order."""
+        activations = self.activation_changes()
+        return [
+            *(c for c in activations if c.cost < CHEAP_COST),
+            *self.sharding_changes(),
+            *(c for c in activations if c.cost >= CHEAP_COST),
+            *self.critical_path_changes(gpus_per_node),
+        ]
+
+    def candidates(self, usable: int, raw: dict[str, Any] | None,
+                   gpus_per_node: int = GPUS_PER_NODE) -> list[dict[str, Any]]:
+        """Each rung of the ladder alone, in its order; if none fits, rungs added up greedily in that order (a
+        rung joins when it lowers the peak). A rung that is not a valid run (e.g. a tp that does not divide the
+        heads) is left out."""
+        raw = raw if raw is not None else json.loads(self.cfg.model_dump_json())
+        ladder, out = self.ladder(gpus_per_node), []
+        for change in ladder:
+            planned = replan(raw, change.sets, self.world_size, self.device_type)
+            if planned is not None:
+                peak = planned[1]
+                out.append({"set": change.sets, "why": change.why, "peak_bytes": peak, "fits": peak <= usable})
+                if peak <= usable:
+                    return out
+        combined, best = {}, self.plan().peak_bytes
+        for change in ladder:
+            trial = {**combined, **change.sets}
+            planned = replan(raw, trial, self.world_size, self.device_type)
+            if planned is not None and planned[1] < best:
+                combined, best = trial, planned[1]
+                out.append({"set": trial, "why": "together: " + change.why, "peak_bytes": best,
+                            "fits": best <= usable})
+                if best <= usable:
+                    return out
+        return out
+
+    def activation_changes(self) -> list[MemoryChange]:
+        """The rungs that lower the activations' peak without touching the model states (the global batch is
+        kept), each priced by `predicted_step_s` against the run as written and sorted by that price (stable:
+        at equal prices the order below). A rung that is not a valid run (e.g. a micro-batch a pipeline
+        refuses) is left out."""
+        cfg = self.cfg
+        out: list[tuple[dict[str, Any], str]] = []
+        if not cfg.memory.loss_chunk:
+            from trainers.loss import chunk_tokens  # torch's: a plan that needs no chunk reads without it
+
+            chunk = chunk_tokens(cfg.model.vocab_size, self.device_type)
+            out.append(({"memory.loss_chunk": chunk}, f"chunk the output projection and loss, {chunk} tokens a "
+                         f"chunk (no tokens x vocab logits)"))
+        mb = cfg.train.micro_batch_size
+        for smaller in (mb // d for d in (2, 4, 8, 16, 32) if mb // d >= 1 and mb % d == 0):
+            out.append(({"train.micro_batch_size": smaller}, f"micro-batch {mb} -> {smaller} (more accumulation; "
+                         f"same global batch)"))
+        if cfg.memory.activation_checkpointing == "off":
+            out.append(({"memory.activation_checkpointing": "selective"}, "selective activation checkpointing "
+                         "(recompute norms, SwiGLU and RoPE; keep the matmuls' outputs)"))
+        if cfg.memory.ac_every != 1:
+            out.append(({"memory.activation_checkpointing": "every"}, "activation checkpointing on every block"))
+        raw = json.loads(cfg.model_dump_json())
+        base = predicted_step_s(cfg, self.world_size, self.device_type)
+        priced = []
+        for sets, why in out:
+            try:
+                cost = predicted_step_s(_changed(raw, sets), self.world_size, self.device_type) / base - 1
+            except ConfigError:
+                continue
+            priced.append(MemoryChange(sets, why, cost, activations=True))
+        return sorted(priced, key=lambda c: c.cost)
+
+    def sharding_changes(self) -> list[MemoryChange]:
+        """Shard the model states further: a higher ZeRO stage, FSDP instead of DDP, gradients accumulated in
+        the shards."""
+        par, train, out = self.cfg.parallel, self.cfg.train, []
+        if par.engine == "fsdp" and par.stage == 2:
+            out.append(MemoryChange({"parallel.zero_stage": 3}, "raise the ZeRO stage: FSDP reshards parameters "
+                                    "after forward"))
+        if par.engine == "deepspeed" and par.stage < 3:
+            out += [MemoryChange({"parallel.zero_stage": s}, f"raise the ZeRO stage to {s}")
+                    for s in range(par.stage + 1, 4)]
+        if par.engine == "ddp" and par.pp == 1:
+            out.append(MemoryChange({"parallel.engine": "fsdp", "parallel.zero_stage": 3},
+                                    "shard the model states: FSDP (ZeRO-3) instead of DDP"))
+        dp = self.lay.dp
+        whole = train.global_batch_size // dp if train.global_batch_size % dp == 0 else 0
+        if par.engine == "fsdp" and par.pp == 1 and whole > train.micro_batch_size and not par.sharded_accumulation:
+            # grad_accumulation=unsharded keeps a whole fp32 gradient between micro-batches (4 bytes per parameter)
+            out.append(MemoryChange({"parallel.grad_accumulation": "sharded"}, "accumulate gradients in the shards "
+                                    "(a reduce-scatter per micro-batch)"))
+        return out
+
+    def critical_path_changes(self, gpus_per_node: int) -> list[MemoryChange]:
+        """Split the model over more ranks (tensor parallelism inside a node, more pipeline stages) or move its
+        states to the host."""
+        par, world_size, out = self.cfg.parallel, self.world_size, []
+        if par.engine == "fsdp":
+            for more in (par.tp * 2, par.tp * 4, par.tp * 8):  # a tp group sits inside a node: tp divides them
+                if gpus_per_node % more == 0 and world_size % (par.pp * more) == 0:
+                    was = f" instead of {par.tp}" if par.tp > 1 else ""
+                    out.append(MemoryChange({"parallel.tp": more}, f"tensor parallelism over {more} GPUs of a node"
+                                            f"{was} (activation collectives in every block, on the node's links)"))
+            for more in (par.pp * 2, par.pp * 4):
+                if world_size % more == 0:
+                    out.append(MemoryChange({"parallel.pp": more}, f"{more} pipeline stages instead of {par.pp}"))
+            if par.offload == "none":
+                out.append(MemoryChange({"parallel.offload": "all"},
+                                        "FSDP CPU offload of parameters, gradients and optimizer"))
+        if par.engine == "deepspeed" and par.offload == "none":
+            out.append(MemoryChange({"parallel.offload": "optimizer"}, "DeepSpeed CPU offload of the optimizer"))
+        return out
 # -------------------------------------------------------------------------------------- step time
 
 

@@ -57,16 +57,15 @@ def check_compatible(saved: dict[str, Any] | None, now: dict[str, Any], checkpoi
             )
 
 
-def resume_candidate(cfg: RunConfig) -> Path | None:
-    """The checkpoint a start of `cfg` would restore first (its newest complete one, or the given one).
-    Reads files only (trainers.checkpoint_files): the command line asks it before torch is imported."""
+def resume_candidate(resume: str, out_dir: Path) -> Path | None:
+    """The checkpoint `resume` (checkpoint.resume) restores first: auto, the newest complete one in the run dir
+    `out_dir`; a path, it if complete. Reads files only: the command line asks it before torch is imported."""
     from trainers.checkpoint_files import committed_checkpoints, is_complete
 
-    resume = cfg.checkpoint.resume
     if resume == "none":
         return None
     if resume == "auto":
-        done = committed_checkpoints(cfg.out_dir / "checkpoints")
+        done = committed_checkpoints(out_dir / "checkpoints")
         return done[0] if done else None
     from trainers.storage import location
 
@@ -78,7 +77,7 @@ def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
     shape-defining keys. An unreadable record is left for the restore to report (it falls back)."""
     from trainers.checkpoint_files import read_trainer_state
 
-    path = resume_candidate(cfg)
+    path = resume_candidate(cfg.checkpoint.resume, cfg.out_dir)
     if path is None:
         return
     try:
