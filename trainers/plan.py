@@ -74,7 +74,6 @@ __all__ = [
     "block_activation_bytes",
     "compiled_block_bytes",
     "format_bytes",
-    "memory_changes",
     "memory_ladder",
     "predicted_step_s",
     "selective_saved_bytes",
@@ -702,13 +701,6 @@ def memory_ladder(cfg: RunConfig, world_size: int, device_type: DeviceType = "cu
     backward, not overlapped, so only within a node's NVLink), more pipeline stages (the bubble (p-1)/m
     grows), CPU offload (the step moves to the host over PCIe)."""
     return _Planner(cfg, world_size, device_type).ladder(gpus_per_node)
-
-
-def memory_changes(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda"
-                   ) -> list[tuple[dict[str, Any], str, float]]:
-    """The ladder's activation rungs as (settings, why, cost) tuples, cheapest first (the name and shape
-    from before `memory_ladder`; kept for callers of it)."""
-    return [(c.sets, c.why, c.cost) for c in _Planner(cfg, world_size, device_type).activation_changes()]
 
 
 def replan(raw: dict[str, Any], sets: dict[str, Any], world_size: int, device_type: DeviceType
