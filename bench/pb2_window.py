@@ -102,6 +102,7 @@ def decision_times(points: int, window: int | None, decisions: int) -> dict[str,
         if k:
             times.append(time.perf_counter() - t)
         assert decision is not None, "the worst member explores"
+        pop.taken(worst.trial, decision.exploit_id, True)  # (the trial's word once it holds the donor's pin)
         pop.members[worst.trial].step = step  # train on from here (a simulated restore of the donor)
     times.sort()
     return {"points": pop.points, "window": window, "fit_on": pop.gp.size, "decisions": decisions,
@@ -136,6 +137,7 @@ def toy(population: int, seed: int, window: int | None) -> dict[str, Any]:
             if pop.record(f"m{i}", i, it, acc[i], {"lr": lr[i]}, pin):
                 decision = pop.decide(f"m{i}")
                 if decision is not None:
+                    pop.taken(f"m{i}", decision.exploit_id, True)
                     acc[i], lr[i], exploits = at_pin[decision.pin], decision.values["lr"], exploits + 1
     return {"solved_at": None, "exploits": exploits, "points": pop.points}
 
