@@ -497,6 +497,8 @@ def test_a_donor_pin_pruned_between_decision_and_adoption_leaves_population_line
     assert (taken is None) == pruned and logs["t2"].exploits() == (0 if pruned else 1)
     assert live.exploits == (0 if pruned else 1) and not live.pending
     assert rebuilt() == live.state()
+    live.taken("t2", decision.exploit_id, True)  # said again (a trial restarted after its row): once
+    assert rebuilt() == live.state() and live.exploits == (0 if pruned else 1)
     t2 = live.members["t2"]
     assert (t2.step, t2.hparams["optimizer.lr"]) == ((10, 1e-4) if pruned else (10, decision.values["optimizer.lr"]))
     assert (t2.pin is None) != pruned, "its own pin back, or none until it reports from the donor's"
