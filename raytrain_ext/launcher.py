@@ -209,6 +209,9 @@ def build_trainer(
         num_workers=num_workers,
         use_gpu=s.use_gpu,
         resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})},
+        # Replica groups of one worker each spread over the nodes (best effort): a lost node then costs a run
+        # one group, not all of them (a group of several is packed: its FSDP collectives stay within a node).
+        placement_strategy="SPREAD" if per_step(s) and s.workers_per_group == 1 else "PACK",
         elastic_resize_monitor_interval_s=s.resize_check_s,
     )
     # A bucket: Ray gets the same fsspec file system we write with (credentials from the environment).

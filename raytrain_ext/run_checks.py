@@ -24,7 +24,7 @@ from trainers.storage import check_run_storage
 if TYPE_CHECKING:
     from trainers.trainer import TrainerCallback
 
-__all__ = ["check_run", "load_callback"]
+__all__ = ["check_replica_groups_on_ray", "check_run", "load_callback"]
 
 
 def check_run(cfg: RunConfig, callbacks: Sequence[str | TrainerCallback] = ()) -> None:
@@ -41,7 +41,13 @@ def check_run(cfg: RunConfig, callbacks: Sequence[str | TrainerCallback] = ()) -
             _check_callback(spec)
     check_fault_tolerance(cfg)  # first: a per-step fault-tolerant run's process groups are its replica groups'
     check_world_sizes(cfg, group_world_sizes(cfg.scaling))
-    if per_step(cfg.scaling) and not ray_compat.has_torchft_config():
+    if per_step(cfg.scaling):
+        check_replica_groups_on_ray()
+
+
+def check_replica_groups_on_ray() -> None:
+    """Per-step fault tolerance needs a Ray whose Train replaces a lost replica group alone."""
+    if not ray_compat.has_torchft_config():
         import ray
 
         raise ConfigError(

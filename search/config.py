@@ -46,6 +46,7 @@ from trainers.config import (
     parse_config,
     read_yaml_mapping,
 )
+from trainers.fault_tolerance import check_fault_tolerance
 from trainers.preflight import check_engine_installed, check_inputs
 from trainers.storage import (
     Location,
@@ -225,6 +226,11 @@ class ExperimentConfig(StrictModel):
     def run_config(self, hparams: dict[str, Any], **driver: Any) -> RunConfig:
         return parse_config(self.run_raw(hparams, **driver))
 
+    @property
+    def per_step(self) -> bool:
+        """Whether each trial's run is torchft replica groups (the base run's `scaling.fault_tolerance`)."""
+        return (self.base_raw.get("scaling") or {}).get("fault_tolerance") == "per_step"
+
 
 # ----------------------------------------------------------------------------------------- loading
 
@@ -394,14 +400,13 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
         try:
             cfg = exp.run_config(hparams, run_dir=str(exp.exp_dir / "probe"))
             check_engine_installed(cfg)  # a space may choose the engine
-            if cfg.scaling.fault_tolerance != "none":
-                raise ConfigError(
-                    "scaling.fault_tolerance=per_step in a trial: a trial's exploits and pauses restore its "
-                    "whole worker group, which torchft's replica groups do not follow yet; fix: "
-                    "scaling.fault_tolerance=none in the base run (a trial's lost worker restarts its group)"
-                )
-        except ConfigError as e:
-            raise ConfigError(f"{label}: {e}") from None
+            check_fault_tolerance(cfg)  # per-step replica groups: each member's batch must split over them
+        except ConfigError as e:  # (a trial's scaling.num_workers is the experiment's resources.workers)
+            raise ConfigError(f"{label}: {e}".replace("scaling.num_workers", "resources.workers")) from None
+    if exp.per_step:
+        from raytrain_ext.run_checks import check_replica_groups_on_ray
+
+        check_replica_groups_on_ray()
     # A bucket: there, with credentials, writable (storage) and readable (data), in one line each, first.
     check_location(exp.exp_dir, "storage", write=True)
     check_run_storage(cfg)

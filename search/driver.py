@@ -102,7 +102,8 @@ def start_population(exp: ExperimentConfig, resume: bool) -> Any:
 
 
 class PopulationEvents(tune.Callback):
-    """One console line per exploit, as the trial that made it reports it (`exploit` in its result); a trial
+    """One console line per exploit, as the trial that made it reports it (`exploit` in its result), and per
+    replica group lost or healed (`replica_events`: per-step fault tolerance); a trial
     Tune ended in error leaves the population (a synchronous round does not wait for it)."""
 
     def __init__(self, population: str | None = None) -> None:
@@ -116,6 +117,8 @@ class PopulationEvents(tune.Callback):
                 pass
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any) -> None:
+        for line in (result.get("replica_events") or "").splitlines():  # per-step fault tolerance: a group lost, one healed
+            logger.info("%s: %s", trial, line)
         e = result.get("exploit")
         if e:
             changes = ", ".join(f"{k} {_short(e['old'].get(k))} -> {_short(v)}" for k, v in e["new"].items() if e["old"].get(k) != v)

@@ -28,7 +28,8 @@ class RunGate:
 
     A worker group that Ray restarts asks `current()`: the branch it is on, the values it trains with, and,
     until the branch has committed a checkpoint of its own, the exploit's checkpoint to restore (the run's
-    newest own commit is of the branch the exploit left). Nothing of an exploit is written into the run."""
+    newest own commit is of the branch the exploit left). Nothing of an exploit is written into the run. One
+    that starts at a report the others wait at (`was_posted`) waits for its answer with them."""
 
     def __init__(self) -> None:
         self.reports: asyncio.Queue = asyncio.Queue()
@@ -38,10 +39,20 @@ class RunGate:
         self.exploit: dict[str, Any] | None = None  # the latest one answered
         self.committed = False  # whether the branch has committed (and posted) a checkpoint of its own
         self.stopped = False
+        self.posted: set[tuple[int, int]] = set()  # (branch, step) of each report posted
 
     async def post(self, item: dict[str, Any]) -> None:
+        """A committed report: {"metrics", "path", "branch", "step"}; once per branch and step."""
+        key = (item["branch"], item["step"])
+        if key in self.posted:
+            return
+        self.posted.add(key)
         self.committed = True  # posts after an exploit's answer come from its branch (the workers waited)
         await self.reports.put(item)
+
+    async def was_posted(self, step: int, branch: int) -> bool:
+        """Whether the report of `step` on `branch` was posted: its answer is (or will be) given."""
+        return (branch, step) in self.posted
 
     async def take(self, timeout_s: float) -> dict[str, Any] | None:
         try:

@@ -54,6 +54,7 @@ class GateLoop(LatestMetrics):
         self.gate = None
         self.branch = 0  # the gate's answers since the last exploit (search.gate.RunGate)
         self.start: dict[str, Any] | None = None
+        self._healed: Any = None  # the engine's last heal seen (replica groups: `_follow_heal`)
 
     def start_point(self) -> dict[str, Any]:
         """Before the worker builds its Trainer (`raytrain_ext.worker.train_fn`): where a (re)started group
@@ -84,31 +85,63 @@ class GateLoop(LatestMetrics):
     def run(self, trainer: Trainer) -> FitResult:
         if self.start is None:
             self.start_point()
+        self._follow_heal(trainer)
+        # (Re)started at a report the others wait at (a replica group Ray starts while the run waits for the
+        # trial, a worker group restarted before the answer): it takes the answer with them.
+        step = trainer.step
+        if step < trainer.cfg.train.steps and self._waits(step) and self._posted(step):
+            stopped = self._follow(trainer, step)
+            if stopped is not None:
+                return stopped
         while True:
             result = trainer.fit(until=self._next_decision(trainer))
             if result.stopped is not None or result.step >= trainer.cfg.train.steps:
                 return result
-            answer = self._ask(result.step, wait=True)
-            if isinstance(answer, dict):  # an exploit: the trial's pin of the donor's checkpoint, and the values
-                self.branch = answer["branch"]
-                extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
-                trainer.restore(
-                    Path(answer["checkpoint"]),
-                    answer["values"],
-                    event="exploit",
-                    donor=answer["donor"],
-                    **extra,
-                )
-            elif answer != "go":
-                trainer.request_stop(f"the trial stopped the run at step {result.step}")
-                return trainer.fit()  # returns at once: the run ends stopped
+            stopped = self._follow(trainer, result.step)
+            if stopped is not None:
+                return stopped
+
+    def _follow(self, trainer: Trainer, step: int) -> FitResult | None:
+        """The trial's answer for the report of `step`, followed: an exploit loaded (None), go on (None), or
+        the run stopped (its result)."""
+        answer = self._ask(step, wait=True)
+        if isinstance(answer, dict):  # an exploit: the trial's pin of the donor's checkpoint, and the values
+            self.branch = answer["branch"]
+            extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
+            trainer.restore(Path(answer["checkpoint"]), answer["values"], event="exploit", donor=answer["donor"],
+                            **extra)
+        elif answer != "go":
+            trainer.request_stop(f"the trial stopped the run at step {step}")
+            return trainer.fit()  # returns at once: the run ends stopped
+        return None
+
+    def _follow_heal(self, trainer: Trainer) -> None:
+        """A replica group that healed took a live group's state, whose branch is the gate's now (a heal
+        happens in a step the live groups train: they took the trial's newest answer)."""
+        healed = getattr(trainer.engine, "healed_from", None)
+        if healed is not self._healed:
+            self._healed = healed
+            try:
+                self.branch = ray.get(self._gate().current.remote())["branch"]
+            except _GONE:
+                pass
+
+    def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        super().after_step(trainer, record)
+        self._follow_heal(trainer)
+
+    def _posted(self, step: int) -> bool:
+        try:
+            return ray.get(self._gate().was_posted.remote(step, self.branch))
+        except _GONE:
+            return False
 
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
         step = checkpoint_step(path)
         metrics = self.report(trainer, step)
         try:
             if trainer.engine.is_main:  # no wait: calls from one caller arrive in order
-                self._gate().post.remote({"metrics": metrics, "path": str(path)})
+                self._gate().post.remote({"metrics": metrics, "path": str(path), "branch": self.branch, "step": step})
         except _GONE:
             trainer.request_stop("the trial is gone")
             return

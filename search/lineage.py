@@ -178,8 +178,9 @@ def _parse_jsonl(data: bytes) -> list[dict[str, Any]]:
 
 _REPORT_COLUMNS = (
     "time", "trial", "step", "metric", "hparams", "failed", "error", "steps_s", "wall_s", "abandoned",
-    "yielded", "running", *TIME_PARTS, "pin", "member",
+    "yielded", "running", *TIME_PARTS, "pin", "member", "replica_events",
 )
+_REPORT_JSON = ("hparams", "replica_events")  # replica_events: a per-step run's groups lost and healed
 _EVENT_COLUMNS = (
     "time",
     "step",
@@ -208,7 +209,7 @@ def collect(exp_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         unique.setdefault(r.get("exploit_id") or (r["trial"], r["donor"], r["donor_time"]), r)
     events = list(unique.values())
     reports = _marked_abandoned(_without_redone([r for r in rows if r["kind"] == "report"], events), events)
-    _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=("hparams",))
+    _write(exp_dir / REPORTS_FILE, reports, _REPORT_COLUMNS, json_columns=_REPORT_JSON)
     _write(
         exp_dir / EVENTS_FILE,
         events,
@@ -292,12 +293,12 @@ def _read(path: Any, json_columns: tuple[str, ...]) -> list[dict[str, Any]]:
     rows = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
     for r in rows:
         for c in json_columns:
-            r[c] = json.loads(r[c]) if r[c] is not None else None
+            r[c] = json.loads(r[c]) if r.get(c) is not None else None  # (a column older tables lack: None)
     return rows
 
 
 def read_reports(exp_dir: Path) -> list[dict[str, Any]]:
-    return _read(location(exp_dir) / REPORTS_FILE, ("hparams",))
+    return _read(location(exp_dir) / REPORTS_FILE, _REPORT_JSON)
 
 
 def read_events(exp_dir: Path) -> list[dict[str, Any]]:

@@ -82,6 +82,12 @@ def turns(exp: Any, reports: list[dict[str, Any]]) -> str | None:
     )
 
 
+def replica_groups(reports: list[dict[str, Any]]) -> str | None:
+    """Per-step fault tolerance: each trial's replica groups lost and healed, as its reports logged them."""
+    told = [f"{r['trial']} {line}" for r in reports for line in r.get("replica_events") or ()]
+    return "replica groups lost and healed:\n" + "\n".join(f"  {line}" for line in told) if told else None
+
+
 def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
     """Summary and plots into `output` (default EXP_DIR/report; for an experiment in a bucket, drawn here
     and uploaded there)."""
@@ -263,7 +269,7 @@ def _summary(exp, reports, events, trials, winner, row, schedule: Schedule) -> s
         f"best: {winner}, {exp.metric} {row['metric']:.4f} at step {row['step']}",
         f"exploits: {len(events)}; failed reports: {sum(bool(r['failed']) for r in reports)}",
         time_outside_steps(reports),
-        *filter(None, [turns(exp, reports)]),
+        *filter(None, [turns(exp, reports), replica_groups(reports)]),
         "winning schedule (replay with `raytrain tune replay`):",
         *(f"  from step {s}: {_fmt(h)}" for s, h in schedule.changes),
         "  lineage: " + " -> ".join(f"{t}[{a}..{b}]" for t, a, b in schedule.path),

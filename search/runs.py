@@ -32,7 +32,11 @@ __all__ = ["Interval", "LiveRun", "TrialRuns", "metric_of", "reported", "run_seg
 def wait_from(exp: ExperimentConfig) -> int | None:
     """The first report at which a live run's workers wait for the trial's answer: PBT's first decision (its
     burn-in's end); None where no scheduler decision can change the run (ASHA, random search: a stop is
-    looked up without waiting)."""
+    looked up without waiting). Every report for replica groups (`scaling.fault_tolerance: per_step`): only
+    the group that writes the checkpoints hears its commit, so every group takes the trial's answer at the
+    same step by waiting for it (a stop, an exploit), and a group Ray starts while they wait waits with them."""
+    if exp.per_step:
+        return 0
     return exp.scheduler.burn_in_steps(exp.steps) if exp.scheduler.exploits else None
 
 
@@ -44,6 +48,7 @@ class Interval:
     steps_s: float  # time in training steps since the previous report
     error: str | None = None
     parts: dict[str, float] = field(default_factory=dict)  # where the rest of the interval went (TIME_PARTS)
+    events: list[str] = field(default_factory=list)  # replica groups lost and healed (`replica_events`)
 
 
 
@@ -106,7 +111,9 @@ class LiveRun:
                 step = int(match.group(1)) if match else int(item["metrics"]["step"])
                 steps_s, parts = run_times(self.run_dir, start, step, self.launched)
                 self.launched = None  # start-up counts once, in the run's first interval
-                return reported(self.exp, step, item["metrics"], location(item["path"]), steps_s, parts)
+                out = reported(self.exp, step, item["metrics"], location(item["path"]), steps_s, parts)
+                out.events = replica_events(self.run_dir, start, step) if self.exp.per_step else []
+                return out
             if not self.thread.is_alive():
                 self.thread.join()
                 error = self.error or RuntimeError("the Train run ended before its next report")
@@ -193,6 +200,15 @@ def metric_of(exp: ExperimentConfig, metrics: dict[str, Any]) -> float:
             f"metric the run logs, or a callback that adds {exp.metric_key!r} to the eval record"
         )
     return float(value) if value is not None else math.nan
+
+
+def replica_events(run_dir: Path, after: int, upto: int) -> list[str]:
+    """A per-step fault-tolerant run's replica groups lost and healed in the steps (after, upto], as
+    `raytrain train`'s console tells them (`step 37: replica group 1 healed from group 0's memory in 0.4 s`)."""
+    from raytrain_ext.launcher import event_line
+
+    rows = read_metrics(RunDir(run_dir).metrics, "event")
+    return [event_line(r) for r in rows if r["event"] in ("replicas", "healed") and after < r["step"] <= upto]
 
 
 def run_times(run_dir: Path, after: int, upto: int, launched: float | None = None) -> tuple[float, dict[str, float]]:

@@ -126,6 +126,7 @@ class TrialRun(tune.Trainable):
             yielded=yields,
             running=self.slot.running if self.slot.slots is not None else None,
             member=self.index,
+            **({"replica_events": out.events} if out.events else {}),
             **{k: round(v, 4) for k, v in parts.items()},
         )
         self.member.report(out.step, out.metric, self.hparams, pin, failed)
@@ -144,6 +145,8 @@ class TrialRun(tune.Trainable):
             "pin": pin,
             "hparams": dict(self.hparams),
             "exploit": self.exploited,  # the exploit this interval began with (the console's line), if any
+            # its replica groups lost and healed (per-step fault tolerance), a line each (Tune's loggers take no list)
+            "replica_events": "\n".join(out.events),
             "done": done,
         }
 

@@ -246,6 +246,7 @@ class Trainer:
         # applied by the restore, over the checkpoint's optimizer state
         self.cfg = with_values(self.cfg, values) if values else self.cfg
         self._restore(location(path), [], event=event, **fields)
+        self.engine.committed_step(self.step)  # replica groups: the quorum's step is the checkpoint's
 
     def request_stop(self, reason: str) -> None:
         """Ends the run at the next step boundary on purpose (a Tune segment's last step, a trial stopped by
@@ -414,10 +415,16 @@ class Trainer:
 
     def _replica_state(self) -> dict[str, Any]:
         """What a replica group that heals takes from a live one, beside the engine's model and optimizer."""
-        return {"step": self.step, "bad_steps": self.bad_steps, "rng": torch.get_rng_state(), "replicas": self._replicas}
+        hparams = {f"{section}.{k}": v for section in ("optimizer", "schedule")
+                   for k, v in getattr(self.cfg, section).model_dump(mode="json").items()}
+        return {"step": self.step, "bad_steps": self.bad_steps, "rng": torch.get_rng_state(), "replicas": self._replicas,
+                "hparams": hparams}
 
     def _load_replica_state(self, state: dict[str, Any]) -> None:
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
+        # the live group's hyperparameters (a PBT exploit's, which this group may have started before): `_healed`
+        # applies them
+        self.cfg = with_values(self.cfg, state["hparams"])
         torch.set_rng_state(state["rng"])
         # the live groups' last step's count: a healed group that becomes the records' writer (the lowest index)
         # tells the change its return makes

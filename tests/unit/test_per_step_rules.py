@@ -90,14 +90,23 @@ def test_without_torchft_the_key_names_the_extra(tiny_config, monkeypatch):
         check_fault_tolerance(tiny_config(**GOOD))
 
 
-def test_a_pbt_trial_refuses_it(corpus_dir, tmp_path, capsys):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_pbt_trial_takes_it_with_a_peer_for_each_group(corpus_dir, tmp_path, capsys, workers):
+    """A trial's workers come from the experiment's `resources.workers`, which the one line names."""
+    from search.config import load_experiment
+
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(tiny_raw(corpus_dir, tmp_path / "run", **GOOD)))
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump({
         "name": "e", "base": str(base), "storage": str(tmp_path / "exps"), "population": 2, "metric": "val_loss",
         "scheduler": {"name": "pbt", "interval": 10}, "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        "resources": {"workers": workers},
     }))
+    if workers == 2:
+        assert load_experiment(exp).per_step
+        return
     assert main(["tune", str(exp)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert "scaling.fault_tolerance=per_step in a trial" in line and "fix:" in line
+    assert "resources.workers=1" in line and "one replica group has no peer" in line
+    assert "fix: resources.workers=2" in line

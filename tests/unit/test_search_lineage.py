@@ -195,7 +195,7 @@ def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
         # a group restarted now goes on on the new branch, from the exploit's checkpoint with its values (the
         # run's newest commit is of the branch it left) ...
         assert await gate.current() == {"branch": 1, "values": {}, "restore": first}
-        await gate.post({"metrics": {"step": 20}, "path": "run/checkpoints/step_00000020"})
+        await gate.post({"metrics": {"step": 20}, "path": "run/checkpoints/step_00000020", "branch": 0, "step": 20})
         # ... and once the branch has committed, from that commit, with the exploit's values
         assert await gate.current() == {"branch": 1, "values": {}, "restore": None}
         again = asyncio.ensure_future(gate.wait(20, first["branch"]))  # step 20 again, after the rollback
