@@ -12,8 +12,7 @@ retention deletes the old one as in a run. Writes JSON (command, commit, load av
 bar chart beside it.
 
 Each round also pins the saved checkpoint as a PBT trial does (`link_tree`: hard links on disk, copies made
-by the store in a bucket) and installs that pin into another run as an exploit in place does
-(`install_checkpoint`): `pin_s`, `install_s`.
+by the store in a bucket): `pin_s` (an exploit then loads the pin in place, as `load_s` measures a load).
 
 What it measures is the protocol's cost against an S3 API on loopback: the HTTP round trips (listings,
 HEADs, PUTs of each object, the checksum read-back) with no network bandwidth or latency of a real region.
@@ -39,7 +38,7 @@ from run import environment  # noqa: E402  (bench/run.py's: command, commit, loa
 
 from tests.s3_server import s3_server  # noqa: E402
 from trainers.checkpoint import Checkpointer, ModelOptimizerState  # noqa: E402
-from trainers.checkpoint_files import install_checkpoint, link_tree  # noqa: E402
+from trainers.checkpoint_files import link_tree  # noqa: E402
 from trainers.models import build_model  # noqa: E402
 from trainers.sections.model import ModelConfig  # noqa: E402
 from trainers.storage import location, remove_tree  # noqa: E402
@@ -57,7 +56,7 @@ def reference_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def one_round(ckpt: Checkpointer, step: int, model, opt, trial: Any) -> dict[str, float]:
-    """`trial`: the folder of a PBT trial beside the run (its pins, and the run an exploit installs into)."""
+    """`trial`: the folder of a PBT trial beside the run (its pins)."""
     state = {"app": ModelOptimizerState(model, opt)}
     t0 = time.perf_counter()
     path = ckpt.save(step, state, {"step": step}, rng={"torch": torch.get_rng_state()})
@@ -75,9 +74,7 @@ def one_round(ckpt: Checkpointer, step: int, model, opt, trial: Any) -> dict[str
     t5 = time.perf_counter()
     link_tree(path, pin / path.name)
     t6 = time.perf_counter()
-    installed = install_checkpoint(trial / "run" / "checkpoints", pin / path.name)
-    t7 = time.perf_counter()
-    assert Checkpointer.verify(installed) is None
+    assert Checkpointer.verify(pin / path.name) is None
     remove_tree(pin)
     return {
         "save_s": t1 - t0,
@@ -85,7 +82,6 @@ def one_round(ckpt: Checkpointer, step: int, model, opt, trial: Any) -> dict[str
         "read_s": t4 - t3,
         "load_s": (t2 - t1) + (t4 - t3),
         "pin_s": t6 - t5,
-        "install_s": t7 - t6,
     }
 
 
@@ -134,7 +130,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    for key in ("save_s", "load_s", "verify_s", "read_s", "pin_s", "install_s"):
+    for key in ("save_s", "load_s", "verify_s", "read_s", "pin_s"):
         print(
             f"{key:9s} local {medians['local'][key]:.3f} s   s3 {medians['s3'][key]:.3f} s   "
             f"ratio {result['ratio_s3_over_local'][key]:.2f}"
@@ -148,7 +144,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["save_s", "load_s", "pin_s", "install_s"]
+    keys = ["save_s", "load_s", "pin_s"]
     med = result["median"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     width = 0.35
@@ -156,7 +152,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         xs = [k + (i - 0.5) * width for k in range(len(keys))]
         bars = ax.bar(xs, [med[name][k] for k in keys], width, label="local disk" if name == "local" else "S3 (moto, loopback)", color=color)
         ax.bar_label(bars, fmt="%.2f s", fontsize=8)
-    labels = {"save_s": "save", "load_s": "load incl. verify", "pin_s": "PBT pin", "install_s": "exploit install"}
+    labels = {"save_s": "save", "load_s": "load incl. verify", "pin_s": "PBT pin"}
     ratio = result["ratio_s3_over_local"]
     ax.set_xticks(range(len(keys)), [f"{labels[k]}\n(x{ratio[k]:.1f})" for k in keys])
     ax.set_ylabel("seconds (median)")

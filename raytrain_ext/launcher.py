@@ -44,7 +44,7 @@ from raytrain_ext.worker import (
 )
 from raytrain_ext.worker_logs import WorkerLogs, quiet_logger
 from trainers._base import ConfigError, env_default, free_port, scoped_environ
-from trainers.config import RunConfig
+from trainers.config import RunConfig, ScalingConfig
 from trainers.fault_tolerance import per_step
 from trainers.metrics import MetricsTail, read_metrics
 from trainers.progress import LineProgress, progress_bar
@@ -253,11 +253,13 @@ def train(
     ray_log_level: str = RAY_LOG_LEVEL,
     loop: Callable[[], Any] | None = None,
     checked: bool = False,
+    label: str | None = None,
 ) -> RunResult:
     """Run `cfg` on Ray and wait for it. Raises ConfigError/NonFiniteLossError/CheckpointError with the
     workers' cause when the run ended on an error that a restart cannot fix, and KeyboardInterrupt
     (naming where the run will continue) on Ctrl-C or SIGTERM. `checked`: the caller ran `check_run` on
-    `cfg` and `callbacks` already (`raytrain_ext.train` does, before this module's imports)."""
+    `cfg` and `callbacks` already (`raytrain_ext.train` does, before this module's imports). `label`: what
+    the run's event lines start with (a PBT trial's id: its runs share the experiment's console)."""
     import ray
 
     if not checked:
@@ -273,7 +275,7 @@ def train(
         ray_run = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         started = ensure_ray(address)
         # the bar only with progress; the resume, resize and lost-host lines always
-        watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name, bar=progress)
+        watcher = _ProgressWatcher(RunDir(run_dir).metrics, cfg.train.steps, cfg.name, bar=progress, label=label)
         try:
             watcher.start()
             with WorkerLogs(run_dir, replica_groups=per_step(cfg.scaling)):  # a lost worker: one line here, the tracebacks in the run's log
@@ -328,8 +330,8 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
 
     def fit() -> None:
         try:
-            with env_default(PREEMPTION_WATCHER, "0"), env_default(HEALTH_CHECK, _health_check_s(cfg)), \
-                    _start_timeout(cfg):
+            with env_default(PREEMPTION_WATCHER, "0"), env_default(HEALTH_CHECK, _health_check_s(cfg.scaling)), \
+                    _start_timeout(cfg.scaling):
                 box["result"] = trainer.fit()
         except BaseException as e:
             box["error"] = e
@@ -343,7 +345,7 @@ def _run_ray_trainer(trainer: Any, run_dir: Path, cfg: RunConfig) -> Any:
             thread.join(0.5)
             placed = placed or _started_since(run_dir, since)
             if not placed and time.time() - since > cfg.scaling.placement_timeout_s:
-                raise ConfigError(_unplaced_message(cfg))
+                raise ConfigError(_unplaced_message(cfg.scaling))
     except BaseException:
         # Ctrl-C, SIGTERM or the placement timeout: end this run's controller and wait for `fit()` to
         # return. A thread left inside Ray's client while Ray shuts down crashes the process (SIGSEGV).
@@ -368,8 +370,8 @@ PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 HEALTH_CHECK = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
-def _health_check_s(cfg: RunConfig) -> str:
-    return "0.5" if cfg.scaling.sizes[-1] <= 64 else "2"
+def _health_check_s(scaling: ScalingConfig) -> str:
+    return "0.5" if scaling.sizes[-1] <= 64 else "2"
 
 
 # How long Ray Train's controller waits for a worker group's placement group before it decides again. An
@@ -381,8 +383,8 @@ START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ELASTIC_START_TIMEOUT_S = 10
 
 
-def _start_timeout(cfg: RunConfig):
-    if not cfg.scaling.elastic:
+def _start_timeout(scaling: ScalingConfig):
+    if not scaling.elastic:
         return contextlib.nullcontext()
     return env_default(START_TIMEOUT, str(ELASTIC_START_TIMEOUT_S))
 
@@ -394,10 +396,9 @@ def _started_since(run_dir: Path, since: float) -> bool:
     return any(r.get("event") in ("start", "resume") and r.get("time", 0) >= since for r in rows)
 
 
-def _unplaced_message(cfg: RunConfig) -> str:
+def _unplaced_message(s: ScalingConfig) -> str:
     import ray
 
-    s = cfg.scaling
     have = ray.cluster_resources()
     return (
         f"scaling: no worker started within scaling.placement_timeout_s={s.placement_timeout_s:g}: asked for "
@@ -451,8 +452,10 @@ class _ProgressWatcher:
     workers start (under the run dir's lock): the events its log already holds are earlier invocations'
     and are not told again (a run resumed a third time showed the second's "resumed from" line too)."""
 
-    def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5, bar: bool = True):
+    def __init__(self, path: Path, total: int, name: str, interval_s: float = 0.5, bar: bool = True,
+                 label: str | None = None):
         self.path, self.total, self.name, self.bar = path, total, name, bar
+        self.prefix = f"{label}: " if label else ""
         self.interval_s = poll_interval(path, interval_s)
         self._tail = MetricsTail(path)
         self._first = self._tail.rows()  # the log as earlier invocations left it: read once, told from at start
@@ -485,7 +488,7 @@ class _ProgressWatcher:
                     elif row.get("kind") == "train":
                         last = row
                     elif event_line(row) is not None:
-                        bar.write(event_line(row))
+                        bar.write(self.prefix + event_line(row))
                 if rows and last is not None:
                     bar.n = last["step"]
                     bar.set_postfix(

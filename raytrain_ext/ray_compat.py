@@ -299,7 +299,7 @@ def refresh_autoscaling_view() -> bool:
     return True
 
 
-# ------------------------------------------------------------ ray.init's private arguments (issue 53)
+# ------------------------------------------------------------ ray.init's private arguments
 # ray/_private/worker.py `init(..., **kwargs)` pops `_system_config` (Ray 2.55.1 to 2.60.0): settings of the
 # raylet and GCS that this `ray.init` starts (src/ray/common/ray_config_def.h names them; `ray start` has no
 # flag for most), ignored when it joins a running Ray.

@@ -174,6 +174,8 @@ class WorkerLogs:
         return self
 
     def _after_loss(self, host: LostHost) -> str:
+        if self.experiment and self.replica_groups:
+            return "each trial that had a replica group there trains on with its others; Ray replaces the group"
         if self.experiment:
             return "the trials that ran there go on from their newest checkpoints"
         if self.replica_groups:

@@ -403,6 +403,11 @@ def _check_runs(exp: ExperimentConfig, space: SearchSpace) -> None:
             check_fault_tolerance(cfg)  # per-step replica groups: each member's batch must split over them
         except ConfigError as e:  # (a trial's scaling.num_workers is the experiment's resources.workers)
             raise ConfigError(f"{label}: {e}".replace("scaling.num_workers", "resources.workers")) from None
+    if exp.per_step and exp.trial_runs == "segments":
+        raise ConfigError(
+            "trial_runs=segments with scaling.fault_tolerance=per_step: a segment ends where its checkpoint "
+            "commits, which only the replica group writing it hears; fix: trial_runs=live (the default)"
+        )
     if exp.per_step:
         from raytrain_ext.run_checks import check_replica_groups_on_ray
 

@@ -102,8 +102,7 @@ def start_population(exp: ExperimentConfig, resume: bool) -> Any:
 
 
 class PopulationEvents(tune.Callback):
-    """One console line per exploit, as the trial that made it reports it (`exploit` in its result), and per
-    replica group lost or healed (`replica_events`: per-step fault tolerance); a trial
+    """One console line per exploit, as the trial that made it reports it (`exploit` in its result); a trial
     Tune ended in error leaves the population (a synchronous round does not wait for it)."""
 
     def __init__(self, population: str | None = None) -> None:
@@ -117,8 +116,6 @@ class PopulationEvents(tune.Callback):
                 pass
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any) -> None:
-        for line in (result.get("replica_events") or "").splitlines():  # per-step fault tolerance: a group lost, one healed
-            logger.info("%s: %s", trial, line)
         e = result.get("exploit")
         if e:
             changes = ", ".join(f"{k} {_short(e['old'].get(k))} -> {_short(v)}" for k, v in e["new"].items() if e["old"].get(k) != v)
@@ -222,7 +219,7 @@ def run_experiment(
     try:
         # The trials' Train runs' tracebacks (a lost worker, a controller's shutdown) go to the experiment
         # folder's workers.log, with one line per lost worker, as `raytrain train` does for its run.
-        with quiet_warnings(), WorkerLogs(exp_dir, experiment=True):
+        with quiet_warnings(), WorkerLogs(exp_dir, experiment=True, replica_groups=exp.per_step):
             tuner.fit()
     finally:  # a trial stopped by force (Ctrl-C) may leave its Train run's workers' CPUs reserved
         for actor in (population, slots_actor):

@@ -81,11 +81,26 @@ class RunGate:
         restore = self.exploit if self.exploit is not None and not self.committed else None
         return {"branch": self.branch, "values": values, "restore": restore}
 
-    async def wait(self, step: int, branch: int = 0) -> Any:
+    async def wait(self, step: int, branch: int = 0, timeout_s: float | None = None) -> Any:
+        """The answer for the report of `step` on `branch` once given (None: not within `timeout_s`)."""
         key = (branch, step)
         if key not in self.answers and not self.stopped:
-            await self.events.setdefault(key, asyncio.Event()).wait()
+            try:
+                await asyncio.wait_for(self.events.setdefault(key, asyncio.Event()).wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return None
         return "stop" if self.stopped else self.answers[key]
+
+    async def abandon(self, step: int, branch: int) -> None:
+        """A report that will not come (replica groups: the group writing its checkpoint was lost before the
+        commit): the workers waiting for its answer train on ("skip"), and a late post of it is dropped. Nothing
+        when it was posted (the trial answers it)."""
+        key = (branch, step)
+        if key in self.posted:
+            return
+        self.posted.add(key)
+        self.answers[key] = "skip"
+        self.events.setdefault(key, asyncio.Event()).set()
 
     async def peek(self, step: int, branch: int = 0) -> str:
         """For a step the workers do not wait at: stop, or go on."""

@@ -19,6 +19,8 @@ from trainers.trainer import FitResult, Trainer, TrainerCallback
 __all__ = ["ApplySchedule", "GateLoop", "StopAtStep"]
 
 
+# Replica groups waiting for the trial's answer look this often whether a group of theirs fell silent.
+SILENCE_WAIT_S = 1.0
 # The trial's gate is gone (no actor by that name, or it died): the run stops.
 _GONE = (ValueError, ray.exceptions.RayActorError)
 
@@ -102,18 +104,41 @@ class GateLoop(LatestMetrics):
                 return stopped
 
     def _follow(self, trainer: Trainer, step: int) -> FitResult | None:
-        """The trial's answer for the report of `step`, followed: an exploit loaded (None), go on (None), or
-        the run stopped (its result)."""
-        answer = self._ask(step, wait=True)
+        """The trial's answer for the report of `step`, followed: an exploit loaded (None), go on (None: "go",
+        or "skip" for a report that will not come), or the run stopped (its result)."""
+        answer = self._wait(trainer, step)
         if isinstance(answer, dict):  # an exploit: the trial's pin of the donor's checkpoint, and the values
             self.branch = answer["branch"]
             extra = {"values": answer["values"], "tags": answer["tags"]} if answer.get("tags") else {}
             trainer.restore(Path(answer["checkpoint"]), answer["values"], event="exploit", donor=answer["donor"],
                             **extra)
-        elif answer != "go":
+        elif answer not in ("go", "skip"):
             trainer.request_stop(f"the trial stopped the run at step {step}")
             return trainer.fit()  # returns at once: the run ends stopped
         return None
+
+    def _wait(self, trainer: Trainer, step: int) -> Any:
+        """The trial's answer for `step`, waited for. Replica groups: while it does not come and the lighthouse
+        stopped hearing from a group of the last quorum (the one writing the report's checkpoint, maybe), the
+        report is posted from its commit if there is one, else abandoned (`RunGate.abandon`): a lost host at a
+        report costs the member that report, never a wait for a group Ray may not place again soon."""
+        silent = getattr(trainer.engine, "peers_silent", None)
+        if silent is None:
+            return self._ask(step, wait=True)
+        try:
+            gate = self._gate()
+            while (answer := ray.get(gate.wait.remote(step, self.branch, SILENCE_WAIT_S))) is None:
+                if not silent():
+                    continue
+                newest = trainer.checkpointer.latest()
+                if newest is not None and checkpoint_step(newest) == step:
+                    gate.post.remote({"metrics": self.report(trainer, step), "path": str(newest),
+                                      "branch": self.branch, "step": step})
+                else:
+                    gate.abandon.remote(step, self.branch)
+            return answer
+        except _GONE:
+            return "stop"
 
     def _follow_heal(self, trainer: Trainer) -> None:
         """A replica group that healed took a live group's state, whose branch is the gate's now (a heal

@@ -70,6 +70,7 @@ class LiveRun:
         cfg = run_config(exp, hparams, run_dir, resume, keep=2)
         self.wait_from = wait_from(exp)
         self.error: BaseException | None = None
+        self.told: set[tuple[str, int, float]] = set()  # replica events in a report already
 
         def fit() -> None:
             try:
@@ -78,6 +79,7 @@ class LiveRun:
                     progress=False,
                     callbacks=exp.callbacks,
                     loop=partial(gate_loop, gate=name, wait_from=self.wait_from),
+                    label=run_dir.parent.name,  # the trial's id (run_dir = EXP_DIR/runs/<trial>/<run>)
                 )
             except BaseException as e:
                 self.error = e
@@ -112,12 +114,22 @@ class LiveRun:
                 steps_s, parts = run_times(self.run_dir, start, step, self.launched)
                 self.launched = None  # start-up counts once, in the run's first interval
                 out = reported(self.exp, step, item["metrics"], location(item["path"]), steps_s, parts)
-                out.events = replica_events(self.run_dir, start, step) if self.exp.per_step else []
+                out.events = self._replica_events() if self.exp.per_step else []
                 return out
             if not self.thread.is_alive():
                 self.thread.join()
                 error = self.error or RuntimeError("the Train run ended before its next report")
                 return Interval(stop, worst(self.exp), None, 0.0, f"{type(error).__name__}: {error}")
+
+    def _replica_events(self) -> list[str]:
+        """The replica groups lost and back since the last report (an event is written when the next quorum
+        forms, which may be after the report of its step: each is told once, whatever its step)."""
+        from raytrain_ext.launcher import event_line
+
+        rows = [r for r in read_metrics(RunDir(self.run_dir).metrics, "event") if r["event"] in ("replicas", "healed")]
+        new = [r for r in rows if (r["event"], r["step"], r["time"]) not in self.told]
+        self.told.update((r["event"], r["step"], r["time"]) for r in new)
+        return [event_line(r) for r in new]
 
     def stop(self) -> None:
         """End the run cleanly (its workers stop at the gate), so that its placement group is released."""
@@ -140,7 +152,7 @@ def run_segment(exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, s
     cfg = run_config(exp, hparams, run_dir, step_dir, keep=1)
     launched = time.time()
     try:
-        result = train(cfg, progress=False, callbacks=[StopAtStep(step=stop), *exp.callbacks])
+        result = train(cfg, progress=False, callbacks=[StopAtStep(step=stop), *exp.callbacks], label=trial_dir.name)
     except Exception as e:  # NaN loss, a crash Ray could not recover: PBT replaces this member
         return Interval(stop, worst(exp), None, 0.0, f"{type(e).__name__}: {e}")
     rows = read_metrics(RunDir(run_dir).metrics)
@@ -200,15 +212,6 @@ def metric_of(exp: ExperimentConfig, metrics: dict[str, Any]) -> float:
             f"metric the run logs, or a callback that adds {exp.metric_key!r} to the eval record"
         )
     return float(value) if value is not None else math.nan
-
-
-def replica_events(run_dir: Path, after: int, upto: int) -> list[str]:
-    """A per-step fault-tolerant run's replica groups lost and healed in the steps (after, upto], as
-    `raytrain train`'s console tells them (`step 37: replica group 1 healed from group 0's memory in 0.4 s`)."""
-    from raytrain_ext.launcher import event_line
-
-    rows = read_metrics(RunDir(run_dir).metrics, "event")
-    return [event_line(r) for r in rows if r["event"] in ("replicas", "healed") and after < r["step"] <= upto]
 
 
 def run_times(run_dir: Path, after: int, upto: int, launched: float | None = None) -> tuple[float, dict[str, float]]:

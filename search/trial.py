@@ -145,8 +145,6 @@ class TrialRun(tune.Trainable):
             "pin": pin,
             "hparams": dict(self.hparams),
             "exploit": self.exploited,  # the exploit this interval began with (the console's line), if any
-            # its replica groups lost and healed (per-step fault tolerance), a line each (Tune's loggers take no list)
-            "replica_events": "\n".join(out.events),
             "done": done,
         }
 

@@ -140,7 +140,7 @@ def default_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-_LEFTOVERS = ("step_*.partial", ".install-*", ".replaced-*")  # staging and renamed-aside folders
+_LEFTOVERS = ("step_*.partial", ".install-*", ".replaced-*")  # staging, renamed-aside (and older versions') folders
 
 
 def _files(root: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """The file layout of a checkpoint (see `trainers.checkpoint`), without torch: the one place that names what
 a step folder holds (its files and the keys of its state), and what a process that only moves checkpoints
-needs (a Tune trial's actor pins and installs them; `raytrain` reads their state).
+needs (a Tune trial's actor pins them; `raytrain` reads their state).
 
 A committed checkpoint is a folder `step_XXXXXXXX` holding a `COMMITTED` marker; anything else under a
 checkpoint root (`*.partial`, `.install-*`, `.replaced-*`) is never loaded and is cleaned up by retention.
@@ -12,19 +12,15 @@ import json
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 from trainers.storage import (
-    commit_folder,
     copy_tree,
     list_names,
     local_path,
     location,
-    read_bytes,
     remove_tree,
-    start_folder,
 )
 
 __all__ = [
@@ -44,7 +40,6 @@ __all__ = [
     "TRAINER_STATE",
     "checkpoint_step",
     "delete_checkpoint",
-    "install_checkpoint",
     "is_complete",
     "link_tree",
     "read_trainer_state",
@@ -123,23 +118,6 @@ def link_tree(src: Path, dst: Path, exclude: str | None = None) -> None:
 
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(src, dst, copy_function=link, ignore=skip, dirs_exist_ok=True)
-
-
-def install_checkpoint(root: Path, src: Path) -> Path:
-    """Make the committed checkpoint `src` (a PBT donor's) the newest under the checkpoint root `root`, at
-    its step's name, in place of the root's own checkpoints at that step or later, so that a restart
-    resumes from it. Not collective: one process calls it while the run's workers wait. A crash leaves the
-    old newest or the installed one, never a half-made step folder that loads (`storage.commit_folder`:
-    staged as hard links and renamed into place locally; on an object store copied by the store, the later
-    checkpoints deleted, the marker written last)."""
-    root, src = location(root), location(src)
-    step = int(read_trainer_state(src)["step"])
-    final = root / f"step_{step:08d}"
-    staging = start_folder(final, COMMITTED, name=f".install-{final.name}-{uuid.uuid4().hex[:8]}")
-    link_tree(src, staging, exclude=COMMITTED)
-    later = [n for n in list_names(root, "step_*") if STEP_DIR.match(n) and int(STEP_DIR.match(n).group(1)) >= step]
-    commit_folder(staging, final, COMMITTED, read_bytes(src / COMMITTED), replaces=later)
-    return final
 
 
 def delete_checkpoint(path: Any) -> None:

@@ -160,11 +160,6 @@ class Trainer:
                 self.set_hparams({})  # the learning-rate schedule (a restore sets it up itself)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
-    @property
-    def schedule(self) -> LRSchedule:
-        """The learning-rate schedule under its former name (`lr_schedule`)."""
-        return self.lr_schedule
-
     # ------------------------------------------------------------------------------------------ build
 
     def _build_model(self, pretrained: Path | None, loaded: bool) -> torch.nn.Module:

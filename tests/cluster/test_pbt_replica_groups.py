@@ -24,7 +24,10 @@ from trainers.metrics import read_metrics
 
 pytestmark = pytest.mark.cluster
 
-INTERVAL, STEPS, PACE_S = 10, 60, 0.5
+INTERVAL, STEPS = 10, 60
+# Paced after the first report until every member is whole again: h3's return, its Ray's start, a group placed,
+# started and healed take ~30 s here (tests/cluster/test_replica_groups.py), 98 s at most before the budget's end
+PACE_S = 2.0
 WAIT_S = 300
 # The kill changes the float order of a few steps' sums only (a lost group's samples summed by the other): a
 # score of the experiment without it is met far closer than another seed's (tests/ray/test_fault_tolerance.py:
@@ -40,7 +43,7 @@ def _experiment(tier, name: str, per_step: bool, paced: Path | None) -> Path:
     write_yaml(tier.workdir(), f"{name}-base", base)
     callbacks = ["tests.ray.hooks:ReplicaLog"] if per_step else []
     if paced is not None:
-        callbacks.append(f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(paced)!r})")
+        callbacks.append(f"tests.ray.hooks:Pace(seconds={PACE_S}, until={str(paced)!r}, after={INTERVAL})")
     return write_yaml(tier.workdir(), name, {
         "name": name, "base": f"{name}-base.yaml", "storage": str(tier.workdir() / "tune"),
         "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
@@ -134,12 +137,18 @@ def test_a_pbt_population_of_replica_groups_loses_a_host_and_no_member_restarts(
         for x in replicas:
             by_step.setdefault(x["step"], set()).add(x["weights"])
         assert all(len(w) == 1 for w in by_step.values()), f"{trial}: the groups' weights differ"
-        assert [r["step"] for r in reports if r["trial"] == trial] == list(range(INTERVAL, STEPS + 1, INTERVAL))
+        # each report once; a member whose writing group was lost with a report's checkpoint unwritten skips
+        # that report (its groups train on to the next: search.hooks.GateLoop._wait)
+        steps = [r["step"] for r in reports if r["trial"] == trial]
+        every = set(range(INTERVAL, STEPS + 1, INTERVAL))
+        assert steps == sorted(set(steps)) and set(steps) <= every and len(every - set(steps)) <= 1, steps
         # (the new group heals from h2's memory, or, when it joins while the others wait for the trial's
         # answer at a report, loads that report's checkpoint and waits with them)
         told = [line for r in reports if r["trial"] == trial for line in r["replica_events"] or ()]
         assert any("lost a replica group" in x for x in told) and any("a replica group is back" in x for x in told)
-    assert "lost a replica group; the others train on: 2 -> 1 groups" in text  # the trials' console lines
+    # each trial's console lines, named by it
+    trial_ids = sorted(_live_runs(exp_dir))
+    assert all(f"{t}: step " in text for t in trial_ids) and ": lost a replica group; the others train on" in text
 
     # The best member's replay (one run of its schedule, from scratch) lands on what it reported.
     trial, score, step = _best(exp_dir)

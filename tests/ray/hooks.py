@@ -359,12 +359,13 @@ class Pace(TrainerCallback):
     through what a test does to it meanwhile however fast the machine steps, and that then finishes at full
     speed. Not a synchronisation: the test waits on the run's own records, never on this pace.
 
+    `after`: from the step after it on (a run paced only once it has reached what a test waits for).
     `inside`: the sleep is in the step instead, after its quorum (a replica group's `begin_step`), where the
     groups of the quorum are bound to average their gradients; each sleep's start writes the step to
     replicas/in_step.<host>, which a test can wait on to act while the step is in flight."""
 
-    def __init__(self, seconds: float, until: str, inside: bool = False) -> None:
-        self.seconds, self.until, self.inside = seconds, Path(until), inside
+    def __init__(self, seconds: float, until: str, inside: bool = False, after: int = 0) -> None:
+        self.seconds, self.until, self.inside, self.after = seconds, Path(until), inside, after
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if not self.inside:
@@ -384,7 +385,7 @@ class Pace(TrainerCallback):
         trainer.engine.begin_step = begin_step
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        if not self.inside and not self.until.exists():
+        if not self.inside and trainer.step > self.after and not self.until.exists():
             time.sleep(self.seconds)
 
 

@@ -4,8 +4,8 @@ the first interval (the donor's checkpoint loaded by both of its groups at one s
 each member's live run is killed inside a step after the exploit. Each member trains on with its group 0 in the
 same process, Ray starts a group 1 in its place, which heals from group 0's memory (the exploit's values with
 it); the groups hold the same weights after every step, the exploit is once in the lineage, the loss and the
-heal are in the trial's console lines and in the experiment's report, and the best member's replay lands on
-what it reported. The same across hosts, with a host killed: tests/cluster/test_pbt_replica_groups.py."""
+return are in the trial's reports and the experiment's report (its console lines: the cluster test), and the
+best member's replay lands on what it reported. The same across hosts, with a host killed: tests/cluster/test_pbt_replica_groups.py."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _unpace_once_back(exp_dir: Path, unpaced: Path, done: threading.Event) -> No
 
 
 def test_members_of_replica_groups_lose_a_group_after_an_exploit_and_no_survivor_restarts(
-    ray_ft, corpus_dir, tmp_path, caplog
+    ray_ft, corpus_dir, tmp_path
 ):
     base = tiny_raw(corpus_dir, tmp_path / "unused", optimizer={"name": "adamw", "lr": 1e-3}, train=TRAIN,
                     parallel={"engine": "ddp"}, scaling={"fault_tolerance": "per_step", "max_failures": -1})
@@ -81,7 +81,6 @@ def test_members_of_replica_groups_lose_a_group_after_an_exploit_and_no_survivor
     }))
     exp = load_experiment(exp_yaml)
     save(exp)  # experiment.json, as `raytrain tune` writes it (report and replay read it)
-    caplog.set_level("INFO", logger="search.driver")  # the console's lines: exploits, groups lost and healed
     done = threading.Event()
     watcher = threading.Thread(target=_unpace_once_back, args=(exp.exp_dir, tmp_path / "unpaced", done))
     watcher.start()
@@ -91,7 +90,6 @@ def test_members_of_replica_groups_lose_a_group_after_an_exploit_and_no_survivor
         done.set()
         watcher.join()
     assert (tmp_path / "unpaced").exists(), "a member's group 1 did not come back within the paced steps"
-    console = caplog.text
 
     reports = [r for r in read_reports(exp.exp_dir) if not r.get("abandoned")]
     trials = sorted({r["trial"] for r in reports})
@@ -124,7 +122,6 @@ def test_members_of_replica_groups_lose_a_group_after_an_exploit_and_no_survivor
         told = [line for r in reports if r["trial"] == trial for line in r["replica_events"] or ()]
         assert any("lost a replica group" in line for line in told), told
         assert any("a replica group is back" in line for line in told), told
-        assert f"{trial}: step " in console and "lost a replica group; the others train on: 2 -> 1" in console
     loaded = [(e["step"], e["donor"]) for t in trials for e in read_metrics(
         next((exp.exp_dir / "runs" / t).glob("live-*/metrics.jsonl")), "event") if e["event"] == "exploit"]
     assert sorted(loaded) == sorted((e["step"], e["donor"]) for e in exploits), "each exploit loaded once, in place"

@@ -1,17 +1,13 @@
-"""PBT's exploit in place, one process: a trainer that returned at a step boundary (`fit(until=step)`), given
-a donor's checkpoint installed into its checkpoint folder (`Trainer.restore`), continues exactly as a new
-run resumed from that checkpoint with the same new learning rate would, bit for bit (fp32, CPU)."""
+"""PBT's exploit in place, one process: a trainer that returned at a step boundary (`fit(until=step)`), given a
+donor's committed checkpoint (`Trainer.restore`: loaded where it is, as a PBT trial's pin), continues exactly as
+a new run resumed from that checkpoint with the same new learning rate would, bit for bit (fp32, CPU)."""
 
 from __future__ import annotations
-
-import json
-import os
 
 import pytest
 import torch
 
 from trainers._base import ConfigError
-from trainers.checkpoint_files import COMMITTED, install_checkpoint
 from trainers.metrics import read_metrics
 from trainers.trainer import Trainer, TrainerCallback
 
@@ -58,10 +54,9 @@ def test_a_restore_between_fit_calls_equals_a_resume_from_the_donor(tiny_config)
     # after it was trained (the branch an exploit would abandon is never logged)
     assert first.step == EVERY and first.checkpoint == cfg.out_dir / "checkpoints" / f"step_{EVERY:08d}"
     assert [r["step"] for r in _rows(cfg.out_dir)] == list(range(1, EVERY + 1))
-    installed = install_checkpoint(cfg.out_dir / "checkpoints", donor)
     # the event fields a PBT trial's loop adds for its trackers (search.hooks.GateLoop)
     live.restore(
-        installed,
+        donor,
         {"optimizer.lr": NEW_LR},
         event="exploit",
         donor="d",
@@ -110,29 +105,6 @@ def test_fit_until_saves_at_its_step_and_a_callback_cannot_move_the_step(tiny_co
     assert trainer.fit().step == 8
     assert hook.starts == 1, "on_fit_start once per run, not per fit call"
     assert [r["step"] for r in _rows(cfg.out_dir)] == list(range(1, 9))
-
-
-def _fake_checkpoint(root, step, content):
-    path = root / f"step_{step:08d}"
-    path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
-    (path / "shard.distcp").write_text(content)
-    (path / COMMITTED).write_text(json.dumps({"step": step}))
-    return path
-
-
-def test_install_makes_the_donor_newest_and_removes_own_checkpoints_from_its_step_on(tmp_path):
-    root = tmp_path / "run" / "checkpoints"
-    for step in (5, 10, 20):
-        _fake_checkpoint(root, step, f"own {step}")
-    donor = _fake_checkpoint(tmp_path / "donor", 10, "donor 10")
-
-    installed = install_checkpoint(root, donor)
-
-    assert installed == root / "step_00000010"
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000010"], "no staging left"
-    assert (installed / "shard.distcp").read_text() == "donor 10"
-    assert os.stat(installed / "shard.distcp").st_ino == os.stat(donor / "shard.distcp").st_ino, "linked"
 
 
 def test_set_hparams_is_the_one_way_hyperparameters_change_and_refuses_the_rest(tiny_config):

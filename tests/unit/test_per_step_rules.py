@@ -90,9 +90,10 @@ def test_without_torchft_the_key_names_the_extra(tiny_config, monkeypatch):
         check_fault_tolerance(tiny_config(**GOOD))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_pbt_trial_takes_it_with_a_peer_for_each_group(corpus_dir, tmp_path, capsys, workers):
-    """A trial's workers come from the experiment's `resources.workers`, which the one line names."""
+@pytest.mark.parametrize("workers,runs", [(1, "live"), (2, "live"), (2, "segments")])
+def test_a_pbt_trial_takes_it_with_a_peer_for_each_group(corpus_dir, tmp_path, capsys, workers, runs):
+    """A trial's workers come from the experiment's `resources.workers`, which the one line names; its groups
+    take the trial's answers in one live run."""
     from search.config import load_experiment
 
     base = tmp_path / "base.yaml"
@@ -101,12 +102,15 @@ def test_a_pbt_trial_takes_it_with_a_peer_for_each_group(corpus_dir, tmp_path, c
     exp.write_text(yaml.safe_dump({
         "name": "e", "base": str(base), "storage": str(tmp_path / "exps"), "population": 2, "metric": "val_loss",
         "scheduler": {"name": "pbt", "interval": 10}, "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
-        "resources": {"workers": workers},
+        "resources": {"workers": workers}, "trial_runs": runs,
     }))
-    if workers == 2:
+    if (workers, runs) == (2, "live"):
         assert load_experiment(exp).per_step
         return
     assert main(["tune", str(exp)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
+    if runs == "segments":
+        assert "trial_runs=segments with scaling.fault_tolerance=per_step" in line and "fix: trial_runs=live" in line
+        return
     assert "resources.workers=1" in line and "one replica group has no peer" in line
     assert "fix: resources.workers=2" in line

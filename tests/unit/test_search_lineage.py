@@ -7,6 +7,8 @@ import math
 import random
 import shutil
 
+import pytest
+
 from search import lineage
 from search.lineage import LineageLog, best_trial, collect, read_events, schedule_of
 
@@ -195,7 +197,7 @@ def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
         # a group restarted now goes on on the new branch, from the exploit's checkpoint with its values (the
         # run's newest commit is of the branch it left) ...
         assert await gate.current() == {"branch": 1, "values": {}, "restore": first}
-        await gate.post({"metrics": {"step": 20}, "path": "run/checkpoints/step_00000020", "branch": 0, "step": 20})
+        await gate.post({"metrics": {"step": 20}, "path": "run/checkpoints/step_00000020", "branch": 1, "step": 20})
         # ... and once the branch has committed, from that commit, with the exploit's values
         assert await gate.current() == {"branch": 1, "values": {}, "restore": None}
         again = asyncio.ensure_future(gate.wait(20, first["branch"]))  # step 20 again, after the rollback
@@ -206,6 +208,42 @@ def test_the_gate_answers_a_rolled_back_run_anew_at_a_step_it_reaches_again():
         assert await gate.peek(30, 1) == "go"
         await gate.stop_all()
         assert await gate.wait(40, 1) == "stop"
+
+    asyncio.run(scenario())
+
+
+def test_the_gate_tells_a_group_that_starts_at_a_posted_report_to_wait_and_queues_a_report_once():
+    # replica groups (search.hooks.GateLoop): a group Ray starts while the others wait at the report of step 10
+    # finds it posted and waits for its answer; one that starts at an exploit's pin (not posted on the new
+    # branch) trains on; a report posted again (by a waiting group, its writer lost) is not queued twice
+    import asyncio
+
+    from search.gate import RunGate
+
+    async def scenario():
+        gate = RunGate()
+        report = {"metrics": {"step": 10}, "path": "run/checkpoints/step_00000010", "branch": 0, "step": 10}
+        await gate.post(report)
+        await gate.post(dict(report))
+        assert await gate.take(1.0) == report and await gate.take(0.01) is None
+        assert await gate.was_posted(10, 0) and not await gate.was_posted(20, 0)
+        waiting = asyncio.ensure_future(gate.wait(10, 0))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        exploit = {"checkpoint": "pins/x/step_00000010", "values": {}, "donor": "a", "tags": {}}
+        await gate.answer(10, exploit)
+        assert (await asyncio.wait_for(waiting, 5))["branch"] == 1
+        assert not await gate.was_posted(10, 1), "the exploit's pin is not a report of the new branch"
+        # a report whose writer was lost before its commit: abandoned by a waiting group, the waiters train on,
+        # and its late post is not queued; a posted report is never abandoned
+        assert await gate.wait(20, 1, timeout_s=0.01) is None
+        await gate.abandon(20, 1)
+        assert await gate.wait(20, 1) == "skip" and await gate.was_posted(20, 1)
+        await gate.post({**report, "branch": 1, "step": 20})
+        assert await gate.take(0.01) is None
+        await gate.post({**report, "branch": 1, "step": 30})
+        await gate.abandon(30, 1)
+        assert (await gate.take(0.01))["step"] == 30 and await gate.wait(30, 1, timeout_s=0.01) is None
 
     asyncio.run(scenario())
 
@@ -239,3 +277,51 @@ def test_collect_keeps_and_marks_reports_as_the_rules_say_in_one_pass_per_trial(
         ]
         got = lineage._marked_abandoned(lineage._without_redone(reports, events), events)
         assert got == _kept_and_marked_by_definition(reports, events), seed
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["writer-lost-after-commit", "writer-lost-before-commit"])
+def test_replica_groups_waiting_at_a_report_whose_writer_fell_silent_post_or_abandon_it(monkeypatch, tmp_path,
+                                                                                        committed):
+    # search.hooks.GateLoop._wait, against a real RunGate (its coroutines run here): the trial has not answered
+    # the report of step 20 and the lighthouse says a group of the last quorum fell silent. With the report's
+    # checkpoint committed the waiting group posts it (the trial then answers); without, it abandons it and
+    # trains on. Nothing is done while no group is silent.
+    import asyncio
+    import types
+
+    import search.hooks as hooks
+    from search.gate import RunGate
+
+    gate, loop = RunGate(), asyncio.new_event_loop()
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step_00000020" if committed else checkpoints).mkdir(parents=True)
+
+    class Remote:  # `actor.method.remote(...)`, run on this loop; `ray.get` returns its value
+        def __getattr__(self, name):
+            return types.SimpleNamespace(remote=lambda *a: loop.run_until_complete(getattr(gate, name)(*a)))
+
+    silences = iter([False, True, True, True])
+    engine = types.SimpleNamespace(peers_silent=lambda: next(silences))
+    newest = checkpoints / "step_00000020" if committed else None
+    trainer = types.SimpleNamespace(engine=engine, checkpointer=types.SimpleNamespace(latest=lambda: newest),
+                                    step=20, cfg=None)
+    monkeypatch.setattr(hooks.ray, "get", lambda value: value)
+    monkeypatch.setattr(hooks, "SILENCE_WAIT_S", 0.01)
+    gl = hooks.GateLoop(gate="g", wait_from=0)
+    gl.gate = Remote()
+    monkeypatch.setattr(gl, "report", lambda trainer, step: {"step": step, "val_loss": 1.0})
+    if committed:  # the trial takes the posted report and answers it while the group waits
+        real_post = gate.post
+
+        async def post_then_answer(item):
+            await real_post(item)
+            await gate.answer(item["step"], "go")
+
+        monkeypatch.setattr(gate, "post", post_then_answer)
+    try:
+        assert gl._wait(trainer, 20) == ("go" if committed else "skip")
+    finally:
+        loop.close()
+    assert loop.is_closed() and gate.posted == {(0, 20)}
+    queued = gate.reports.qsize()
+    assert queued == (1 if committed else 0), "a report posted once (its checkpoint), or none (abandoned)"

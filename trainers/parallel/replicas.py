@@ -54,7 +54,8 @@ class ReplicaGroups:
         self.allreduce_timeout_s = allreduce_timeout_s
         self.group_rank, self.group_workers = layout.dp_rank, layout.dp  # in the group (FSDP's shards)
         self.groups = 1  # live groups of this step: set by each quorum
-        self.dp_rank, self.dp_size = self.group_rank, self.group_workers  # this step's: set by each quorum
+        # this step's (the live workers of its quorum): set by each quorum
+        self.dp_rank, self.dp_size, self.world_size = self.group_rank, self.group_workers, self.group_workers
         self.manager: Any = None
         self._pg: Any = None  # torchft's reconfigurable process group (the manager configures it at each quorum)
         self._main = False
@@ -63,14 +64,6 @@ class ReplicaGroups:
         self.healed_from: dict[str, Any] | None = None  # the last heal: from which group, at which step, how long
         self._heal: dict[str, Any] | None = None  # a heal in a step's quorum, not yet taken (`take_heal`)
         self._aside: list[tuple[Any, Any]] = []  # (process group, its collective): set aside on a silent peer
-
-    @property
-    def world_size(self) -> int:  # the live workers of this step
-        return self.dp_size
-
-    @world_size.setter
-    def world_size(self, value: int) -> None:  # the group's (an engine's __init__ sets it): see dp_size
-        pass
 
     @property
     def replicas(self) -> int:
@@ -165,11 +158,15 @@ class ReplicaGroups:
         rank = self.manager.participating_rank()
         self.groups = self.manager.num_participants()
         self.dp_rank = (rank if rank is not None else 0) * self.group_workers + self.group_rank
-        self.dp_size = self.groups * self.group_workers
+        self.dp_size = self.world_size = self.groups * self.group_workers
         self._main = rank == 0
         if self.healed_from is not before:  # behind the others (a new group, a straggler, one cut off and back)
             self.healed_from.update(step=self.manager.current_step(), heal_s=round(time.perf_counter() - start, 4))
             self._heal = self.healed_from
+
+    def peers_silent(self) -> bool:
+        """Whether the lighthouse stopped hearing from a group of the last quorum (a host lost or cut off)."""
+        return bool(silent_groups(os.environ.get(LIGHTHOUSE_ENV, "")))
 
     def take_heal(self) -> dict[str, Any] | None:
         heal, self._heal = self._heal, None
