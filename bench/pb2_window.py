@@ -21,7 +21,6 @@ One command: `python bench/pb2_window.py` -> bench/results/pb2_window.json and .
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -56,31 +55,36 @@ def _cfg() -> SchedulerConfig:
     return SchedulerConfig(name="pb2", interval=1, quantile_fraction=0.25)
 
 
-@contextlib.contextmanager
-def rule(window: int | None) -> Any:
-    """The product's rule (`window`: the newest PB2_WINDOW points, each fit from the last fit's kernel, at most
-    GP_MAX_EVALS evaluations), or with `window` None the rule before issue 68: every point, each fit from
-    scikit-learn's starting kernel, the optimiser at scipy's default bound (15,000 evaluations)."""
-    if window is not None:
-        yield
-        return
-    fit_job, evals = Population.fit_job, population.GP_MAX_EVALS
+class PopulationBefore(Population):
+    """The rule before issue 68: every point (no window), each fit from scikit-learn's starting kernel, the
+    optimiser at scipy's default bound (15,000 evaluations). Picklable: a Ray actor and its fit process run it."""
 
-    def cold(self: Population) -> Any:
-        job = fit_job(self)
-        return functools.partial(job.func, *job.args, **{**job.keywords, "start": None})
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **{**kw, "window": None})
 
-    Population.fit_job, population.GP_MAX_EVALS = cold, 15_000
+    def fit_job(self) -> Any:
+        job = super().fit_job()
+        return functools.partial(fit_before, *job.args, **{**job.keywords, "start": None})
+
+
+def fit_before(*args: Any, **kw: Any) -> Any:
+    evals, population.GP_MAX_EVALS = population.GP_MAX_EVALS, 15_000
     try:
-        yield
+        return population.GPFit.fit(*args, **kw)
     finally:
-        Population.fit_job, population.GP_MAX_EVALS = fit_job, evals
+        population.GP_MAX_EVALS = evals
+
+
+def rule(window: int | None) -> type[Population]:
+    """The product's rule (`window`: the newest PB2_WINDOW points, each fit from the last fit's kernel, at most
+    GP_MAX_EVALS evaluations), or with `window` None the rule before issue 68."""
+    return Population if window is not None else PopulationBefore
 
 
 def decision_times(points: int, window: int | None, decisions: int) -> dict[str, Any]:
     """Seconds per decision of the worst member, a new point before each."""
     members = 6
-    pop = Population(_cfg(), SPACE, "min", 10**9, members, seed=0, window=window)
+    pop = rule(window)(_cfg(), SPACE, "min", 10**9, members, seed=0, window=window)
     rng = random.Random(points)
     loss = [3.0] * members
     hp = [{"optimizer.lr": 10 ** (-4 + 3 * i / (members - 1)), "optimizer.weight_decay": 0.04 * i} for i in range(members)]
@@ -112,7 +116,7 @@ def decision_times(points: int, window: int | None, decisions: int) -> dict[str,
 
 def toy(population: int, seed: int, window: int | None) -> dict[str, Any]:
     """Iterations until a member's accuracy passes 200 (None: not within 1,000)."""
-    pop = Population(SchedulerConfig(name="pb2", interval=TOY_INTERVAL, quantile_fraction=0.25), TOY_SPACE, "max",
+    pop = rule(window)(SchedulerConfig(name="pb2", interval=TOY_INTERVAL, quantile_fraction=0.25), TOY_SPACE, "max",
                      TOY_MAX, population, seed=seed, window=window)
     noise = random.Random(seed)
     acc, lr = [0.0] * population, [1e-4] * population
@@ -147,8 +151,7 @@ def quality(seeds: list[int], populations: list[int]) -> dict[str, Any]:
     for n in populations:
         arms = {}
         for name, window in (("window", PB2_WINDOW), ("no_window", None)):
-            with rule(window):
-                runs = [toy(n, s, window) for s in seeds]
+            runs = [toy(n, s, window) for s in seeds]
             solved = [r["solved_at"] for r in runs if r["solved_at"] is not None]
             arms[name] = {"solved": len(solved), "seeds": len(seeds), "median_iterations": statistics.median(solved) if solved else None,
                           "iterations": [r["solved_at"] for r in runs], "exploits": [r["exploits"] for r in runs],
@@ -196,12 +199,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load, started = os.getloadavg(), time.time()
     decision = {"window": [], "no_window": []}
     for points in WINDOWED:
-        with rule(PB2_WINDOW):
-            decision["window"].append(decision_times(points, PB2_WINDOW, args.decisions))
+        decision["window"].append(decision_times(points, PB2_WINDOW, args.decisions))
         print("window", decision["window"][-1], flush=True)
     for points in UNBOUNDED:
-        with rule(None):
-            decision["no_window"].append(decision_times(points, None, max(2, args.decisions // 4)))
+        decision["no_window"].append(decision_times(points, None, max(2, args.decisions // 4)))
         print("no window", decision["no_window"][-1], flush=True)
     toy_out = quality(list(range(args.seeds)), args.populations)
     at_10k = next(r for r in decision["window"] if r["points"] >= 10_000)

@@ -14,7 +14,9 @@ Every field of bench/results/pbt_quality.{json,png} is written by one such comma
   `Population` in a `PopulationActor`, built as `search.driver.start_population` builds it) and followed by each
   trial as the product's trials follow it: report, ask, go on or restore the donor's pin with the explored
   values in place (`Trainer.restore`). `VERDICT_RULE` was fixed before the run; extra arms (`--methods pbt_sync
-  pb2`) are reported, never judged.
+  pb2 pb2_before`) are reported, never judged. `pb2_before` is PB2 by the rule before issue 68 (every point,
+  each fit cold and unbounded: bench/pb2_window.py's `PopulationBefore`), paired with `pb2` seed by seed in
+  `pb2_against_before`.
 - Selection and test: every report's `val_loss` (what PBT ranks, ASHA stops and the pick below reads) is the
   product's `Trainer.evaluate`, the first 128 windows of the corpus's validation split. Each arm's score at a
   seed is the loss, on the *test* windows, of the checkpoint the arm itself hands a user (`search.lineage.
@@ -65,9 +67,10 @@ DEFAULTS = SchedulerConfig()  # the product's default rule: the judged arm
 RESULTS, WORK = ROOT / "bench" / "results", ROOT / "bench" / "_work" / "pbt_quality"
 
 JUDGED, OPPONENTS, HAND = "pbt", ("random", "asha"), "hand"
-EXTRAS = ("pbt_sync", "pb2")  # reported beside, never judged
+EXTRAS = ("pbt_sync", "pb2", "pb2_before")  # reported beside, never judged
 SEARCHES = (JUDGED, *OPPONENTS, *EXTRAS)
 SCHEDULER = {"pbt": {"name": "pbt"}, "pbt_sync": {"name": "pbt", "synch": True}, "pb2": {"name": "pb2"},
+             "pb2_before": {"name": "pb2"},  # run by bench/pb2_window.py's PopulationBefore
              "asha": {"name": "asha"}, "random": {"name": "random"}}
 RUN_SEED_OFFSET = 1000  # a seed's training runs use run seed 1000 + seed
 SEEDS_THAT_CHOSE_SETTINGS = list(range(10))  # issues 25 and 43: PBT's settings were compared on seeds 0-9
@@ -75,7 +78,7 @@ FULL_SEEDS, QUICK_SEEDS = list(range(100, 110)), [100, 101, 102]
 LOG = "trials.jsonl"  # one line per report of every trial
 LINEAGE = "lineage.json"  # beside each pin: [step, lr, wd] from which each stretch of its state trained
 # the code whose behaviour the figure measures (bench/stale.py: the result is stale once one changes)
-MEASURES = ["bench/pbt_quality.py", "search/population.py", "search/schedulers.py", "search/config.py",
+MEASURES = ["bench/pbt_quality.py", "bench/pb2_window.py", "search/population.py", "search/schedulers.py", "search/config.py",
             "search/space.py", "search/lineage.py", "trainers/trainer.py"]
 # No retention inside a trial: after an exploit of a donor behind it, a trial's next save is at a lower step than
 # checkpoints it already has, and retention by step (keep 1) deleted that save before the trial could pin it
@@ -270,6 +273,7 @@ def run_search(args: argparse.Namespace, method: str, seed: int, test_ids: Any) 
     import ray
     from ray import tune
 
+    from bench.pb2_window import PopulationBefore
     from search.lineage import best_trial
     from search.population import Population, PopulationActor
     from search.schedulers import build_scheduler, population_space
@@ -283,7 +287,8 @@ def run_search(args: argparse.Namespace, method: str, seed: int, test_ids: Any) 
     budget = ray.remote(num_cpus=0)(Budget).options(name=f"budget-{tag}").remote(total)
     actor = None
     if exp.scheduler.name in ("pbt", "pb2"):  # as search.driver.start_population builds it
-        rule = Population(exp.scheduler, exp.search_space, exp.mode, exp.steps, exp.population, seed=exp.seed)
+        rule = (PopulationBefore if method == "pb2_before" else Population)(
+            exp.scheduler, exp.search_space, exp.mode, exp.steps, exp.population, seed=exp.seed)
         actor = ray.remote(num_cpus=0)(PopulationActor).options(name=f"population-{tag}").remote(rule)
     trainable = tune.with_resources(
         tune.with_parameters(quality_trial, exp=exp, population=f"population-{tag}" if actor else None,
@@ -551,6 +556,8 @@ def results(args: argparse.Namespace, rows: list[dict[str, Any]], sel: dict[str,
         "methods": methods,
         "equal_steps": equal,
         "paired": pairs,
+        # d = the rule before's test loss - the rule's (> 0: issue 68's rule lower), seed by seed
+        "pb2_against_before": paired(methods["pb2"], methods["pb2_before"]) if {"pb2", "pb2_before"} <= set(methods) else None,
         "done_when": {**checks, "verdicts": verdicts,
                       "gap_to_hand": (pairs.get(HAND) or {}).get("median"),
                       "holds": all(checks.values()) and all(v == "better" for v in verdicts.values())},

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sklearn.gaussian_process  # noqa: F401  (scikit-learn sets KMP_* variables on import: at collection)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -168,3 +169,28 @@ def test_dry_run_of_the_real_harness(corpus_dir, tmp_path):
         assert all(result["methods"][m]["pick_checked"]) and len(result["methods"][m]["test_loss"]) == 2
     assert set(result["paired"]) == {"random", "asha", "hand"}
     assert (out / "pbt_quality.png").stat().st_size > 0
+
+
+def test_the_pb2_arm_before_issue_68_fits_every_point_cold_and_unbounded(monkeypatch):
+    """`pb2_before` (bench/pb2_window.py's PopulationBefore): no window, each fit from scikit-learn's starting
+    kernel at scipy's default bound, in whatever process runs the fit; the product's bound is back after it."""
+    import pickle
+
+    import pb2_window as pw
+
+    from search import population
+    from search.schedulers import SchedulerConfig
+
+    pop = pw.PopulationBefore(SchedulerConfig(name="pb2", interval=1), pw.SPACE, "min", 10**9, 2, seed=0)
+    assert pop.window is None and type(pickle.loads(pickle.dumps(pop))) is pw.PopulationBefore
+    for step in range(1, 4):
+        for i in range(2):
+            pop.record(f"t{i}", i, step, 3.0 - 0.1 * step * (i + 1), {"optimizer.lr": 1e-3 * (i + 1),
+                                                                     "optimizer.weight_decay": 0.1}, f"/p/{i}/{step}")
+    pop.gp = pop.fit_job()()  # a fit to start from: the rule before starts cold all the same
+    seen = []
+    monkeypatch.setattr(population.GPFit, "fit", classmethod(lambda cls, *a, **kw: seen.append(
+        (population.GP_MAX_EVALS, kw["start"]))))
+    job = pickle.loads(pickle.dumps(pop.fit_job()))
+    job()
+    assert seen == [(15_000, None)] and population.GP_MAX_EVALS == 50
