@@ -8,8 +8,9 @@ Layout under `root/`:
                                engine's *.pt does: load only checkpoints your runs wrote (README: Trust)
         trainer_state.json     step, samples consumed, loss-scaler state, ... (no pickle)
         rng/rank00000.pt       per-rank RNG states (tensors only; loaded with weights_only=True)
-        COMMITTED              written last, before the rename: the step, the hash's name and every file's
-                               size and piece checksums (`trainers.checksums`)
+        COMMITTED              written last, before the rename: the step, the commit's place in the folder
+                               (`seq`), the hash's name and every file's size and piece checksums
+                               (`trainers.checksums`)
     step_00000060.partial/     a save in progress or one interrupted by a crash: never loaded
 
 Two modes (`checkpoint.mode`):
@@ -25,7 +26,9 @@ left out of them, as it would be a second checksum of the same bytes), the few o
 in parallel, spread over the ranks.
 
 A restore verifies the files against COMMITTED; `candidates` lists the complete checkpoints newest first,
-so that a caller can fall back past a corrupt one.
+so that a caller can fall back past a corrupt one. Newest is the latest commit, which retention keeps too:
+a run restored to an earlier step (a PBT exploit of a donor behind it) commits lower steps after higher
+ones, and those are its state.
 
 On an object store (`root` an s3://, gs:// URI: `trainers.storage`) there is no atomic rename: every rank
 writes its shards straight into `step_XXXXXXXX/` (DCP's FsspecWriter, no staging copy), and COMMITTED,
@@ -69,6 +72,7 @@ from trainers.checkpoint_files import (
     STEP_DIR,
     TRAINER_STATE,
     checkpoint_step,
+    commit_seq,
     committed_checkpoints,
     delete_checkpoint,
     is_complete,
@@ -557,7 +561,9 @@ class Checkpointer:
         if rank == 0:
             if before_commit is not None:  # a test hook: simulate a crash (or a slow disk) before the commit
                 before_commit(partial)
-            marker = {"step": step, "hash": HASH, "piece_bytes": PIECE_BYTES, "files": files}
+            # `seq`: the commit's place after the folder's others (the newest commit is the run's newest state)
+            seq = 1 + max((commit_seq(p) for p in committed_checkpoints(self.root)), default=-1)
+            marker = {"step": step, "seq": seq, "hash": HASH, "piece_bytes": PIECE_BYTES, "files": files}
             # In place of the same step saved before (e.g. the final save after a periodic one).
             commit_folder(partial, final, COMMITTED, (json.dumps(marker, indent=1) + "\n").encode())
             self._retain()
@@ -612,9 +618,9 @@ class Checkpointer:
         flight at a time, so the partial folders it removes are crashes' leftovers, never a live save."""
         entries = list_names(self.root)
         names = [n for n in entries if STEP_DIR.match(n)]
-        done = [n for n in names if is_complete(self.root / n)]
+        done = [p.name for p in reversed(committed_checkpoints(self.root))]  # the oldest commit first
         old = done[: max(len(done) - self.keep, 0)]
-        stale = [n for n in names if n not in done and done and n < done[-1]]  # saves a crash cut short
+        stale = [n for n in names if n not in done and done and n < max(done)]  # saves a crash cut short
         # What a crash left half done where folders are renamed into place (none on an object store).
         leftovers = [n for n in entries if any(fnmatch.fnmatchcase(n, p) for p in _LEFTOVERS)]
         for name in old + stale + leftovers:

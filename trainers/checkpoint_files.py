@@ -25,6 +25,7 @@ from trainers.storage import (
 
 __all__ = [
     "COMMITTED",
+    "commit_seq",
     "committed_checkpoints",
     "DCP_METADATA",
     "DCP_MODEL_PREFIX",
@@ -77,10 +78,26 @@ def is_complete(path: Path) -> bool:
 
 
 def committed_checkpoints(root: Any) -> list[Path]:
-    """The complete (committed) step folders under `root`, newest first: the order a restore tries them in."""
+    """The complete (committed) step folders under `root`, the newest commit first: the order a restore tries
+    them in. Newest by commit (`commit_seq`), not by step: a run restored to an earlier step (a PBT exploit of a
+    donor behind it, a fallback past a damaged checkpoint) commits lower steps after higher ones, and those are
+    its newest."""
     root = location(root)
-    names = [n for n in list_names(root, "step_*") if STEP_DIR.match(n)]
-    return [root / n for n in sorted(names, reverse=True) if is_complete(root / n)]
+    order = {n: (commit_seq(root / n), n) for n in list_names(root, "step_*") if STEP_DIR.match(n)}
+    return [root / n for n in sorted((n for n in order if order[n][0] is not None), key=order.get, reverse=True)]
+
+
+def commit_seq(path: Any) -> int | None:
+    """A commit's place in its folder's order (its marker's `seq`; -1 in a marker written before the order was
+    kept, which then falls back to the step); None where the folder is not committed."""
+    try:
+        marker = (location(path) / COMMITTED).read_text()
+    except OSError:
+        return None
+    try:
+        return int(json.loads(marker).get("seq", -1))
+    except (ValueError, TypeError, AttributeError):
+        return -1
 
 
 def checkpoint_step(path: Any) -> int:

@@ -118,3 +118,24 @@ def test_set_hparams_is_the_one_way_hyperparameters_change_and_refuses_the_rest(
     assert trainer.cfg.optimizer.lr == 0.25 and trainer.cfg.train.steps == 4, (
         "a refused change changes nothing"
     )
+
+
+def test_a_restore_to_an_earlier_step_keeps_the_new_branchs_commits_as_the_newest(tiny_config):
+    """A PBT rollback (a donor behind the recipient): the run commits lower steps after higher ones. Retention
+    (keep 2) keeps the branch's own commit, and the newest a restart resumes from is it, not the abandoned
+    branch's higher step."""
+    from trainers.checkpoint_files import committed_checkpoints
+    from trainers.resume import resume_candidate
+
+    donor_cfg = tiny_config("donor", train={"steps": 60}, checkpoint={"every": EVERY, "mode": "sync", "keep": 10})
+    Trainer(donor_cfg, progress=False).fit()
+    cfg = tiny_config("recipient", train={"steps": 60}, checkpoint={"every": EVERY, "mode": "sync", "keep": 2})
+    live = Trainer(cfg, progress=False)
+    live.fit(until=50)
+    live.restore(donor_cfg.out_dir / "checkpoints" / f"step_{EVERY:08d}")
+    ours = live.fit(until=20).checkpoint
+    assert ours.is_dir(), "the branch's commit survives retention"
+    assert committed_checkpoints(cfg.out_dir / "checkpoints") == [ours, cfg.out_dir / "checkpoints" / "step_00000050"]
+    assert resume_candidate("auto", cfg.out_dir) == ours and live.checkpointer.latest() == ours
+    assert live.fit(until=30).checkpoint.is_dir()
+    assert [p.name for p in committed_checkpoints(cfg.out_dir / "checkpoints")] == ["step_00000030", "step_00000020"]

@@ -104,7 +104,8 @@ def test_a_save_cut_short_is_never_loaded_and_is_cleaned_up(s3):
     ckpt.save(6, state, {"step": 6})  # the next commit's retention removes what the crash left
     assert not s3.keys(bucket, "run/checkpoints/step_00000004/")
     ckpt.save(4, state, {"step": 4})  # and saving that step again replaces a leftover cleanly
-    assert [p.name for p in ckpt.candidates()] == ["step_00000006", "step_00000004", "step_00000002"]
+    # (newest commit first: a run that saves step 4 after step 6 went back to 4)
+    assert [p.name for p in ckpt.candidates()] == ["step_00000004", "step_00000006", "step_00000002"]
 
 
 def test_token_shards_from_a_bucket_match_local_with_and_without_cache(s3, s3_corpus, corpus_dir, tmp_path):
