@@ -34,7 +34,7 @@ def main() -> None:
 
     import ray
 
-    from search.toy import TOY_LR, run_toy
+    from bench.toy import TOY_LR, run_toy
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     load_before = os.getloadavg()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from search.toy import run_toy
+from bench.toy import run_toy
 from tests.ray.test_pbt import ray_pbt  # noqa: F401  (the module-scoped local Ray)
 
 pytestmark = pytest.mark.ray

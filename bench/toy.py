@@ -1,5 +1,6 @@
-"""The toy problem of the PBT paper (Jaderberg et al. 2017, fig. 2), run through this package's search
-layer: a check that exploit and explore work end to end, on Tune function trials without Train workers.
+"""The toy problem of the PBT paper (Jaderberg et al. 2017, fig. 2), run through the search package's population
+(bench/pbt_toy.py and tests/ray/test_toy_pbt.py): a check that exploit and explore work end to end, on Tune
+function trials without Train workers.
 
 Maximise Q(t) = 1.2 - (t0^2 + t1^2) while each worker only ascends the surrogate
 Q^(t|h) = 1.2 - (h0 t0^2 + h1 t1^2). Two workers start at t = (0.9, 0.9) with h = (1, 0) and (0, 1): alone,
