@@ -278,7 +278,7 @@ class TrainConfig(StrictModel):
 class CheckpointConfig(StrictModel):
     every: NonNegativeInt = 0  # save every N steps (0 = only at the end)
     final: bool = True  # also save at the end of the run (false with every 0: never, as a benchmark's run)
-    keep: PositiveInt = 3  # newest complete checkpoints kept on disk
+    keep: PositiveInt = 3  # newest complete checkpoints kept on disk (newest by commit, not by step)
     resume: str = "auto"  # auto (latest in run_dir, if any) | none | a checkpoint directory
     # async: a save blocks training only while the state is copied to host memory, then is written, checked
     # and committed in the background (one at a time); sync: training waits for the whole save
