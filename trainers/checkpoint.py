@@ -562,11 +562,13 @@ class Checkpointer:
             if before_commit is not None:  # a test hook: simulate a crash (or a slow disk) before the commit
                 before_commit(partial)
             # `seq`: the commit's place after the folder's others (the newest commit is the run's newest state)
-            seq = 1 + max((commit_seq(p) for p in committed_checkpoints(self.root)), default=-1)
+            before = committed_checkpoints(self.root)  # the newest commit first
+            newest = commit_seq(before[0]) if before else None
+            seq = 1 + (newest if newest is not None else -1)
             marker = {"step": step, "seq": seq, "hash": HASH, "piece_bytes": PIECE_BYTES, "files": files}
             # In place of the same step saved before (e.g. the final save after a periodic one).
             commit_folder(partial, final, COMMITTED, (json.dumps(marker, indent=1) + "\n").encode())
-            self._retain()
+            self._retain([p.name for p in reversed(before) if p.name != final.name] + [final.name])
         _barrier(group)
         return final
 
@@ -613,12 +615,11 @@ class Checkpointer:
             raise CheckpointError(f"{path} could not be read: {type(e).__name__}: {first_line(e)}") from e
         return trainer_state, rng
 
-    def _retain(self) -> None:
-        """Keep the newest `keep` committed checkpoints. Only a save's commit calls it, and one save is in
+    def _retain(self, done: list[str]) -> None:
+        """Keep the newest `keep` committed checkpoints of `done` (names, the oldest commit first). Only a save's commit calls it, and one save is in
         flight at a time, so the partial folders it removes are crashes' leftovers, never a live save."""
         entries = list_names(self.root)
         names = [n for n in entries if STEP_DIR.match(n)]
-        done = [p.name for p in reversed(committed_checkpoints(self.root))]  # the oldest commit first
         old = done[: max(len(done) - self.keep, 0)]
         stale = [n for n in names if n not in done and done and n < max(done)]  # saves a crash cut short
         # What a crash left half done where folders are renamed into place (none on an object store).
