@@ -40,11 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say(e: BaseException, every_rank: bool) -> None:
-    """One line on stderr, in one write (torchrun's ranks share the terminal; print's two writes interleave).
-    Under torchrun a bad config fails alike on every rank, so only each node's local rank 0 says it; an
-    error that may be one rank's own is said by each rank that has it, naming its rank. Every rank also
-    leaves its line in torchrun's error file (TORCHELASTIC_ERROR_FILE, the file `@record` writes), so
-    torchrun's failure summary shows each rank's own line instead of "To enable traceback see: ..."."""
+    """One line on stderr, in one write (torchrun's ranks share the terminal; print's two writes interleave),
+    by each node's local rank 0, or by every rank naming itself when `every_rank`. Every rank also writes it
+    to torchrun's error file (the one `@record` writes), which torchrun's failure summary shows."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     line = f"error: {e}"
     if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -1,6 +1,5 @@
 """What every layer shares, importing none of ours: strict pydantic models, the one-line error users see,
-dotted keys, an environment default for a block, and the byte sizes users write (`parse_bytes`,
-`format_bytes`: the config checks them, the planner and the CLI read them)."""
+dotted keys, scoped environment variables, and the byte sizes users write."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def first_line(e: BaseException) -> str:
 
 
 def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: the dotted keys `--set` and one-line errors use (an empty mapping
-    stays a value)."""
+    """{"a": {"b": 1}} -> {"a.b": 1}: the dotted keys `--set` uses (an empty mapping stays a value)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:
@@ -54,14 +52,8 @@ def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 @contextlib.contextmanager
 def env_default(key: str, value: str) -> Iterator[None]:
     """`key` set to `value` for the block where the environment has no value of its own (a user's wins)."""
-    if key in os.environ:
+    with scoped_environ(**({} if key in os.environ else {key: value})):
         yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -79,10 +71,10 @@ def scoped_environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS's pick; another process may take it before it is bound)."""
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick; another process may take it before it is bound)."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -110,14 +102,11 @@ def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
 
 
 def checked_size(value: Any, what: str) -> str | None:
-    """A config field's byte size kept as written (None stays None), checked now: a ValueError naming
-    `what` and the fix, for pydantic to report before any worker starts."""
+    """A config field's byte size kept as written (None stays None), checked now: a ConfigError (a ValueError)
+    naming `what` and the fix, for pydantic to report before any worker starts."""
     if value is None:
         return None
-    try:
-        parse_bytes(value, what)
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
+    parse_bytes(value, what)
     return str(value)
 
 

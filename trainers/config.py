@@ -1,13 +1,7 @@
-"""A run is one YAML file validated into these typed models.
-
-Each component owns its section (model, data, ...); cross-field checks live in `RunConfig._check`, the
-parallel layout's rules that need no world size among them (`check_layout`; the rules at a world size are
-`trainers.layout`'s). Checks that read the disk or a model folder are not here: `trainers.preflight`.
-Every failure is a `ConfigError` with one line that names the key path and the fix.
-
-This module is the bottom of the run-config layer: it imports only `trainers._base` and the sections it
-composes (each component's `config` module, `storage.Location`, `profiling.ProfileConfig`), never the
-layout, the planner or the engines (tests/test_architecture.py holds the order).
+"""A run is one YAML file validated into these typed models: each component owns its section, cross-section
+checks live in `RunConfig._check`, and every failure is a `ConfigError`: one line naming the key and the fix.
+Checks that read the disk or a model folder are `trainers.preflight`'s; the layout's rules at a world size,
+`trainers.layout`'s. The bottom of the run-config layer (tests/test_architecture.py holds the order).
 """
 
 from __future__ import annotations
@@ -54,7 +48,6 @@ __all__ = [
     "SPLIT_BACKWARD_SCHEDULES",
     "LRScheduleConfig",
     "ScalingConfig",
-    "ScheduleConfig",
     "TrainConfig",
     "TrackingConfig",
     "apply_overrides",
@@ -104,9 +97,6 @@ class LRScheduleConfig(StrictModel):
     step_size: PositiveInt = 100  # exponential and step
 
 
-ScheduleConfig = LRScheduleConfig  # the name before the learning-rate and pipeline schedules were told apart
-
-
 class PrecisionConfig(StrictModel):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, fp32 master weights
     init_scale: PositiveFloat = 2.0**16  # fp16 dynamic loss scaling
@@ -144,8 +134,7 @@ class MemoryConfig(StrictModel):
 
     @property
     def ac_every(self) -> int:
-        """Full checkpointing: 0 = off (or selective), else blocks whose index is a multiple of this (block
-        0, k, 2k, ...)."""
+        """Full checkpointing: 0 = off (or selective), else the blocks whose index is a multiple of this."""
         ac = self.activation_checkpointing
         return 0 if ac in ("off", "selective") else 1 if ac == "every" else int(ac)
 
@@ -337,10 +326,8 @@ class ScalingConfig(StrictModel):
     @property
     def sizes(self) -> range:
         """Every world size the run may have."""
-        if self.min_workers is not None:
-            return range(self.min_workers, self.max_workers + 1)
-        n = self.num_workers or 1
-        return range(n, n + 1)
+        fewest = self.min_workers or self.num_workers or 1
+        return range(fewest, (self.max_workers or fewest) + 1)
 
 
 class RunConfig(StrictModel):
@@ -368,35 +355,25 @@ class RunConfig(StrictModel):
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"fix: raise model.max_seq_len or lower data.seq_len"
             )
-        if self.train.global_batch_size % self.train.micro_batch_size:
-            self.train.accumulation(1)  # raises with the numbers
-        self._check_layout()
+        self.train.accumulation(1)  # a global batch that micro-batches cannot make raises with the numbers
+        check_layout(self)
         if self.schedule.warmup_steps >= self.train.steps and self.schedule.name != "constant":
             raise ValueError(
                 f"schedule.warmup_steps={self.schedule.warmup_steps} >= train.steps={self.train.steps}; "
                 f"fix: shorten the warmup"
             )
-        self._check_profile()
-        return self
-
-    def _check_profile(self) -> None:
         prof = self.profile
-        if prof.start_step is None:
-            if prof.memory_snapshot:
-                raise ValueError(
-                    "profile.memory_snapshot=true needs profiled steps; fix: add --profile STEP:COUNT "
-                    "(or set profile.start_step)"
-                )
-            return
-        if prof.start_step + prof.steps - 1 > self.train.steps:
+        if prof.start_step is None and prof.memory_snapshot:
+            raise ValueError(
+                "profile.memory_snapshot=true needs profiled steps; fix: add --profile STEP:COUNT "
+                "(or set profile.start_step)"
+            )
+        if prof.start_step is not None and prof.start_step + prof.steps - 1 > self.train.steps:
             raise ValueError(
                 f"profile.start_step={prof.start_step} with profile.steps={prof.steps} ends past "
                 f"train.steps={self.train.steps}; fix: profile earlier steps, e.g. --profile 2:3"
             )
-
-    def _check_layout(self) -> None:
-        """The layout rules that need no world size (the rest: ParallelLayout.of, at each world size)."""
-        check_layout(self)
+        return self
 
     @property
     def out_dir(self) -> Path:
@@ -415,9 +392,8 @@ class RunConfig(StrictModel):
 
 
 def check_layout(cfg: RunConfig) -> None:
-    """The layout rules that need no world size: degrees against the model, the engine, the schedule and
-    the precision. Raises ConfigError (one line with its fix). RunConfig runs it on every load
-    (`trainers.layout.check_config` is this function; the rules at a world size: `ParallelLayout.of`)."""
+    """The layout rules that need no world size (degrees against the model, engine, schedule and precision),
+    run on every load; `trainers.layout.check_config` is this function, the rules at a world size its own."""
     par, model = cfg.parallel, cfg.model
     for knob, degree in (("pp", par.pp), ("tp", par.tp), ("ep", par.ep)):
         if degree > 1 and par.engine != "fsdp":
@@ -469,9 +445,7 @@ def check_layout(cfg: RunConfig) -> None:
             f"parallel.zero_stage=2 (or leave it unset)"
         )
     if cfg.train.compile and par.engine == "deepspeed" and par.stage == 3:
-        # Measured (2 ranks, 6 steps): ZeRO-3's torch.compiler.disable'd hooks on every submodule broke
-        # each compiled block at every Linear and norm, and its hooks hit dynamo's recompile limit (their
-        # modules' ds_id ints are guarded), with torch's warning on every rank's console.
+        # also: guarding the hooks' modules' ds_id ints runs into dynamo's recompile limit
         raise ConfigError(
             "train.compile=true with parallel.engine=deepspeed at zero_stage=3: ZeRO-3's parameter hooks on "
             "every submodule break each compiled block into pieces; fix: use parallel.engine=fsdp (FSDP2 "
@@ -651,9 +625,7 @@ def _fields_at(root: type[BaseModel], loc: list[str]) -> list[str]:
     model: Any = root
     for part in loc:
         field = model.model_fields.get(part)
-        if field is None:
-            return []
-        model = _model_type(field.annotation)
+        model = _model_type(field.annotation) if field is not None else None
         if model is None:
             return []
     return list(model.model_fields)
@@ -662,8 +634,5 @@ def _fields_at(root: type[BaseModel], loc: list[str]) -> list[str]:
 def _model_type(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_type(arg)
-        if found is not None:
-            return found
-    return None
+    found = (_model_type(arg) for arg in getattr(annotation, "__args__", ()))
+    return next((model for model in found if model is not None), None)

@@ -17,10 +17,8 @@ __all__ = ["DEEPSPEED_VERSION", "loading_universal_checkpoint"]
 @contextlib.contextmanager
 def loading_universal_checkpoint(engine: Any) -> Iterator[None]:
     """parallel/deepspeed_engine.py: `engine.load_checkpoint` inside the block reads a universal checkpoint
-    (ZeRO partitions written at another data-parallel size, converted). deepspeed/runtime/engine.py
-    `DeepSpeedEngine.load_universal_checkpoint()` returns `self._config.load_universal_checkpoint` (the
-    config's `checkpoint.load_universal`, deepspeed/runtime/config.py), read at load time only; a running
-    engine has no public way to set it."""
+    (ZeRO partitions written at another data-parallel size). deepspeed/runtime/engine.py reads
+    `self._config.load_universal_checkpoint` at load time only; a running engine has no public setter."""
     config = engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True

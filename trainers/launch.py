@@ -27,13 +27,9 @@ def run_local(
     loop: Callable[[Trainer], FitResult] | None = None,
 ) -> FitResult:
     """Build the Trainer for `cfg` and run it: `trainer.fit()`, or `loop(trainer)`, a loop that drives it
-    from outside (`fit(until=...)`, `restore`: a PBT trial's, `search.hooks.GateLoop`).
-
-    Under torchrun (any --nproc-per-node, 1 included: `init_from_env`) this joins the process group first
-    and leaves it at the end; a group that already exists (Ray Train's) is used and left alone.
-
-    `hold_lock`: rank 0 holds the run dir's lock (`RunDirLock`); Ray Train's workers pass False, their
-    driver holds it for them."""
+    from outside (a PBT trial's). Under torchrun this joins the process group and leaves it at the end; a
+    group that already exists (Ray Train's) is used and left alone. `hold_lock`: rank 0 holds the run dir's
+    lock; Ray Train's workers pass False, their driver holds it."""
     import torch.distributed as dist
 
     if not dist.is_initialized():  # every layout rule before joining a group: each rank says the same line
@@ -46,9 +42,8 @@ def run_local(
     owns_group = not dist.is_initialized() and init_from_env()
     threads = torch.get_num_threads()
     if not dist.is_initialized() and "OMP_NUM_THREADS" not in os.environ:
-        # One process alone (`--no-ray`) computes on the CPUs its run asks for, as each Ray worker does (Ray
-        # sets OMP_NUM_THREADS to scaling.cpus_per_worker): torch's default, a thread per core, spins
-        # against whatever else the machine runs (40 steps: 114.8 s beside a busy machine, 21.9 s on 1).
+        # As Ray sets OMP_NUM_THREADS for its workers: torch's default, a thread per core, spins against
+        # whatever else the machine runs.
         torch.set_num_threads(max(int(cfg.scaling.cpus_per_worker), 1))
     engine = None
     try:

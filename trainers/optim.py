@@ -1,8 +1,5 @@
-"""Optimizers and learning-rate schedules, built from torch and the run config.
-
-The schedule is a closed-form factor of the step, and the base learning rate and
-other hyperparameters are re-applied from the config after a restore: population-based training
-changes them between segments of a run, and the change must take effect on the restored optimizer.
+"""Optimizers and closed-form learning-rate schedules. The hyperparameters are re-applied from the config
+after a restore: population-based training changes them between segments of a run.
 """
 
 from __future__ import annotations
@@ -32,31 +29,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+# name -> the torch optimizer and the config's keys it takes besides lr and weight_decay. torch's Adam folds
+# weight decay into the gradient (L2), unlike AdamW's decoupled decay.
+_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
+    "sgd": (torch.optim.SGD, ("momentum", "nesterov")),
+    "adagrad": (torch.optim.Adagrad, ("eps",)),
+    "rmsprop": (torch.optim.RMSprop, ("alpha", "eps", "momentum")),
+    "adam": (torch.optim.Adam, ("betas", "eps")),
+    "adamw": (torch.optim.AdamW, ("betas", "eps")),
+}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
+    kind, keys = _OPTIMIZERS[cfg.name]
     fused = {"fused": True} if cfg.fused else {}  # the config refuses fused rmsprop
-    if cfg.name == "sgd":
-        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **fused)
-    elif cfg.name == "adagrad":
-        opt = torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.eps, **fused)
-    elif cfg.name == "rmsprop":
-        opt = torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.alpha, eps=cfg.eps, momentum=cfg.momentum)
-    elif cfg.name == "adam":
-        # torch's Adam folds weight decay into the gradient (L2), unlike AdamW's decoupled decay.
-        opt = torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **fused)
-    else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **fused)
+    opt = kind(groups, lr=cfg.lr, **{key: getattr(cfg, key) for key in keys}, **fused)
     apply_hparams(opt, cfg)
     return opt
-
-
-_HPARAM_KEYS = {
-    "sgd": ("momentum", "nesterov"),
-    "adagrad": ("eps",),
-    "rmsprop": ("alpha", "eps", "momentum"),
-    "adam": ("betas", "eps"),
-    "adamw": ("betas", "eps"),
-}
 
 
 def apply_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
@@ -65,7 +55,7 @@ def apply_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
         group["initial_lr"] = cfg.lr  # the schedule multiplies this
         group["lr"] = cfg.lr
         group["weight_decay"] = cfg.weight_decay if group.get("decay", True) else 0.0
-        for key in _HPARAM_KEYS[cfg.name]:
+        for key in _OPTIMIZERS[cfg.name][1]:
             group[key] = getattr(cfg, key)
 
 

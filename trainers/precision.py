@@ -15,10 +15,8 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def allow_tf32(on: bool) -> None:
-    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores, or not: process-wide settings of torch,
-    applied by CUDA runs only (`precision.tf32`); a CPU run leaves them as they are. The legacy setters only:
-    torch >= 2.9 refuses reads once the legacy and the new (`fp32_precision`) settings are mixed, and
-    inductor and user code still read the legacy ones."""
+    """fp32 matmuls and cuDNN convolutions on TF32 tensor cores, or not (process-wide). The legacy setters
+    only: torch >= 2.9 refuses reads once they and the new `fp32_precision` are mixed; inductor reads them."""
     torch.set_float32_matmul_precision("high" if on else "highest")  # = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = on
 

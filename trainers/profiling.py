@@ -1,13 +1,6 @@
-"""Profiles of chosen steps (`raytrain train ... --profile STEP:COUNT`) and the named ranges they show.
-
-Every rank writes a `torch.profiler` Chrome trace of steps STEP..STEP+COUNT-1 to
-`RUN_DIR/profile/rank<R>-steps<A>-<B>.json` (open it in https://ui.perfetto.dev or chrome://tracing), with
-ranges named `data`, `forward`, `backward`, `optimizer` and `communication` (FSDP2 and pipeline schedules
-add their own). `memory_snapshot` also records CUDA's allocator over those steps
-(`rank<R>-memory.pickle`, for https://pytorch.org/memory_viz); on a device without one it says so.
-
-When profiling is off nothing is recorded: `span` is a shared null context and the profiler's hooks are
-empty methods, so a step costs what it did (no sync, no range).
+"""Profiles of chosen steps (`--profile STEP:COUNT`): each rank's `torch.profiler` Chrome trace in
+RUN_DIR/profile/ (https://ui.perfetto.dev), with named ranges (`span`), and CUDA allocator snapshots
+(https://pytorch.org/memory_viz). Off, `span` is a shared null context and the hooks are empty methods.
 """
 
 from __future__ import annotations
@@ -108,11 +101,8 @@ class _TorchStepProfiler(StepProfiler):
     def _dump_memory(self) -> str:
         if self.device.type != "cuda":
             if self.rank == 0:
-                print(
-                    f"raytrain: profile: no memory snapshot on {self.device.type} (CUDA only); skipped",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                line = f"raytrain: profile: no memory snapshot on {self.device.type} (CUDA only); skipped"
+                print(line, file=sys.stderr, flush=True)
             return f"skipped: needs CUDA (device {self.device.type})"
         from trainers.torch_compat import dump_memory_snapshot, stop_memory_history
 

@@ -1,8 +1,5 @@
-"""Progress of a run on the console: a tqdm bar on a terminal, plain lines in a log.
-
-A bar redraws itself with carriage returns and ANSI codes: on a terminal that is one line, in a file (a
-`ray job submit` log, `nohup`, CI) it is hundreds of lines of escapes (a job log held 382 lines for 600
-steps). Where stderr is not a terminal, `progress_bar` gives `LineProgress` instead: the same calls,
+"""Progress of a run on the console: a tqdm bar on a terminal; elsewhere (a job log, `nohup`, CI), where a
+bar's carriage returns and ANSI codes would be hundreds of lines of escapes, `LineProgress`: the same calls,
 and one plain line at each tenth of the run, at most one a minute between them, and one at the end.
 """
 
@@ -31,23 +28,22 @@ def plain(text: str) -> str:
     return _ANSI.sub("", text)
 
 
-def progress_bar(total: int, desc: str, initial: int = 0, unit: str = "step", file: TextIO | None = None):
+def progress_bar(total: int, desc: str, initial: int = 0, file: TextIO | None = None):
     """A tqdm bar on a terminal, else a `LineProgress` (both: `n`, `update`, `set_postfix`, `write`, `close`)."""
     if is_terminal(file):
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=file)
-    return LineProgress(total, desc, initial, unit, file)
+        return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=file)
+    return LineProgress(total, desc, initial, file)
 
 
 class LineProgress:
     """tqdm's calls, printed as plain lines: `desc: step 120/600 (20%), loss=3.412, tok_s=3708, 2m05s`."""
 
-    def __init__(self, total: int, desc: str, initial: int = 0, unit: str = "step", file: TextIO | None = None,
-                 every_s: float = 60.0, parts: int = 10, show: bool = True):
+    def __init__(self, total: int, desc: str, initial: int = 0, file: TextIO | None = None,
+                 show: bool = True):
         """`show=False`: no progress lines, only what `write` is given (a run's events)."""
-        self.total, self.desc, self.n, self.unit, self.show = total, desc, initial, unit, show
-        self.file, self.every_s, self.parts = file, every_s, parts
+        self.total, self.desc, self.n, self.file, self.show = total, desc, initial, file, show
         self.postfix: dict[str, Any] = {}
         self.started = self.printed_at = time.monotonic()
         self.printed_n = initial
@@ -69,13 +65,13 @@ class LineProgress:
     def _maybe_print(self) -> None:
         if not self.show:
             return
-        step = max(self.total // self.parts, 1)
-        if self.n // step > self.printed_n // step or time.monotonic() - self.printed_at >= self.every_s:
+        step = max(self.total // 10, 1)
+        if self.n // step > self.printed_n // step or time.monotonic() - self.printed_at >= 60:
             self._print()
 
     def _print(self) -> None:
         elapsed = int(time.monotonic() - self.started)
         share = f" ({100 * self.n // self.total}%)" if self.total else ""
         fields = "".join(f", {k}={v}" for k, v in self.postfix.items())
-        self.write(f"{self.desc}: {self.unit} {self.n}/{self.total}{share}{fields}, {elapsed // 60}m{elapsed % 60:02d}s")
+        self.write(f"{self.desc}: step {self.n}/{self.total}{share}{fields}, {elapsed // 60}m{elapsed % 60:02d}s")
         self.printed_at, self.printed_n = time.monotonic(), self.n

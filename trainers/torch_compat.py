@@ -1,18 +1,16 @@
 """Private names of PyTorch that trainers/ relies on, in one place, each with what it is for. Read from
-torch 2.11 (the GPU machine's), 2.13 (the pinned CPU build) and 2.14 (the newest the package index serves:
-`make test-compat-torch`); tests/unit/test_torch_compat.py fails when
-one moves or changes shape, and no other module of ours names a private part of torch.
-
-The classes and functions of private torch modules are imported on first use (`from trainers.torch_compat
-import X` imports X's module then), so that a light module that needs one pays for no other.
+torch 2.11 (the GPU machine's), 2.13 (the pinned CPU build) and 2.14 (`make test-compat-torch`);
+tests/unit/test_torch_compat.py fails when one moves or changes shape. The classes and functions of private
+modules load on first use, so that a light module that needs one pays for no other.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from trainers._lazy import lazy_names
 
 if TYPE_CHECKING:  # the names `_LAZY` imports on first use
     from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -44,30 +42,24 @@ __all__ = [
     "tree_leaves",
 ]
 
-_LAZY: dict[str, tuple[str, str]] = {
+# name -> the private module it is read from
+_LAZY = {
     # metrics.LiveTensorBytes (the memory census): a dispatch mode that sees every op, and the tensors of
     # an op's output
-    "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
-    "tree_leaves": ("torch.utils._pytree", "tree_leaves"),
+    "TorchDispatchMode": "torch.utils._python_dispatch",
+    "tree_leaves": "torch.utils._pytree",
     # parallel/expert.py: the autograd-aware all-to-all of expert parallelism (torchtitan's as well)
-    "all_to_all_single_autograd": ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
+    "all_to_all_single_autograd": "torch.distributed._functional_collectives",
     # parallel/ac.py: the module wrapper of activation checkpointing (torchtitan's as well)
-    "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
+    "checkpoint_wrapper": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     # checkpoint.py: DCP's own stager, held for the process (its public DefaultStager closes it after each
     # stage on torch < 2.13), and DCP's fsspec writer and reader for a run dir in a bucket
-    "StateDictStager": ("torch.distributed.checkpoint._state_dict_stager", "StateDictStager"),
-    "FsspecWriter": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
-    "FsspecReader": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
+    "StateDictStager": "torch.distributed.checkpoint._state_dict_stager",
+    "FsspecWriter": "torch.distributed.checkpoint._fsspec_filesystem",
+    "FsspecReader": "torch.distributed.checkpoint._fsspec_filesystem",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(globals(), _LAZY)
 
 
 # models/moe.py: one grouped matmul per projection over all experts (`offs`: where each group ends), on
@@ -87,8 +79,7 @@ HOP_WRAP_LOGGER = "torch._higher_order_ops.wrap"
 def skip_side_effects_in_checkpoint_backward() -> None:
     """parallel/parallelize.py, before compiling: dynamo may skip replaying a forward's side effects (MoE's
     router statistics) when activation checkpointing recomputes it in backward, instead of breaking the
-    graph there (torchtitan's `apply_compile` sets it too). A process-wide setting; touching
-    `torch._dynamo` imports it, as compiling would."""
+    graph there (torchtitan's `apply_compile` sets it too). A process-wide setting."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
@@ -98,13 +89,11 @@ def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
     return mesh._flatten(name)
 
 
-# torchft/process_group.py (torchft 0.2.0): `ProcessGroupWrapper.configure`, at each new quorum, aborts and drops
-# the process group the wrapper holds (`self._pg`) before it makes the quorum's. Gloo's abort and its destructor
-# wait for a collective still in flight (a peer silent, not gone) up to the group's timeout: 9.0 s of 10 measured.
-# Taken out of the wrapper first, it is neither aborted nor destroyed; the next configure starts a new one at once.
 def set_aside(pg: Any) -> Any:
-    """parallel/replicas.py: the process group a torchft wrapper holds, taken out of it (the next `configure`
-    makes a new one without waiting for this one's collectives); the caller keeps it until they end."""
+    """parallel/replicas.py: the process group a torchft wrapper holds (`_pg`), taken out of it; the caller
+    keeps it until its collectives end. torchft/process_group.py (0.2.0) `ProcessGroupWrapper.configure`
+    aborts the held group at each new quorum, and gloo's abort waits up to the group's timeout for a
+    collective in flight (a peer silent, not gone); set aside, the next configure starts a new one at once."""
     inner, pg._pg = pg._pg, None
     return inner
 

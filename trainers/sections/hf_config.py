@@ -1,8 +1,6 @@
-"""config.json of a Hugging Face Llama/Mixtral folder, read into our `model` section: the keys it fixes, the
-models ours cannot compute, the mismatches with the YAML (one line each), and the reader of a folder's
-small files (local or in a bucket). `ModelConfig` fills itself from here when `init_from` is set, so this
-module sits below `trainers.sections.model` and imports none of the model; writing config.json from a
-`ModelConfig` and the tensor names are `trainers.hf.format`'s.
+"""config.json of a Hugging Face Llama/Mixtral folder (local or in a bucket), read into our `model` section:
+the keys it fixes, the models ours cannot compute, the mismatches with the YAML (one line each). Below
+`trainers.sections.model`, which fills itself from here; writing config.json is `trainers.hf.format`'s.
 """
 
 from __future__ import annotations
@@ -37,11 +35,11 @@ _FREE = {"init_from", "max_seq_len", "init_std", "multiple_of"}
 _MOE_FREE = {"aux_loss_coef", "z_loss_coef", "capacity_factor"}
 
 
-def read_small(folder: Any, name: str, what: str = "model.init_from") -> bytes | None:
+def read_small(folder: Any, name: str) -> bytes | None:
     """A small file of a model folder, local or in a bucket (config.json, the index, tokenizer.json); None
-    when it is not there. A store's errors (no credentials, no permission) as one line naming `what`."""
+    when it is not there. A store's errors (no credentials, no permission) as one line naming init_from."""
     folder = location(folder)
-    with one_line_errors(folder, f"{what}={folder}"):
+    with one_line_errors(folder, f"model.init_from={folder}"):
         return read_bytes(folder / name)
 
 
@@ -96,14 +94,12 @@ def model_section_from_hf(section: dict[str, Any]) -> dict[str, Any]:
     """The `model` section of a run with `init_from` set: every key that config.json fixes is filled in
     from it; a key the YAML gives must agree (one line per mismatch, naming the fix)."""
     hf_dir = absolute(location(section["init_from"]).expanduser())  # workers may run in other folders
-    source = f"model.init_from={hf_dir}"
     config = read_hf_config(hf_dir)
-    problems = unsupported(config, f"{source}: {CONFIG_FILE}")
-    derived = _derived(config)
     out = {**section, "init_from": hf_dir}
-    mismatches = [*problems, *_merge(out, derived, "model.", hf_dir)]
-    if mismatches:
-        raise ValueError("\n".join(mismatches))
+    problems = unsupported(config, f"model.init_from={hf_dir}: {CONFIG_FILE}")
+    problems += _merge(out, _derived(config), "model.", hf_dir)
+    if problems:
+        raise ValueError("\n".join(problems))
     return out
 
 
@@ -113,11 +109,8 @@ def _derived(config: dict[str, Any]) -> dict[str, Any]:
     derived.setdefault("tie_embeddings", False)
     if "max_position_embeddings" in config:
         derived["max_seq_len"] = config["max_position_embeddings"]  # a default: the YAML may lower it
-    if config.get("model_type") == "mixtral":
-        derived["moe"] = {ours: config[theirs] for ours, theirs in _MOE_FROM_HF.items() if theirs in config}
-        derived["moe"]["every"] = 1
-    else:
-        derived["moe"] = None
+    moe = {ours: config[theirs] for ours, theirs in _MOE_FROM_HF.items() if theirs in config}
+    derived["moe"] = {**moe, "every": 1} if config.get("model_type") == "mixtral" else None
     return derived
 
 

@@ -1,11 +1,5 @@
-"""The `tracking:` section of a run: where rank 0 also sends its metrics (MLflow, Weights & Biases).
-
-    tracking:
-      mlflow: {tracking_uri: http://mlflow:5000, experiment: lm}   # no URI: a local store in RUN_DIR/mlflow/
-      wandb: {project: lm, mode: offline}
-
-`metrics.jsonl` stays the record of truth: a tracker is a copy, sent from a background thread.
-"""
+"""The `tracking:` section of a run: where rank 0 also sends its metrics (MLflow, Weights & Biases), a copy
+sent from a background thread; `metrics.jsonl` stays the record of truth."""
 
 from __future__ import annotations
 
