@@ -1,6 +1,5 @@
 """The file layout of a checkpoint (see `trainers.checkpoint`), without torch: the one place that names what
-a step folder holds (its files and the keys of its state), and what a process that only moves checkpoints
-needs (a Tune trial's actor pins them; `raytrain` reads their state).
+a step folder holds, for processes that only move checkpoints or read their state (Tune's actors, `raytrain`).
 
 A committed checkpoint is a folder `step_XXXXXXXX` holding a `COMMITTED` marker; anything else under a
 checkpoint root (`*.partial`, `.install-*`, `.replaced-*`) is never loaded and is cleaned up by retention.
@@ -15,13 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainers.storage import (
-    copy_tree,
-    list_names,
-    local_path,
-    location,
-    remove_tree,
-)
+from trainers.storage import copy_tree, list_names, local_path, location, remove_tree
 
 __all__ = [
     "COMMITTED",
@@ -78,10 +71,9 @@ def is_complete(path: Path) -> bool:
 
 
 def committed_checkpoints(root: Any) -> list[Path]:
-    """The complete (committed) step folders under `root`, the newest commit first: the order a restore tries
-    them in. Newest by commit (`commit_seq`), not by step: a run restored to an earlier step (a PBT exploit of a
-    donor behind it, a fallback past a damaged checkpoint) commits lower steps after higher ones, and those are
-    its newest."""
+    """The committed step folders under `root`, the newest commit (`commit_seq`) first: the order a restore
+    tries them in. Not by step: a run restored to an earlier step (a PBT exploit, a fallback past a damaged
+    checkpoint) commits lower steps after higher ones, and those are its newest."""
     root = location(root)
     order = {n: (commit_seq(root / n), n) for n in list_names(root, "step_*") if STEP_DIR.match(n)}
     return [root / n for n in sorted((n for n in order if order[n][0] is not None), key=order.get, reverse=True)]
@@ -116,10 +108,9 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def link_tree(src: Path, dst: Path, exclude: str | None = None) -> None:
-    """Copy the folder `src` to `dst` as hard links (the same files, no data copied), file by file as
-    copies where the file system cannot link (another device); the file `exclude` (at its top) not at all.
-    On an object store, which has no links: copies made by the store itself (the bytes do not pass through
-    this machine), the commit marker last."""
+    """Copy the folder `src` to `dst` as hard links, or as copies where the file system cannot link (another
+    device); the file `exclude` (at its top) not at all. On an object store, which has no links: copies made
+    by the store itself, the commit marker last."""
     if local_path(src) is None or local_path(dst) is None:
         copy_tree(location(src), location(dst), last=COMMITTED, exclude=exclude)
         return

@@ -1,17 +1,14 @@
 """Checksums of checkpoint files in fixed pieces, hashed in parallel: no single-threaded second pass.
 
-Files are hashed while they are written where the writer allows it (`StreamDigests`: the same digests as
-reading the file back, without reading it), else by reading them back in parallel (`digest_pieces`).
-A checkpoint's `COMMITTED` marker names its hash (`"hash": "xxh3_128"`, `"piece_bytes": 67108864`) and
-holds, per file, its size and one digest per piece. Pieces are spread over the ranks (every world-th
-piece) and, within a rank, over a thread pool: xxh3-128 hashes ~16 GB/s a core here and releases the
-GIL, so on a freshly written file (still in the page cache) the pass costs a small fraction of the write.
-Markers written before pieces existed hold one whole-file `sha256` per file; they still verify.
+A checkpoint's `COMMITTED` marker names the hash and piece size and holds, per file, its size and one
+digest per piece. Pieces are hashed as the file is written (`StreamDigests`) or read back spread over the
+ranks and a thread pool (`digest_pieces`): xxh3-128 hashes ~16 GB/s a core and releases the GIL, so on a
+file still in the page cache the pass costs a small fraction of the write. Markers written before pieces
+existed hold one whole-file `sha256` per file; they still verify.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from trainers.storage import read_range
+from trainers.storage import read_range, sha256_of
 
 __all__ = ["HASH", "PIECE_BYTES", "Piece", "StreamDigests", "check_files", "digest_pieces", "pieces_of"]
 
@@ -53,11 +50,7 @@ class StreamDigests:
         self._piece, self._filled = xxhash.xxh3_128(), 0
 
     def update(self, data: Any) -> None:
-        start = time.perf_counter()
-        self._update(memoryview(data).cast("B"))
-        self.seconds += time.perf_counter() - start
-
-    def _update(self, view: memoryview) -> None:
+        start, view = time.perf_counter(), memoryview(data).cast("B")
         while len(view):
             if self._filled == self.piece_bytes:
                 self._done.append(self._piece.hexdigest())
@@ -65,6 +58,7 @@ class StreamDigests:
             take = min(len(view), self.piece_bytes - self._filled)
             self._piece.update(view[:take])
             self._filled, self.size, view = self._filled + take, self.size + take, view[take:]
+        self.seconds += time.perf_counter() - start
 
     def digests(self) -> list[str]:
         return [*self._done, self._piece.hexdigest()]
@@ -76,14 +70,6 @@ def digest_pieces(root: Any, pieces: Iterable[Piece], threads: int) -> dict[tupl
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="checksum") as pool:
         digests = list(pool.map(lambda p: _digest(root, p), pieces))
     return {(p[0], p[1]): d for p, d in zip(pieces, digests)}
-
-
-def _sha256(root: Any, name: str) -> str:
-    digest = hashlib.sha256()
-    with (root / name).open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_files(
@@ -100,7 +86,7 @@ def check_files(
     if marker.get("hash") is None:  # a marker from before pieces: one sha256 per file, files spread on ranks
         names = sorted(expected)[rank::world]
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="checksum") as pool:
-            found = list(pool.map(lambda n: _sha256(root, n), names))
+            found = list(pool.map(lambda n: sha256_of(root / n), names))
         bad = [n for n, d in zip(names, found) if d != expected[n]["sha256"]]
         return f"{bad[0]} does not match its sha256" if bad else None
     if marker["hash"] != HASH:

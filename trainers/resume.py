@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from trainers._base import ConfigError, flat_keys
+from trainers.checkpoint_files import checkpoint_step, committed_checkpoints, is_complete, read_trainer_state
 from trainers.config import RunConfig
+from trainers.run_dir import RunDir
+from trainers.storage import location
 
 __all__ = ["check_compatible", "check_resume", "compat_of", "resume_candidate"]
 
@@ -60,23 +63,17 @@ def check_compatible(saved: dict[str, Any] | None, now: dict[str, Any], checkpoi
 def resume_candidate(resume: str, out_dir: Path) -> Path | None:
     """The checkpoint `resume` (checkpoint.resume) restores first: auto, the newest complete one in the run dir
     `out_dir`; a path, it if complete. Reads files only: the command line asks it before torch is imported."""
-    from trainers.checkpoint_files import committed_checkpoints, is_complete
-
     if resume == "none":
         return None
     if resume == "auto":
         done = committed_checkpoints(out_dir / "checkpoints")
         return done[0] if done else None
-    from trainers.storage import location
-
     return location(resume) if is_complete(location(resume)) else None
 
 
 def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
     """Before any worker starts: the checkpoint this run would resume from was saved with the same
     shape-defining keys. An unreadable record is left for the restore to report (it falls back)."""
-    from trainers.checkpoint_files import read_trainer_state
-
     path = resume_candidate(cfg.checkpoint.resume, cfg.out_dir)
     if path is None:
         return
@@ -89,10 +86,6 @@ def check_resume(cfg: RunConfig, manifest: dict[str, Any]) -> None:
 
 def continue_hint(run_dir: Any) -> str:
     """What an interrupted run tells its user: the same command continues, from which step."""
-    from trainers.checkpoint_files import committed_checkpoints
-    from trainers.run_dir import RunDir
-
     done = committed_checkpoints(RunDir(run_dir).checkpoints)
-    latest = done[0] if done else None
-    where = f"from step {int(latest.name.split('_')[-1])}" if latest else "from the start (no checkpoint yet)"
+    where = f"from step {checkpoint_step(done[0])}" if done else "from the start (no checkpoint yet)"
     return f"interrupted; run the same command again to continue {where} ({run_dir})"

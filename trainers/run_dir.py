@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainers.storage import location, read_bytes, write_text_atomic
+from trainers.storage import location, write_text_atomic
 
 __all__ = [
     "CHECKPOINTS",
@@ -47,6 +47,11 @@ PROFILE = "profile"
 REPORT = "report"
 
 
+def _file(name: str) -> property:
+    """A property: the run dir's file or folder `name`."""
+    return property(lambda self: self.root / name)
+
+
 @dataclass(frozen=True)
 class RunDir:
     """A run dir's files as locations (`RunDir(cfg.out_dir).metrics`); it needs not exist."""
@@ -56,45 +61,16 @@ class RunDir:
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", location(self.root))
 
-    @property
-    def config(self) -> Any:
-        return self.root / CONFIG
-
-    @property
-    def metrics(self) -> Any:
-        return self.root / METRICS
-
-    @property
-    def checkpoints(self) -> Any:
-        return self.root / CHECKPOINTS
-
-    @property
-    def lock(self) -> Any:
-        return self.root / LOCK
-
-    @property
-    def failed(self) -> Any:
-        return self.root / FAILED
-
-    @property
-    def worker_log(self) -> Any:
-        return self.root / WORKER_LOG
-
-    @property
-    def ray_runs(self) -> Any:
-        return self.root / RAY_RUNS
-
-    @property
-    def tensorboard(self) -> Any:
-        return self.root / TENSORBOARD
-
-    @property
-    def profile(self) -> Any:
-        return self.root / PROFILE
-
-    @property
-    def report(self) -> Any:
-        return self.root / REPORT
+    config = _file(CONFIG)
+    metrics = _file(METRICS)
+    checkpoints = _file(CHECKPOINTS)
+    lock = _file(LOCK)
+    failed = _file(FAILED)
+    worker_log = _file(WORKER_LOG)
+    ray_runs = _file(RAY_RUNS)
+    tensorboard = _file(TENSORBOARD)
+    profile = _file(PROFILE)
+    report = _file(REPORT)
 
     def tracker(self, name: str) -> Any:
         """A tracker's folder (mlflow, wandb): its sent state, MLflow's local store."""
@@ -106,7 +82,3 @@ class RunDir:
 
     def write_config(self, text: str) -> None:
         write_text_atomic(self.config, text)
-
-    def read_config(self) -> str | None:
-        data = read_bytes(self.config)
-        return None if data is None else data.decode()

@@ -1,9 +1,9 @@
 """One writer per run dir: an exclusive `flock` on `RUN_DIR/.lock`, whose content names the holder.
 
 Two processes training into one run dir would interleave checkpoint renames and truncate each other's
-`metrics.jsonl`. The kernel drops a `flock` when its holder dies, however it dies, so the lock of a killed
-run is taken over by the next command without anyone deleting a file. The file stays (unlinking a locked
-file lets a third process lock a new inode beside the old one); only its content changes.
+`metrics.jsonl`. The kernel drops a `flock` when its holder dies, however it dies, so the next command takes
+over a killed run's lock. The file stays (unlinking a locked file lets a third process lock a new inode
+beside the old one); only its content changes.
 
 A run dir in a bucket (a URI) has no flock: the lock is then a local file named by the URI's hash
 (RAYTRAIN_CACHE/locks/), which keeps a second command on this machine out. Commands on two machines are
@@ -22,21 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from trainers._base import ConfigError
+from trainers.run_dir import LOCK
+from trainers.storage import cache_root, local_path
 
 __all__ = ["RunDirLock"]
 
 
 class RunDirLock:
     def __init__(self, run_dir: Path | str):
-        from trainers.run_dir import LOCK
-        from trainers.storage import cache_root, local_path
-
         self.run_dir = str(run_dir)
         local = local_path(run_dir)  # flock needs a file of this machine
-        if local is None:
-            self.path = cache_root() / "locks" / f"{hashlib.sha256(self.run_dir.encode()).hexdigest()[:16]}.lock"
-        else:
-            self.path = local / LOCK
+        digest = hashlib.sha256(self.run_dir.encode()).hexdigest()[:16]
+        self.path = local / LOCK if local is not None else cache_root() / "locks" / f"{digest}.lock"
         self._fd: int | None = None
 
     def __enter__(self) -> RunDirLock:

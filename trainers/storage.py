@@ -1,28 +1,11 @@
-"""Where a run's files live: a local folder, or an object store / remote file system given as an fsspec URI
-(`s3://bucket/prefix`, `gs://bucket/prefix`, any protocol fsspec knows).
+"""Where a run's files live: a local folder (a `pathlib.Path`) or an fsspec URI (`s3://bucket/prefix`,
+`gs://bucket/prefix`, any protocol fsspec knows) as a `upath.UPath`, which reads like a Path. What differs
+(no atomic rename on an object store, no fsync, no flock, no append, no folders) is behind the operations
+here, so that callers never branch on where a location is.
 
-This module owns every difference between the two. A location is a `pathlib.Path` for a local folder and a
-`upath.UPath` (universal_pathlib: pathlib's API over fsspec) for a URI, so `run_dir / "metrics.jsonl"`,
-`.is_file()`, `.read_text()`, `.glob()` read the same either way; what differs (no atomic rename on an
-object store, no fsync, no flock, no append, no folders) is behind the operations here, so that callers
-never branch on where a location is:
-
-- read and write: `read_bytes`, `read_range`, `write_bytes_atomic`/`write_text_atomic`/`write_json_atomic`
-  (the one atomic writer), `append_bytes`, `read_appended` (a growing file, polled at `poll_interval`);
-- folders: `ensure_folder`, `list_names`, `list_files`, `list_sizes`, `occupied`, `copy_tree`,
-  `remove_tree`; a folder that appears whole: `staging_folder`, `start_folder`, `commit_folder` (a rename
-  locally, a marker written last on a store);
-- local files for libraries and tools that need them: `local_path`, `local_folder` (a download),
-  `write_folder` (written locally, uploaded), `working_copy`/`publish` (a file one process appends to),
-  `cached_copy` (a verified download shared by a machine's ranks);
-- names: `location`, `absolute`, `is_within`, `location_on` (Ray's paths), `pyarrow_fs`/`ray_storage`
-  (the same file system for Ray and pyarrow);
-- errors: `check_location`, `describe_error`, `one_line_errors` (a store's errors as one ConfigError line).
-
-Credentials, endpoints and regions come from the environment as each library reads them (for S3: the AWS
-chain, `AWS_ENDPOINT_URL` for an S3-compatible server, instance roles; for GCS: application default
-credentials), never from our files. `check_location` turns what goes wrong (no bucket, no credentials, no
-permission, a wrong region) into the usual one-line `ConfigError` before any worker starts.
+Credentials, endpoints and regions come from the environment as each library reads them (for S3 the AWS
+chain and `AWS_ENDPOINT_URL`, for GCS application default credentials), never from our files;
+`check_location` turns what goes wrong into one ConfigError line before any worker starts.
 """
 from __future__ import annotations
 
@@ -64,12 +47,10 @@ __all__ = [
     "local_folder",
     "local_path",
     "location",
-    "location_on",
     "occupied",
     "one_line_errors",
     "poll_interval",
     "publish",
-    "pyarrow_fs",
     "ray_storage",
     "read_appended",
     "read_range",
@@ -149,16 +130,6 @@ def fs_and_path(path: Any) -> tuple[Any, str]:
     return fsspec.filesystem("file"), str(Path(path).absolute())
 
 
-def pyarrow_fs(path: Any) -> tuple[Any, str]:
-    """(pyarrow FileSystem, path on it): the same fsspec file system, for Ray's `storage_filesystem` and
-    pyarrow readers, so that every part of a run talks to the store through one configuration."""
-    from pyarrow.fs import FSSpecHandler, LocalFileSystem, PyFileSystem
-
-    if not is_remote(path):
-        return LocalFileSystem(), str(Path(path).absolute())
-    return PyFileSystem(FSSpecHandler(path.fs)), path.path
-
-
 def write_bytes_atomic(path: Any, data: bytes) -> None:
     """Readers see the old content or the new, never a part: a rename locally, one PUT on an object store
     (an object appears whole or not at all)."""
@@ -185,11 +156,9 @@ def write_json_atomic(path: Any, obj: Any, indent: int | None = 1, default: Any 
 
 
 def append_bytes(path: Any, data: bytes, current: bytes | None = None) -> bytes | None:
-    """Append to a file that only this process writes; returns its content after on an object store (to
-    pass as `current` next time), None locally (the file is the record). Locally an append (a reader may see
-    the last line cut, as a crash leaves it); on an object store, which has no append, the object is
-    replaced whole by one PUT (`current`: its content as this writer last left it, to spare the GET), so a
-    reader sees the file before or after the append. Meant for small logs (a trial's lineage)."""
+    """Append to a small file that only this process writes (a trial's lineage). An object store has no
+    append: the object is replaced whole by one PUT, and the content after is returned, to pass as `current`
+    next time and spare the GET; locally None (a reader may see the last line cut, as a crash leaves it)."""
     if not is_remote(path):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,12 +180,8 @@ def list_sizes(folder: Any, pattern: str = "*") -> dict[str, int]:
         entries = folder.fs.ls(folder.path, detail=True)
     except FileNotFoundError:
         return {}
-    out = {}
-    for entry in entries:
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-        if entry.get("type") == "file" and fnmatch.fnmatchcase(name, pattern):
-            out[name] = int(entry["size"])
-    return out
+    files = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e.get("type") == "file"}
+    return {name: int(e["size"]) for name, e in files.items() if fnmatch.fnmatchcase(name, pattern)}
 
 
 def copy_tree(src: Any, dst: Any, last: str | None = None, exclude: str | None = None) -> None:
@@ -235,16 +200,6 @@ def copy_tree(src: Any, dst: Any, last: str | None = None, exclude: str | None =
         src.fs.copy(base + last, f"{dst.path}/{last}")
 
 
-def location_on(filesystem: Any, path: str) -> Path | Any:
-    """The location of `path` on a pyarrow file system (Ray's storage file system: `pyarrow_fs`'s, or a
-    local one): what Ray hands back as a `Checkpoint`'s or an experiment's path, without its protocol."""
-    handler = getattr(filesystem, "handler", None)
-    fs = getattr(handler, "fs", None)
-    if fs is None:  # pyarrow's own LocalFileSystem (or another of its native ones: local paths only here)
-        return Path(path)
-    return location(fs.unstrip_protocol(path))
-
-
 def remove_tree(path: Any, first: str | None = None) -> None:
     """Delete a folder and everything under it; a missing one is fine. `first`: a file deleted before the
     rest (a commit marker: a folder half deleted by a crash is never taken for a whole one)."""
@@ -253,10 +208,8 @@ def remove_tree(path: Any, first: str | None = None) -> None:
     if not is_remote(path):
         shutil.rmtree(path, ignore_errors=True)
         return
-    try:
+    with contextlib.suppress(FileNotFoundError):
         path.fs.rm(path.path, recursive=True)
-    except FileNotFoundError:
-        pass
 
 
 def remove_file(path: Any) -> None:
@@ -264,10 +217,8 @@ def remove_file(path: Any) -> None:
     if not is_remote(path):
         Path(path).unlink(missing_ok=True)
         return
-    try:
+    with contextlib.suppress(FileNotFoundError):
         path.fs.rm_file(path.path)
-    except FileNotFoundError:
-        pass
 
 
 def sha256_of(path: Any) -> str:
@@ -322,9 +273,6 @@ def cached_copy(path: Any, sha256: str, size: int | None = None) -> Path | None:
     return final
 
 
-# -------------------------------------------------------------------------------------- preflight
-
-
 def describe_error(error: BaseException, where: str) -> str | None:
     """One line for a storage error (`where`: e.g. "run_dir=s3://b/x"), or None when it is none we know."""
     name = type(error).__name__
@@ -358,17 +306,14 @@ def describe_error(error: BaseException, where: str) -> str | None:
 
 def check_location(path: Any, what: str, write: bool) -> None:
     """Before any worker starts: the bucket of a remote location exists, credentials are there and, with
-    `write`, an object can be written and deleted under it. ConfigError (one line) otherwise. Local paths
-    pass (their own checks stay where they were)."""
+    `write`, an object can be written and deleted under it; ConfigError (one line) otherwise."""
     if not is_remote(path):
         return
-    where = f"{what}={path}"
-    fs = path.fs
-    type(fs).clear_instance_cache()  # credentials as the environment has them now, not a cached client's
+    type(path.fs).clear_instance_cache()  # credentials as the environment has them now, not cached ones
     path = location(str(path))
     fs = path.fs
     bucket = path.path.split("/", 1)[0]
-    try:
+    with one_line_errors(path, f"{what}={path}"):
         if not fs.exists(bucket):
             fs.info(bucket)  # exists() hides why: ask again to get the error (a missing bucket raises)
             raise FileNotFoundError(f"NoSuchBucket: {bucket}")
@@ -377,11 +322,6 @@ def check_location(path: Any, what: str, write: bool) -> None:
             probe = f"{path.path}/.raytrain-write-probe-{uuid.uuid4().hex[:8]}"
             fs.pipe_file(probe, b"probe")
             fs.rm_file(probe)
-    except Exception as e:  # noqa: BLE001  (every store error becomes one line; unknown ones are re-raised)
-        line = describe_error(e, where)
-        if line is None:
-            raise
-        raise ConfigError(line) from None
 
 
 def check_run_storage(cfg: Any) -> None:
@@ -410,46 +350,31 @@ def upload_folder(
 ) -> None:
     """Copy a local folder's files to a remote location, `last` after all others (a reader that finds it
     finds the rest: the manifest of prepared data names each shard and its sha256), `exclude` not at all."""
-    local = Path(local)
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.relative_to(local).as_posix() != exclude)
-    files.sort(key=lambda p: p.relative_to(local).as_posix() == last)
-    fs = dest.fs
-    for path in files:
-        fs.put_file(str(path), f"{dest.path}/{path.relative_to(local).as_posix()}")
+    for name in sorted((n for n in list_files(local) if n != exclude), key=lambda n: n == last):
+        dest.fs.put_file(str(Path(local) / name), f"{dest.path}/{name}")
 
 
 def download_folder(src: Any, local: Path) -> Path:
     """Copy a remote folder's files under `local` (made if needed); returns `local`."""
     local = Path(local)
-    base = src.path.rstrip("/") + "/"
-    for name in src.fs.find(src.path):
-        if name.startswith(base):
-            target = local / name[len(base) :]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            src.fs.get_file(name, str(target))
+    for name in list_files(src):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        src.fs.get_file(f"{src.path.rstrip('/')}/{name}", str(local / name))
     return local
 
 
-STORAGE_ENV = "RAYTRAIN_STORAGE"  # where runs and experiments go by default (a cluster's bucket)
-
-
 def default_root(kind: str) -> Any:
-    """`$RAYTRAIN_STORAGE/<kind>` when set (e.g. s3://bucket/runs), else the local `<kind>` folder."""
-    base = os.environ.get(STORAGE_ENV, "").strip()
+    """`$RAYTRAIN_STORAGE/<kind>` when set (a cluster's bucket: s3://bucket/runs), else the local `<kind>`."""
+    base = os.environ.get("RAYTRAIN_STORAGE", "").strip()
     return location(f"{base.rstrip('/')}/{kind}") if base else Path(kind)
 
 
 def read_bytes(path: Any) -> bytes | None:
     """A file's content, None when it is not there. On a store: one GET of the object as it is at that
     moment (a file replaced while it is read is never an error: the old or the new content)."""
-    if not is_remote(path):
-        try:
-            return Path(path).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
-            return None
     try:
-        return path.fs.cat_file(path.path)
-    except FileNotFoundError:
+        return path.fs.cat_file(path.path) if is_remote(path) else Path(path).read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
         return None
 
 
@@ -458,8 +383,7 @@ _buffers = threading.local()  # read_range's buffer per thread (checksums hash p
 
 def read_range(path: Any, offset: int, length: int) -> bytes | memoryview:
     """Bytes [offset, offset + length) of a file: one ranged GET on a store; locally one `preadv` into a
-    buffer kept per thread and reused (no fresh pages per read: the view is valid until this thread's next
-    `read_range`)."""
+    buffer reused per thread (no fresh pages per read: the view is valid until this thread's next call)."""
     if is_remote(path):
         return path.fs.cat_file(path.path, start=offset, end=offset + length) if length else b""
     buffer = getattr(_buffers, "buffer", None)
@@ -474,15 +398,12 @@ def read_range(path: Any, offset: int, length: int) -> bytes | memoryview:
     return view[:got]
 
 
-
 def read_appended(path: Any, offset: int, version: Any = None) -> tuple[bytes | None, int, Any]:
-    """What a file that grows (and is sometimes replaced by a shorter one: a log rewound) holds from
-    `offset` on: (bytes or None when it is not there, the offset they start at, the file's version to pass
-    next time). From 0 again when the file is shorter than `offset` or (locally) another file than the
-    `version` read before (it may have grown past the old offset already, which then fell inside a line).
-    A store's object is replaced whole at each write: one GET of all of it; its version is the length and
-    digest of what was read, so a rewound object that grew past the old offset by the next look is still
-    seen as another one (its bytes up to the old length differ)."""
+    """What a growing file (sometimes replaced by a shorter one: a log rewound) holds from `offset` on:
+    (bytes, or None when it is not there; the offset they start at; the version to pass next time). From 0
+    again when the file is shorter than `offset` or another one than `version`, which may have grown past
+    the old offset already: its inode locally; on a store, whose objects are replaced whole, the length and
+    digest of what was read (a rewound object's bytes up to the old length differ)."""
     if is_remote(path):
         data = read_bytes(path)
         if data is None:
@@ -529,19 +450,21 @@ def is_within(path: Any, folder: Any) -> bool:
 
 
 def local_path(path: Any) -> Path | None:
-    """The location as a path of this machine's file system, for libraries that open files by name (flock,
-    safetensors' memory map, DCP's file writer); None for a location only fsspec reaches (`local_folder`
-    downloads one)."""
+    """The location as a path of this machine, for libraries that open files by name (flock, safetensors'
+    memory map, DCP's file writer); None for one only fsspec reaches (`local_folder` downloads it)."""
     if is_remote(path) or is_uri(path):
         return None
     return location(path)
 
 
 def ray_storage(path: Any) -> tuple[Any, str]:
-    """(`storage_filesystem`, `storage_path`) to give Ray Train/Tune for the folder `path`: for a store the
-    same fsspec file system we write with (credentials from the environment) and the path on it; locally
-    None (Ray's own) and the path."""
-    return pyarrow_fs(path) if is_remote(path) else (None, str(path))
+    """(`storage_filesystem`, `storage_path`) for Ray Train/Tune: on a store the fsspec file system we write
+    with and the path on it; locally None (Ray's own) and the path."""
+    if not is_remote(path):
+        return None, str(path)
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    return PyFileSystem(FSSpecHandler(path.fs)), path.path
 
 
 def ensure_folder(path: Any) -> None:
@@ -609,12 +532,11 @@ def start_folder(final: Any, marker: str, name: str | None = None) -> Any:
 
 
 def commit_folder(staging: Any, final: Any, marker: str, content: bytes, replaces: Iterable[str] = ()) -> None:
-    """Make the folder written at `staging` (`start_folder`) visible at `final`, complete with its commit
-    `marker` file (`content`), in place of `final` and of the sibling folders named in `replaces`. A crash
-    at any point leaves the old folders or the new one, never a half-made one with a marker:
-    locally the marker is written and synced, the old folders renamed aside, `staging` renamed to `final`,
-    then the old ones deleted; on an object store (`staging` is `final`) the replaced folders are deleted
-    (marker first), then the marker is written, last."""
+    """Make the folder written at `staging` (`start_folder`) visible at `final` with its commit `marker`
+    (`content`), in place of `final` and of the sibling folders named in `replaces`. A crash at any point
+    leaves the old folders or the new one, never a half-made one with a marker: locally the marker is synced,
+    the old folders renamed aside, `staging` renamed to `final`, then the old ones deleted; on an object
+    store (`staging` is `final`) the replaced folders are deleted (marker first), the marker written last."""
     replaces = [n for n in replaces if n != final.name]
     if is_remote(final):
         for name in replaces:
@@ -705,8 +627,7 @@ def publish(copy: Path, path: Any) -> None:
 @contextlib.contextmanager
 def one_line_errors(path: Any, where: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """A store's errors inside the block (no bucket, no credentials, no permission, a wrong region) become
-    one ConfigError line naming `where`; errors of a local `path`, those of the types `keep`, and any that
-    `describe_error` does not know are raised as they are."""
+    one ConfigError line naming `where`; a local `path`'s, those of the types `keep` and unknown ones not."""
     try:
         yield
     except keep:
