@@ -1,24 +1,15 @@
 """`memory.fit: auto`: a run fits itself to its device's memory before its Trainer is built.
 
-The planner (`trainers.plan.plan_memory`) predicts the step's peak for the layout the run will have; when the
-config as written does not fit the device's usable memory (`plan.USABLE_FRACTION` of `memory.device_memory`,
-or of the device's own figure), every combination of the rungs of the planner's memory ladder
-(`plan.memory_ladder`, the one list `raytrain plan` explains) that a run may take by itself is planned: the
-`activations` rungs (the chunked loss, selective or full activation checkpointing, a smaller micro-batch with
-more accumulation; the layout and the global batch never change). Of those that fit, the one with the least
-predicted step time (`plan.predicted_step_s`, a per-device model over the planner's FLOP and byte counts) is
-taken. On a GPU that is often a smaller micro-batch at full speed rather than the chunked loss or
-recomputation; on a CPU the chunked loss costs nothing. This module owns that choice and the device's
-memory figure; the ladder and its prices are the planner's.
-
-What was chosen and why is one line (`FitChoice.line`); a run that fits nowhere stops with a ConfigError that
-names the smallest plan and the next things to change (`raytrain plan` for the sharding side). The launchers
-(`trainers.launch.run_local`, under it each Ray worker) call `resolve_fit` once the process group exists and
-before the engine and the Trainer: the Trainer takes the final config and plans nothing.
+When the config as written does not fit the device's usable memory, every combination of the `activations`
+rungs of the planner's memory ladder (`plan.memory_ladder`: the chunked loss, activation checkpointing, a
+smaller micro-batch; never the layout or the global batch) is planned, and of those that fit the least
+predicted step time (`plan.predicted_step_s`) wins. The launchers call `resolve_fit` once the process group
+exists, before the engine and the Trainer (which plans nothing).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -96,10 +87,8 @@ def _combinations(ladder: list[MemoryChange]) -> list[dict[str, Any]]:
     for change in ladder:
         for key, value in change.sets.items() if change.activations else ():
             options.setdefault(key, []).append(value)
-    combos: list[dict[str, Any]] = [{}]
-    for key, values in options.items():
-        combos = [{**c, key: v} for c in combos for v in (None, *values)]
-    return [{k: v for k, v in c.items() if v is not None} for c in combos[1:]]
+    combos = itertools.product(*((None, *values) for values in options.values()))
+    return [{k: v for k, v in zip(options, c) if v is not None} for c in combos][1:]
 
 
 def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: int, source: str) -> FitChoice:
@@ -107,9 +96,8 @@ def fit_memory(cfg: RunConfig, world_size: int, device_type: str, device_bytes: 
     raw = json.loads(cfg.model_dump_json())
     usable = int(device_bytes * USABLE_FRACTION)
     planned = plan_memory(cfg, world_size, device_type).peak_bytes
-    choice = FitChoice(cfg, {}, planned, device_bytes, source, raw)
     if planned <= usable:
-        return choice
+        return FitChoice(cfg, {}, planned, device_bytes, source, raw)
     fitting, smallest = [], (planned, {})
     for sets in _combinations(memory_ladder(cfg, world_size, device_type)):
         replanned = replan(raw, sets, world_size, device_type)

@@ -2,15 +2,11 @@
 back to the kernel and faulting it in again.
 
 On a CPU torch has no caching allocator: each step mallocs its activations in forward and frees them in
-backward. glibc gives the free top of its heap back to the kernel whenever it exceeds the trim threshold
-(by default adaptive: twice the largest mmapped block freed so far), and the next step's forward faults
-the same pages in again, zeroed by the kernel. Whether a step does so depends on where the heap's live
-blocks happen to lie, so it varies from step to step and from process to process: on the benchmark's
-reference model it was 3-14k minor page faults per step (12-55 MiB; up to 27 ms of kernel time per step
-on one thread, more with two, whose threads wait for each other), and the Trainer's process drew more of
-them than the plain loop's (bench/README.md). `hold_freed_heap` fixes both thresholds, as torch's CUDA
-caching allocator keeps freed blocks for the next step: blocks up to 32 MiB come from the heap and its
-free top is kept; `release_freed_heap` hands what is free back once, when the steps are done.
+backward, and glibc gives the heap's free top back to the kernel past its adaptive trim threshold, so the next
+forward faults the same pages in again, zeroed (on the benchmark's model 3-14k minor faults a step, up to
+27 ms, varying from step to step and process to process: bench/README.md). `hold_freed_heap` fixes both
+thresholds, as torch's CUDA caching allocator keeps freed blocks; `release_freed_heap` hands back what is
+free once the steps are done.
 """
 
 from __future__ import annotations
@@ -39,10 +35,9 @@ def _glibc() -> ctypes.CDLL | None:
 def hold_freed_heap() -> str:
     """Keep freed heap memory in the process (see the module's docstring). Returns "held", or why not:
     not glibc, or the malloc settings the environment already makes (left as they are)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    user = [k for k in _USER_SETTINGS if k in os.environ] + (
-        ["GLIBC_TUNABLES"] if "malloc" in tunables else []
-    )
+    user = [k for k in _USER_SETTINGS if k in os.environ]
+    if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        user.append("GLIBC_TUNABLES")
     if user:
         return f"left to {user[0]}"
     libc = _glibc()

@@ -1,30 +1,21 @@
 """The one authority on the parallel layout pp x dp x tp (x ep inside dp): every rule, the ranks, the meshes.
 
-Every part that needs to know whether a layout is valid asks this module: the config (`check_config`, the
-rules that need no world size: written in `trainers.config`, which runs them on every load, and importable
-from here), the planner, `raytrain train`'s and `raytrain cluster check`'s checks of
-each world size a run may take (`check_world_sizes`), and the workers themselves (`ParallelLayout.of`). So
-a bad layout gets the same one line from `raytrain plan`, `raytrain train`, `raytrain cluster check` and
-`torchrun -m trainers train`.
-
-The pipeline's split of the blocks into stages (`split_stages`, balanced by `block_costs`) is here too:
-the pipeline engine cuts the model with it and the planner counts each rank's blocks with it.
+The config (`check_config`: the rules that need no world size), the planner, the CLI's checks of each world
+size a run may take (`check_world_sizes`) and the workers (`ParallelLayout.of`) all ask this module, so a bad
+layout gets the same one line everywhere. The pipeline's split of the blocks into stages (`split_stages`,
+balanced by `block_costs`) is here too: the engine cuts the model with it, the planner counts with it.
 
 Ranks are laid out pp-major, then dp, with tp innermost, as torchtitan's ParallelDims:
-rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A tp group is tp consecutive ranks, so on GPUs it stays
-inside a node (its all-reduces are the most frequent). Inside the data-parallel dimension ep is the inner
-part (ep borrows from dp, as in torchtitan): dp_rank = edp_rank * ep + ep_rank, so each dp group splits
-into dp/ep expert groups of ep consecutive dp ranks, which together hold all experts of a layer (`edp`
-ranks hold the same experts: expert gradients are summed there).
-
-Importing this module builds no mesh (the CLI checks layouts before any worker starts); the meshes are
-built on first use, in a process group.
+rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so a tp group (the most frequent all-reduces) stays inside a
+node. ep borrows from dp as its inner part: dp_rank = edp_rank * ep + ep_rank; `edp` ranks hold the same
+experts (their gradients are summed there). The meshes are built on first use, in a process group.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from trainers._base import ConfigError
@@ -37,23 +28,14 @@ if TYPE_CHECKING:
 
     from trainers.sections.model import ModelConfig
 
-__all__ = [
-    "MULTI_STAGE_SCHEDULES",
-    "SPLIT_BACKWARD_SCHEDULES",
-    "ParallelLayout",
-    "block_costs",
-    "check_config",
-    "check_world_sizes",
-    "num_stages",
-    "split_stages",
-]
+__all__ = ["MULTI_STAGE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "ParallelLayout", "block_costs",
+           "check_config", "check_world_sizes", "num_stages", "split_stages"]
 
 # ------------------------------------------------------------------------------------------ the split
 
 
 def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Forward FLOPs per token of each block (`trainers.models.flops.block_forward_flops`, the one place
-    that counts them; MoE blocks weigh their router and top_k experts)."""
+    """Forward FLOPs per token of each block (`trainers.models.flops.block_forward_flops`)."""
     from trainers.models.flops import block_forward_flops
 
     return [block_forward_flops(cfg, i, seq_len) for i in range(cfg.n_layers)]
@@ -66,9 +48,7 @@ def split_stages(costs: list[float], num_stages: int) -> list[list[int]]:
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ConfigError(f"{num_stages} pipeline stages for {n} blocks; fix: use at most {n} stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *accumulate(costs)]
     # best[k][j]: the smallest max-stage cost of the first j blocks in k stages; cut[k][j]: its last cut
     best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
@@ -132,20 +112,9 @@ class ParallelLayout:
                     f"size {world_size}; fix: use a divisor of {share}"
                 )
             size = share // microbatches
-        return cls(
-            world_size=world_size,
-            rank=rank,
-            dp=lay.dp,
-            device_type=device_type,
-            pp=par.pp,
-            ep=par.ep,
-            tp=par.tp,
-            virtual_stages=2 if par.pipeline_schedule == "zbv" and par.pp > 1 else par.virtual_stages,
-            pipeline_schedule=par.pipeline_schedule,
-            accumulation=accumulation,
-            microbatches=microbatches,
-            microbatch_size=size,
-        )
+        virtual = 2 if par.pipeline_schedule == "zbv" and par.pp > 1 else par.virtual_stages
+        return replace(lay, virtual_stages=virtual, pipeline_schedule=par.pipeline_schedule,
+                       accumulation=accumulation, microbatches=microbatches, microbatch_size=size)
 
     @classmethod
     def from_process_group(cls, cfg: RunConfig) -> ParallelLayout:
@@ -159,16 +128,8 @@ class ParallelLayout:
         return cls.of(cfg, world, rank, "cuda" if torch.cuda.is_available() else "cpu")
 
     @classmethod
-    def build(
-        cls,
-        world_size: int,
-        rank: int,
-        dp: int | None = None,
-        device_type: str = "cpu",
-        pp: int = 1,
-        ep: int = 1,
-        tp: int = 1,
-    ) -> ParallelLayout:
+    def build(cls, world_size: int, rank: int, dp: int | None = None, device_type: str = "cpu", pp: int = 1,
+              ep: int = 1, tp: int = 1) -> ParallelLayout:
         """The degrees' arithmetic alone: pp and tp divide the world, ep divides dp."""
         if pp < 1 or world_size % pp:
             raise ConfigError(
@@ -193,10 +154,6 @@ class ParallelLayout:
                 f"{ep * pp * tp}"
             )
         return cls(world_size=world_size, rank=rank, dp=dp, device_type=device_type, pp=pp, ep=ep, tp=tp)
-
-    def describe(self) -> str:
-        parts = [f"pp={self.pp}"] * (self.pp > 1) + [f"dp={self.dp}"] + [f"tp={self.tp}"] * (self.tp > 1)
-        return " x ".join(parts) + (f" (ep={self.ep} inside dp)" if self.ep > 1 else "")
 
     # ---------------------------------------------------------------------------------------- ranks
 
@@ -248,9 +205,8 @@ class ParallelLayout:
     # ----------------------------------------------------------------------------------------- mesh
 
     def mesh(self) -> DeviceMesh:
-        """The device mesh (built on first use; needs an initialised process group). Its dimensions are
-        those with a degree > 1 among ("pp", "edp", "ep", "tp"), with "dp" always there: the mesh's own
-        dimension when ep = 1, the flattened ("edp", "ep") otherwise."""
+        """The device mesh, built on first use in a process group: the dimensions among ("pp", "edp", "ep",
+        "tp") with a degree > 1, and "dp" (the flattened ("edp", "ep") when ep > 1)."""
         if not self._mesh:
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -1,43 +1,20 @@
 """Memory per rank before anything starts: arithmetic over the run config (no model is built, no ray).
 
-`plan_memory(cfg, world_size)` predicts the peak bytes one rank's device holds during a training step,
-broken down into parameters, gradients, optimizer state, activations and temporary buffers; `plan_run`
-adds a verdict against the device's memory and, when it does not fit, the cheapest change that does
-(found by re-planning the changes, not by rule of thumb). The changes are this module's memory ladder
-(`memory_ladder`): the one ordered list of what lowers the peak, each rung with its line and its predicted
-price (`predicted_step_s`), that `raytrain plan` explains and `memory.fit: auto` (`trainers.autofit`) applies.
+`plan_memory(cfg, world_size)` predicts the peak bytes one rank's device holds in a training step, by kind
+(`KINDS`); `plan_run` adds a verdict against the device's memory and, when it does not fit, the cheapest
+change that does, found by re-planning the rungs of `memory_ladder`: the one ordered list of what lowers the
+peak, each priced by `predicted_step_s`, that `raytrain plan` explains and `memory.fit: auto`
+(`trainers.autofit`) applies.
 
-The peak is the largest of three kinds of moment in a step, each the sum of what is live then:
-  1. backward start: the saved activations of every micro-batch in flight, the loss's buffers;
-  2. backward of block i (for every i): activations of blocks before i, block i's own (recomputed if
-     checkpointed), the gradients of the blocks after i; under FSDP also the block's gradient reduction,
-     after its parameters are resharded;
-  3. optimizer step: parameters, complete gradients, optimizer state and the step's temporaries.
+The peak is the largest of three kinds of moment, each the sum of what is live then: backward start (the
+saved activations of every micro-batch in flight, the loss's buffers); backward of block i (the blocks
+before i saved, block i whole, the gradients of the blocks after i; under FSDP also the block's gradient
+reduction); the optimizer step (parameters, gradients, optimizer state, the step's temporaries).
 
 Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", s*b*h*(34 + 5*a*s/h) bytes for a GPT block in 16-bit), redone for this model: the
-tensors autograd saves in `trainers/models/llama.py` and `moe.py`, element by element (see
-`block_activation_bytes`). Differences from the GPT block: no dropout (no masks); SDPA keeps a
-logsumexp per head and token instead of the a*s*s softmax (the 5*a*s/h term is gone); RMSNorm saves its
-input and x*rsqrt(mean x^2) in fp32 whatever the dtype, and its output once more as the projections' input;
-SwiGLU saves 4 tensors of width ffn_dim (gate, up, silu(gate), their product) where GELU saves 2 of width
-4h; under autocast each projection saves its own 16-bit cast of its input and of its weight.
-
-Leaner steps: a chunked loss (`memory.loss_chunk`) keeps no logits, only the gradients it made in forward
-(d hidden, d head weight) and one chunk's fp32 logits at a time; selective checkpointing keeps each block's
-input and its matmul and attention outputs (`selective_saved_bytes`); a fused optimizer step makes no
-temporaries. `trainers.autofit` takes the ladder's rungs among them that a run needs (`memory.fit: auto`).
-
-The layout (pp x dp x tp, ep inside dp, the step's micro-batches) is `trainers.layout.ParallelLayout.of`'s:
-a layout the workers would refuse is refused here with their line. Parameters are counted by
-`trainers.models.flops` (one rank's tensor- and expert-parallel share of each tensor). Tensor parallelism
-(parallel.tp = t, with sequence parallelism) enters every term: parameters, gradients and optimizer state of
-the split matrices divide by t (q/k/v/o, gate/up/down, the experts' w1/w2/w3 by hidden unit, embedding and
-head by vocabulary row, ceil as torch.chunk splits), norms and the MoE router stay whole on every tp rank,
-and FSDP then shards a rank's share over dp; activations follow Korthikanti et al. (every tensor a block
-keeps divides by t) except the whole-sequence inputs torch's DTensor keeps (see `block_activation_bytes`);
-the logits and the loss's buffers are the rank's vocabulary share; MoE routing runs on the whole sequence
-on every tp rank (its router and dispatch buffers are whole), the experts' hidden activations divide by t.
+Transformer Models"), redone for the tensors autograd saves in `trainers/models/llama.py` and `moe.py`
+(`block_activation_bytes`). The layout is `trainers.layout.ParallelLayout.of`'s (a layout the workers would
+refuse is refused here with their line); parameters are counted by `trainers.models.flops`.
 """
 
 from __future__ import annotations
@@ -64,35 +41,18 @@ from trainers.models.flops import (
 )
 from trainers.sections.model import ModelConfig
 
-__all__ = [
-    "GPUS_PER_NODE",
-    "KINDS",
-    "MemoryChange",
-    "MemoryPlan",
-    "RunPlan",
-    "Widths",
-    "block_activation_bytes",
-    "compiled_block_bytes",
-    "format_bytes",
-    "memory_ladder",
-    "predicted_step_s",
-    "selective_saved_bytes",
-    "layout_dict",
-    "parse_bytes",
-    "plan_memory",
-    "plan_run",
-    "replan",
-    "widths",
-]
+__all__ = ["GPUS_PER_NODE", "KINDS", "MemoryChange", "MemoryPlan", "RunPlan", "Widths",
+           "block_activation_bytes", "compiled_block_bytes", "format_bytes", "layout_dict", "memory_ladder",
+           "parse_bytes", "plan_memory", "plan_run", "predicted_step_s", "replan", "selective_saved_bytes",
+           "widths"]
 
 DeviceType = Literal["cuda", "cpu"]
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 # Of the device's memory, what the planned peak may use: a margin for what the planner does not count
-# (the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces).
+# (the CUDA context, NCCL's buffers, the allocator's fragmentation).
 USABLE_FRACTION = 0.9
-# cuBLAS's and cuBLASLt's workspaces (32 MiB each on Hopper), taken from torch's caching allocator, so
-# torch.cuda.max_memory_allocated counts them: a dim-128 model measured 122 MB against 59 MB planned without
-# them (H100, torch 2.11). The CUDA context (~0.5 GiB) is outside the allocator: USABLE_FRACTION's margin.
+# cuBLAS's and cuBLASLt's workspaces (32 MiB each on Hopper) come from torch's caching allocator, so
+# max_memory_allocated counts them; the CUDA context (~0.5 GiB) is outside it: USABLE_FRACTION's margin.
 CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
 GPUS_PER_NODE = 8  # a node's GPUs when not told (an H100 node): bounds the tensor-parallel degrees suggested
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "adagrad": 1}  # fp32 tensors per parameter
@@ -138,16 +98,14 @@ def _kept_per_token(model: ModelConfig, tokens: int) -> float:
 
 
 def _moe_rows_per_token(model: ModelConfig, tokens: int) -> float:
-    """Rows the experts run per token. The grouped path (`model.moe.impl` grouped or auto: planned as
-    grouped, the path on CPUs and on sm90/sm100 GPUs in bf16) keeps every assignment's row, static shapes:
-    the ones dropped over capacity sit behind the kept ones and get zeros; the loop runs the kept ones."""
+    """Rows the experts run per token: the grouped path (impl grouped or auto) keeps every assignment's row
+    (static shapes: those over capacity get zeros), the loop only the kept ones."""
     return _kept_per_token(model, tokens) if model.moe.impl == "loop" else float(model.moe.top_k)
 
 
 def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1) -> float:
-    """Bytes the feed-forward half of a block saves per token (after its RMSNorm). Under tensor
-    parallelism the input is the all-gathered (whole-sequence) norm output and the hidden units are split:
-    only the SwiGLU widths divide by tp (MoE: every tp rank routes and gathers the whole sequence)."""
+    """Bytes the feed-forward half of a block saves per token (after its RMSNorm). Under tensor parallelism
+    only the SwiGLU widths divide by tp: the input is whole-sequence and every tp rank routes all of it."""
     h, f = model.dim, model.hidden_dim // tp
     if not model.is_moe_layer(layer_id):
         # norm output (cast once per projection under autocast) + gate, up, silu(gate), silu*up
@@ -160,8 +118,7 @@ def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widt
               + 4 * (2 * e + rows + 1 + renormalised)  # fp32 logits, probs, the rows' weights, logsumexp (z-loss)
               + 8 * (model.moe.top_k + 2 * rows))  # int64 expert ids and the token ids of the expert rows
     # tokens sorted by expert: the loop casts each expert's rows per projection, grouped casts them once
-    # (and, with a capacity, a bool per row: inside the groups or not; its int32 group offsets, 4E bytes,
-    # are left out)
+    # (and, with a capacity, a bool per row: inside the groups or not; its 4E bytes of offsets left out)
     mask = rows if grouped and model.moe.capacity_factor is not None else 0
     gathered = (1 if grouped or not w.autocast else 2) * rows * h * w.compute + mask
     experts = 4 * rows * f * w.compute  # SwiGLU of each expert row (this tp rank's hidden units)
@@ -170,8 +127,7 @@ def _ffn_saved_per_token(model: ModelConfig, layer_id: int, tokens: int, w: Widt
 
 
 def _sequence_shard(tokens: int, tp: int, seq_len: int | None) -> float:
-    """Tokens of a micro-batch one tp rank holds where the sequence is split (sequence parallelism:
-    torch.chunk of each sequence, the first ranks' parts the larger)."""
+    """Tokens of a micro-batch one tp rank holds under sequence parallelism (torch.chunk: ceil)."""
     if tp == 1:
         return tokens
     if not seq_len:
@@ -184,21 +140,16 @@ def block_activation_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Wi
     """Bytes autograd saves for one block's backward, for `tokens` = micro-batch x sequence length.
 
     Per token, with h = dim, a = heads, hkv = kv_heads * head_dim, f = ffn width (fp32: 4 bytes each):
-      RMSNorm (fp32 whatever the dtype: it computes in fp32): for both norms, its input upcast (or
-      as it is, in fp32) and x*rsqrt(mean x^2): 4h; rsqrt per token: 2 values
+      RMSNorm (computes in fp32 whatever the dtype), both norms: input and x*rsqrt(mean x^2): 4h; rsqrt: 2
       attention (w.compute): norm output h (x3 casts under autocast), q h, k hkv, v hkv (after RoPE, as
       SDPA saves them), SDPA output h (= o_proj's input); logsumexp a values in fp32
-      feed-forward: see `_ffn_saved_per_token` (dense: norm output + 4f; MoE: router + k kept copies)
-      autocast: the 16-bit copy of every matmul weight (2 bytes per parameter; the norms' stay fp32)
-      16-bit: RoPE's cos and sin tables cast for q and for k (4 x seq_len x head_dim, per sequence)
+      feed-forward: `_ffn_saved_per_token` (dense: norm output + 4f; MoE: router + k kept copies)
+      autocast: the 16-bit copy of every matmul weight; 16-bit: RoPE's cos/sin cast for q and for k
     fp32 dense total: 4 * (8h + 2hkv + 4f + 2 + a) bytes per token (Megatron's GPT block: 34h + 5as).
 
-    Tensor parallelism over `tp` ranks with sequence parallelism (trainers/parallel/parallelize.py), as
-    in Korthikanti et al. 2022: the norms run on the rank's sequence shard (1/tp of the tokens); q, k, v,
-    the SDPA output, the logsumexp and the SwiGLU hidden are split by head / hidden unit (1/tp). Unlike
-    Megatron, which saves the sequence-sharded norm output and all-gathers it again in backward, torch's
-    DTensor saves the all-gathered input of q/k/v and of gate/up (or the MoE) as the matmuls' input: those
-    two h-wide tensors stay whole-sequence. Autocast's weight copies are of this rank's weights.
+    Under tensor parallelism with sequence parallelism (as Korthikanti et al.) the norms run on 1/tp of the
+    tokens and heads / hidden units are split; but where Megatron re-gathers the norm output in backward,
+    torch's DTensor saves the all-gathered inputs of q/k/v and gate/up (or the MoE), whole-sequence.
     """
     h, a = model.dim, model.n_heads // tp  # a: this rank's query heads
     hq, hkv = a * model.head_dim, model.kv_heads // tp * model.head_dim
@@ -213,12 +164,9 @@ def block_activation_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Wi
 
 
 def selective_saved_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1) -> int:
-    """Bytes selective checkpointing keeps of one block besides its input (trainers/parallel/ac.py: the
-    outputs of every matmul and of attention; norms, RoPE, SwiGLU's pointwise ops and casts are recomputed).
-    Per token: q, k, v, the SDPA output (and its fp32 logsumexp per head), o_proj's output, and gate, up and
-    down's outputs (MoE: the router's logits and each kept assignment's three expert matmuls). Under tensor
-    parallelism the heads and hidden units divide by tp; o_proj's and down's outputs are whole-sequence
-    partial sums before their reduce-scatter."""
+    """Bytes selective checkpointing keeps of one block besides its input (trainers/parallel/ac.py): the
+    outputs of every matmul (MoE: the router's logits, each kept assignment's expert matmuls) and of attention
+    with its logsumexp. Under tp o_proj's and down's outputs are whole-sequence partial sums."""
     h, a = model.dim, model.n_heads // tp
     hq, hkv = a * model.head_dim, model.kv_heads // tp * model.head_dim
     attention = (2 * hq + 2 * hkv + h) * w.compute + 4 * a
@@ -233,12 +181,10 @@ def selective_saved_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Wid
 
 def compiled_block_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widths, seq_len: int | None = None,
                          tp: int = 1) -> int:
-    """Bytes a block compiled by inductor (`train.compile`, CUDA) saves for backward: its min-cut partitioner
-    keeps the matmuls' inputs and outputs and recomputes the pointwise ops (norms, casts, RoPE, SwiGLU's
-    product): selective checkpointing's set, plus the two norm outputs that feed q/k/v and gate/up and the
-    input of down, each once in the compute dtype (eager saves one cast per projection and the fp32 norm
-    internals). H100, 1.1B, bf16: 1.23 GB per block measured (2048 x 8 tokens), 1.226 GB by this count;
-    eager's count 1.96 GB over-planned compiled runs by 31-36%. MoE layers keep the eager count."""
+    """Bytes a block compiled by inductor (`train.compile`, CUDA) saves: its min-cut partitioner keeps the
+    matmuls' inputs and outputs (selective checkpointing's set, the norm outputs feeding q/k/v and gate/up,
+    down's input) and recomputes the pointwise ops. H100, 1.1B, bf16: 1.23 GB per block measured, 1.226 GB
+    by this count (eager's 1.96 GB). MoE layers and tp > 1 keep the eager count."""
     if model.is_moe_layer(layer_id) or tp > 1:
         return block_activation_bytes(model, layer_id, tokens, w, seq_len, tp)
     h, f = model.dim, model.hidden_dim
@@ -248,18 +194,14 @@ def compiled_block_bytes(model: ModelConfig, layer_id: int, tokens: int, w: Widt
 
 def _head_saved(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, seq_len: int | None = None,
                 chunk: int = 0, compiled: bool = False) -> int:
-    """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: log_softmax's fp32 output (cross_entropy
-    saves it; the logits themselves are freed once it is made: the model returns the loss, not them). Under tensor parallelism the norm runs on the
-    sequence shard, the head's input is the all-gathered norm output, and the logits are this rank's
-    vocabulary share (the loss is vocabulary-parallel). A chunked loss (`chunk` tokens at a time,
-    trainers/loss.py) keeps no logits: it saves the gradients it computed in forward, d(hidden) in the
-    hidden states' dtype and d(head weight) in fp32. The loss compiled (`compiled`: `train.compile` on CUDA,
-    trainers.loss.lm_loss_compiled) saves its input, the logits in the head's dtype, and each token's
-    logsumexp, instead of the fp32 log_softmax."""
+    """Final RMSNorm (fp32 input, x*rsqrt, rsqrt; output) and the loss: cross_entropy saves log_softmax's fp32
+    output (the model returns the loss, so the logits are freed), this rank's vocabulary share under tp. A
+    chunked loss (trainers/loss.py) saves only the gradients it made in forward: d(hidden), d(head weight) in
+    fp32. Compiled (trainers.loss.lm_loss_compiled): its input, the logits in the head's dtype, logsumexp."""
     norm = _sequence_shard(tokens, tp, seq_len) * 4 * (2 * model.dim + 1)
-    if chunk:  # under tp: d(hidden) of the whole sequence, d(head weight) of this rank's rows
-        return int(norm) + tokens * model.dim * w.resid + 4 * _vocab_share(model, tp) * model.dim
     vocab = _vocab_share(model, tp)
+    if chunk:  # under tp: d(hidden) of the whole sequence, d(head weight) of this rank's rows
+        return int(norm) + tokens * model.dim * w.resid + 4 * vocab * model.dim
     loss = tokens * (vocab * w.compute + 4) if compiled else tokens * vocab * 4
     return int(norm) + tokens * model.dim * w.compute + loss
 
@@ -271,23 +213,20 @@ def _vocab_share(model: ModelConfig, tp: int) -> int:
 
 def _head_backward_temp(model: ModelConfig, tokens: int, w: Widths, tp: int = 1, chunk: int = 0,
                         compiled: bool = False) -> int:
-    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32, next to the saved log_softmax (the
-    16-bit cast of d(logits) comes after the first two are freed: measured, bf16 autocast at the seed's shape
-    in bench/lean.py). Chunked:
-    the larger of one chunk's fp32 logits (made into their gradient in place) with its fp32 hidden states
-    and d(hidden) in forward, and the scaled copies of the saved gradients its backward returns. Compiled
-    (`_head_saved`): one fused kernel writes d(logits) in the head's dtype. Chunked and compiled (CUDA:
-    trainers.loss._chunk_group_traced): a chunk's logits and their gradient in the matmul's dtype (inductor
-    keeps the one buffer for the next chunk's gradient) and, in 16 bits, the head-sized product that is
-    added to the fp32 gradient."""
+    """The loss's gradient buffers: d(log_softmax) and d(logits) in fp32 (the 16-bit cast of d(logits) comes
+    after both are freed: measured in bench/lean.py); compiled, one d(logits) in the head's dtype. Chunked:
+    the larger of one chunk's forward (fp32 logits, hidden states, d(hidden); compiled, as in trainers.loss.
+    _chunk_group_traced: logits and their gradient in 16 bits, a head-sized product) and the scaled copies
+    of the saved gradients its backward returns."""
+    rows = _vocab_share(model, tp)
     if chunk:
-        c, rows = min(chunk, tokens), _vocab_share(model, tp)
+        c = min(chunk, tokens)
         if compiled:
             forward = 2 * c * rows * w.compute + (rows * model.dim * w.compute if w.compute < 4 else 0)
         else:
             forward = c * rows * 4 + 2 * c * model.dim * 4
         return max(forward, tokens * model.dim * w.resid + 4 * rows * model.dim)
-    return tokens * _vocab_share(model, tp) * (w.compute if compiled else 8)
+    return tokens * rows * (w.compute if compiled else 8)
 
 
 def compiled_loss(cfg: RunConfig, lay: ParallelLayout, device_type: str) -> bool:
@@ -299,12 +238,10 @@ def compiled_loss(cfg: RunConfig, lay: ParallelLayout, device_type: str) -> bool
 
 def _block_backward_temp(model: ModelConfig, layer_id: int, tokens: int, w: Widths, tp: int = 1,
                          ep: int = 1) -> int:
-    """Gradients flowing through one block's backward at its widest: one SwiGLU hidden (this tp rank's
-    units) and one residual-width gradient (whole-sequence under tp: the gradient of the all-gathered
-    input, before its reduce-scatter) per expert row. MoE weight gradients (this rank's ep and tp share of
-    a stacked weight): the loop multiplies by `w1[e]`, so each expert's comes back through select_backward
-    as a zero-filled tensor the size of the whole stacked weight, and summing two of them makes a third
-    (measured: 2 alive at once); grouped_mm returns one stacked gradient (and, under autocast, its cast)."""
+    """Gradients through one block's backward at its widest: one SwiGLU hidden and one residual-width (whole-
+    sequence under tp) gradient per expert row. MoE weight gradients: the loop's `w1[e]` gives each expert's
+    back through select_backward as a zero-filled stacked-size tensor (measured: 2 alive at once); grouped_mm
+    returns one stacked gradient (and, under autocast, its cast)."""
     f = model.hidden_dim // tp
     if not model.is_moe_layer(layer_id):
         return tokens * (f + model.dim) * w.compute
@@ -330,11 +267,9 @@ class _Rank:
 
 
 def _in_flight(lay: ParallelLayout, r: int) -> float:
-    """Micro-batches whose activations a rank holds at its peak, in units of all its blocks.
-
-    GPipe: every microbatch. 1F1B: p - r (Narayanan et al. 2021). Interleaved with v chunks per rank:
-    Megatron's warmup of 2(p - r - 1) + (v - 1)p chunks, plus one (for r = 0: p * (1 + (p-1)/(p*v))
-    microbatches' worth, the paper's factor). Zero-bubble V: as 1F1B (Qi et al. 2024)."""
+    """Micro-batches whose activations a rank holds at its peak, in units of all its blocks. GPipe: every
+    microbatch. 1F1B: p - r (Narayanan et al. 2021). Interleaved with v chunks per rank: Megatron's warmup of
+    2(p - r - 1) + (v - 1)p chunks, plus one (the paper's factor). Zero-bubble V: as 1F1B (Qi et al. 2024)."""
     p, v, m = lay.pp, lay.virtual_stages, lay.microbatches
     if p == 1:
         return 1.0
@@ -388,8 +323,7 @@ class MemoryPlan:
 def plan_memory(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda",
                 grads_kept: bool = False) -> MemoryPlan:
     """Peak memory per rank of one training step of `cfg` on `world_size` ranks (the worst rank).
-    `grads_kept`: a loop that zeroes gradients instead of freeing them (`zero_grad(set_to_none=False)`,
-    as the seed's naive loop) holds every gradient through the step; the Trainer frees them."""
+    `grads_kept`: a loop that zeroes gradients, not frees them (`set_to_none=False`), holds them all."""
     return _Planner(cfg, world_size, device_type).plan(grads_kept)
 
 
@@ -409,31 +343,26 @@ class _RankPlanner:
         self.shard_tokens = int(_sequence_shard(self.tokens, tp, seq))
         every, self.chunk = cfg.memory.ac_every, cfg.memory.loss_chunk
         self.checkpointed = {b for b in rank.blocks if every and b % every == 0 or cfg.memory.ac_selective}
-        self.full = {b: block_activation_bytes(model, b, self.tokens, self.w, seq, tp) for b in rank.blocks}
-        if cfg.train.compile and device_type == "cuda":  # inductor saves less than eager (compiled_block_bytes)
-            self.full = {b: min(self.full[b], compiled_block_bytes(model, b, self.tokens, self.w, seq, tp))
-                         for b in rank.blocks}
+        compiled = cfg.train.compile and device_type == "cuda"  # inductor saves less than eager
+        count = compiled_block_bytes if compiled else block_activation_bytes
+        self.full = {b: count(model, b, self.tokens, self.w, seq, tp) for b in rank.blocks}
         # the loss runs compiled: whole (`compiled_loss`) or chunked (CUDA: trainers.loss._runner; under tp the
         # vocabulary-parallel chunks, `_vp_chunks`, stay eager)
         self.compiled_loss = compiled_loss(cfg, lay, device_type) or bool(
             self.chunk and device_type == "cuda" and tp == 1)
         self.block_input = self.shard_tokens * model.dim * self.w.resid
-        if cfg.memory.ac_selective:  # the block's input and the outputs of its matmuls and attention
-            self.kept = {b: self.block_input + selective_saved_bytes(model, b, self.tokens, self.w, tp)
-                         for b in rank.blocks}
-        else:
-            self.kept = {b: self.block_input for b in rank.blocks}
+        selective = cfg.memory.ac_selective  # also the outputs of the block's matmuls and attention
+        self.kept = {b: self.block_input + (selective_saved_bytes(model, b, self.tokens, self.w, tp)
+                                            if selective else 0) for b in rank.blocks}
         self.saved = {b: self.kept[b] if b in self.checkpointed else self.full[b] for b in rank.blocks}
-        # token ids and targets (int64); under tp the vocabulary-parallel embedding also keeps its masked ids
         self.head_saved = (_head_saved(model, self.tokens, self.w, tp, seq, self.chunk, self.compiled_loss)
                            if rank.head else 0)
+        # token ids and targets (int64); under tp the vocabulary-parallel embedding also keeps its masked ids
         self.token_ids = self.tokens * (16 if tp == 1 else 24) if rank.embeds else 0
         self.edge = self.token_ids + self.head_saved
-        # Parameters (trainers.models.flops: this rank's tp share of each tensor): `sharded` ones go
-        # through the data-parallel engine; with ep > 1 the experts are kept whole on their ep rank
-        # instead (1/ep of each MoE layer's experts, and 1/tp of their hidden units).
+        # Parameters (this rank's tp share of each tensor): `sharded` ones go through the data-parallel
+        # engine; with ep > 1 the experts stay whole on their ep rank instead (1/ep of them, 1/tp of units).
         shapes = {b: block_shapes(model, b) for b in rank.blocks}
-        self.experts = {b: expert_params(model, b) for b in rank.blocks}  # whole, for the MoE summary
         self.local_experts = {b: sum(s.local_numel(tp, ep) for s in shapes[b] if s.expert) for b in rank.blocks}
         self.sharded = {b: sum(s.local_numel(tp) for s in shapes[b] if not (ep > 1 and s.expert))
                         for b in rank.blocks}
@@ -461,20 +390,20 @@ class _RankPlanner:
         return out
 
     def backward_start(self) -> _Moment:
-        """Every micro-batch's saved activations and the loss's gradient buffers (the chunked loss: its forward,
-        one chunk of logits at a time); without the head (a pipeline stage before the last), the last
-        block's backward starting (recomputed first, if checkpointed). The head's last block is recomputed
-        after the loss's backward has freed what the loss saved: `block_backward` has that moment."""
-        model, blocks = self.cfg.model, self.rank.blocks
+        """Every micro-batch's saved activations and the loss's gradient buffers; without the head (a pipeline
+        stage before the last), the last block's backward starting (recomputed first, if checkpointed). With
+        the head, the last block is recomputed after the loss's backward: `block_backward` has that moment."""
+        last = self.rank.blocks[-1]  # every rank holds a block (`split_stages`)
         acts = self.others + sum(self.saved.values()) + self.edge
         if self.rank.head:
-            temps = [_head_backward_temp(model, self.tokens, self.w, self.lay.tp, self.chunk, self.compiled_loss)]
+            temp = _head_backward_temp(self.cfg.model, self.tokens, self.w, self.lay.tp, self.chunk,
+                                       self.compiled_loss)
         else:
-            if blocks and blocks[-1] in self.checkpointed:
-                acts += self.full[blocks[-1]] - self.kept[blocks[-1]]  # recomputed at once
-            temps = [self._block_temp(b) for b in blocks[-1:]] or [0]
-        gathered = self._gathered(blocks[-1] if blocks else None, reducing=False)
-        return self._kinds(self._grads(0), acts), {**gathered, **self._always(), "backward temporaries": max(temps)}
+            if last in self.checkpointed:
+                acts += self.full[last] - self.kept[last]  # recomputed at once
+            temp = self._block_temp(last)
+        gathered = self._gathered(last, reducing=False)
+        return self._kinds(self._grads(0), acts), {**gathered, **self._always(), "backward temporaries": temp}
 
     def block_backward(self, b: int, after: int | None, done: float) -> _Moment:
         """Block b's backward: its activations whole, earlier blocks' saved, later blocks' gradients;
@@ -503,13 +432,6 @@ class _RankPlanner:
         return _block_backward_temp(self.cfg.model, b, self.tokens, self.w, self.lay.tp, self.lay.ep)
 
     @property
-    def _deepspeed_keeps_gathered(self) -> bool:
-        """DeepSpeed stage 3 keeps a parameter gathered from forward to backward when the elements fetched
-        in between (at most twice the stage's) stay within `stage3_max_reuse_distance` (1e9)."""
-        return self.cfg.parallel.engine == "deepspeed" and 2 * self.params <= self.planner.deepspeed_setting(
-            "stage3_max_reuse_distance", _DS_REUSE)
-
-    @property
     def _fsdp(self) -> bool:
         """FSDP reduce-scatters block by block (under a pipeline only once, after the last microbatch:
         the unsharded gradients are counted whole then, in `_grads`)."""
@@ -524,10 +446,9 @@ class _RankPlanner:
                 "optimizer": self.states.optimizer, "activations": int(activations)}
 
     def _grads(self, done: float) -> float:
-        """Gradient bytes during backward: those of the blocks already done, plus the head's (FSDP2
-        reduces the root's only at the end, so they stay unsharded), or all of them while earlier
-        micro-batches' are kept (accumulation: sharded, or, with `grad_accumulation: unsharded` and
-        under a pipeline, whole fp32 gradients on FSDP)."""
+        """Gradient bytes during backward: those of the blocks already done, plus the head's (FSDP2 reduces
+        the root's only at the end), or all of them while earlier micro-batches' are kept (accumulation;
+        FSDP's unsharded accumulation and pipelines keep whole fp32 gradients)."""
         par = self.cfg.parallel
         if self.grads_kept:
             return self.states.gradients
@@ -535,21 +456,23 @@ class _RankPlanner:
             if not par.sharded_accumulation:
                 return 4 * self.params if par.engine == "fsdp" else self.states.gradients
             done = self.states.gradients  # every shard exists from the first micro-batch on
-        head = self.head
-        return done + (self.w.gathered * head if self._fsdp else self.grad_per_param * head)
+        return done + (self.w.gathered if self._fsdp else self.grad_per_param) * self.head
 
-    def _gathered(self, current: int | None, reducing: bool) -> dict[str, int]:
-        """Unsharded parameters (FSDP; DeepSpeed stage 3) around block `current`'s backward. FSDP2
-        keeps the root's (embeddings, head) gathered from forward to backward; zero2 keeps each block
-        gathered until its own post-backward; zero3 re-gathers a block for its backward and prefetches
-        the next one's flat all-gather output meanwhile."""
+    def _gathered(self, current: int, reducing: bool) -> dict[str, int]:
+        """Unsharded parameters (FSDP; DeepSpeed stage 3) around block `current`'s backward: FSDP2 keeps the
+        root's gathered from forward to backward; zero2 keeps each block gathered until its post-backward;
+        zero3 re-gathers a block for its backward and prefetches the next one's meanwhile."""
         engine, stage, width = self.cfg.parallel.engine, self.cfg.parallel.stage, self.w.gathered
         if self.lay.dp == 1 or engine in ("none", "ddp") or (engine == "deepspeed" and stage < 3):
             return {}
         if self.lay.pp > 1:  # torch's pipelining keeps a stage gathered across the step's microbatches
             return {"gathered parameters": width * (self.root + sum(self.sharded.values()))}
-        blocks = [b for b in self.rank.blocks if current is None or b <= current]
-        if (engine == "fsdp" and stage == 2) or self._deepspeed_keeps_gathered:
+        blocks = [b for b in self.rank.blocks if b <= current]
+        # DeepSpeed stage 3 keeps a parameter gathered from forward to backward when the elements fetched in
+        # between (at most twice the stage's) stay within `stage3_max_reuse_distance`
+        keeps = stage == 2 if engine == "fsdp" else 2 * self.params <= self.planner.deepspeed_setting(
+            "stage3_max_reuse_distance", _DS_REUSE)
+        if keeps:
             live = [b for b in blocks if not (reducing and b == current)]
         else:
             live = blocks[-2:] if not reducing else blocks[-2:-1]  # (current and) the prefetched one
@@ -611,7 +534,7 @@ class _RankPlanner:
         if moe is None:
             return None
         whole_root = (embed_params(model) if self.rank.embeds else 0) + (head_params(model) if self.rank.head else 0)
-        experts = sum(self.experts.values())
+        experts = sum(expert_params(model, b) for b in self.rank.blocks)  # whole
         return {
             "experts_per_rank": moe.num_experts // self.lay.ep,
             "expert_parameters": experts,
@@ -646,17 +569,15 @@ class RunPlan:
     candidates: list[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
-        out = self.plan.to_dict()
-        out.update(device_memory_bytes=self.device_memory_bytes, usable_bytes=self.usable_bytes,
-                   fits=self.fits, change=self.change, candidates=self.candidates)
-        return out
+        return {**self.plan.to_dict(), "device_memory_bytes": self.device_memory_bytes,
+                "usable_bytes": self.usable_bytes, "fits": self.fits, "change": self.change,
+                "candidates": self.candidates}
 
 
 def plan_run(cfg: RunConfig, world_size: int, device_memory: int, device_type: DeviceType = "cuda",
              raw: dict[str, Any] | None = None, gpus_per_node: int = GPUS_PER_NODE) -> RunPlan:
-    """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, re-plan the rungs
-    of the memory ladder, cheapest first, and name the first that fits. `gpus_per_node` bounds the tensor-
-    parallel degrees suggested (a tp group stays inside a node)."""
+    """Plan, compare with `device_memory` (x USABLE_FRACTION) and, if it does not fit, name the first rung of
+    the memory ladder that fits. `gpus_per_node` bounds the tensor-parallel degrees suggested."""
     planner = _Planner(cfg, world_size, device_type)
     plan, usable = planner.plan(), int(device_memory * USABLE_FRACTION)
     fits = plan.peak_bytes <= usable
@@ -674,12 +595,8 @@ class MemoryChange:
 
     sets: dict[str, Any]  # dotted config key -> new value
     why: str
-    # predicted extra step time, a fraction of the step as written (`predicted_step_s`); None where the
-    # step-time model does not see the price (communication, the host)
-    cost: float | None = None
-    # True: only what the step keeps for backward changes (layout, model states and global batch stay): the
-    # rungs `memory.fit: auto` may take by itself, before the model is built
-    activations: bool = False
+    cost: float | None = None  # extra step time, a fraction (`predicted_step_s`); None: unseen by that model
+    activations: bool = False  # only the activations change: `memory.fit: auto` may take it by itself
 
 
 # Activation rungs predicted to cost less than this share of a step come before sharding the model states.
@@ -689,17 +606,10 @@ CHEAP_COST = 0.05
 def memory_ladder(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda",
                   gpus_per_node: int = GPUS_PER_NODE) -> list[MemoryChange]:
     """Every change that lowers this run's peak per rank, each alone, cheapest first: the one list that
-    `plan_run` explains (`raytrain plan`: each rung alone, then added up) and `memory.fit: auto` applies
-    (trainers/autofit.py: every combination of the `activations` rungs; the fastest that fits wins).
-
-    The order, by what each rung costs: activation rungs predicted under CHEAP_COST of a step (on a CPU the
-    chunked loss); then sharding the model states, whose extra traffic FSDP/DeepSpeed overlap with compute
-    (ZeRO: 1.5x data-parallel traffic); then the costlier activation rungs (a smaller micro-batch keeps the
-    math and the global batch at lower kernel efficiency; checkpointing recomputes the forward, +~1/3
-    FLOPs); last what puts its cost on the critical path: tensor parallelism inside a node (it divides every
-    term by tp but puts 4 activation all-gathers / reduce-scatters per block in forward and as many in
-    backward, not overlapped, so only within a node's NVLink), more pipeline stages (the bubble (p-1)/m
-    grows), CPU offload (the step moves to the host over PCIe)."""
+    `plan_run` explains and `memory.fit: auto` applies. By cost: activation rungs under CHEAP_COST of a step;
+    sharding the model states (its traffic overlaps compute); the costlier activation rungs; last what puts
+    its cost on the critical path: tensor parallelism inside a node (4 activation collectives per block each
+    way, not overlapped), more pipeline stages (the bubble (p-1)/m grows), CPU offload (over PCIe)."""
     return _Planner(cfg, world_size, device_type).ladder(gpus_per_node)
 
 
@@ -736,8 +646,7 @@ class _Planner:
         return max((_RankPlanner(self, r, grads_kept).plan() for r in self.ranks()), key=lambda p: p.peak_bytes)
 
     def ranks(self) -> list[_Rank]:
-        """Blocks per pipeline rank as the pipeline engine splits them (by cost) and the layout assigns its
-        stages (`ParallelLayout.stage_ids`: looped or V-shaped)."""
+        """Blocks per pipeline rank as the pipeline engine splits them and the layout assigns its stages."""
         cfg, lay = self.cfg, self.lay
         if lay.pp == 1:
             return [_Rank(0, tuple(range(cfg.model.n_layers)), True, True, 1.0)]
@@ -760,35 +669,29 @@ class _Planner:
             n_opt = (cfg.optimizer.momentum > 0) + (cfg.optimizer.name == "rmsprop")
         if engine == "deepspeed":
             st = self.deepspeed_states(dense, n_opt)
-        elif engine == "fsdp":
-            shard = math.ceil(dense / dp) + experts
-            st = _States(4 * shard, 4 * shard, 4 * n_opt * shard)
-            if offload == "all":
+        else:  # fp32 states (autocast copies are activations): FSDP's shard, or everything (none, ddp)
+            held = (math.ceil(dense / dp) if engine == "fsdp" else dense) + experts
+            st = _States(4 * held, 4 * held, 4 * n_opt * held)
+            if engine == "fsdp" and offload == "all":
                 st.host = {"parameters": st.parameters, "gradients": st.gradients, "optimizer": st.optimizer}
                 st.parameters = st.gradients = st.optimizer = 0
-        else:  # none, ddp: every rank holds everything in fp32 (autocast copies are activations)
-            full = dense + experts
-            st = _States(4 * full, 4 * full, 4 * n_opt * full)
             if engine == "ddp":
-                st.persistent_buffers = 4 * full  # the reducer's flat gradient buckets
+                st.persistent_buffers = 4 * held  # the reducer's flat gradient buckets
         local = st.parameters // 4 if engine != "deepspeed" else 0
-        if local and n_opt:
+        if local and n_opt and not cfg.optimizer.fused:  # fused: one kernel per parameter, in place
             # torch's foreach step (CUDA) makes one temporary per parameter (sqrt of the second moment);
             # the per-tensor step (CPU) two of the largest tensor's size (this rank's tp share of it).
             tp = self.lay.tp
-            largest = max(math.ceil(cfg.model.vocab_size / tp) * cfg.model.dim,
+            largest = max(_vocab_share(cfg.model, tp) * cfg.model.dim,
                           cfg.model.dim * cfg.model.hidden_dim // tp)
             largest = math.ceil(largest / dp) if engine == "fsdp" else largest  # a shard of it
             st.step_temp = 4 * local if self.device_type == "cuda" else 2 * 4 * min(largest, local)
-            if cfg.optimizer.fused:  # one kernel per parameter, in place
-                st.step_temp = 0
         return st
 
     def deepspeed_states(self, p: int, n_opt: int) -> _States:
-        """DeepSpeed ZeRO (stage_1_and_2.py, stage3.py): the module's parameters and gradients in the
-        training dtype (stage 3: its flat 16-bit gradient partition), an fp32 partition of the parameters and
-        the optimizer state; at the step an fp32 copy of the gradient partition. Persistent: the ZeRO paper's
-        (2 + 2 + 12) bytes/param at 16-bit; at the step 4 more."""
+        """DeepSpeed ZeRO (stage_1_and_2.py, stage3.py): parameters and gradients in the training dtype, fp32
+        partitions of the parameters and optimizer state, and at the step an fp32 copy of the gradient
+        partition: the ZeRO paper's (2 + 2 + 12) bytes/param at 16-bit, 4 more at the step."""
         stage, offload, b = self.cfg.parallel.stage, self.cfg.parallel.offload, self.w.gathered
         part = math.ceil(p / self.lay.dp)
         params = b * (part if stage == 3 else p)
@@ -800,7 +703,8 @@ class _Planner:
         if stage >= 1:  # the reduce bucket; our engine caps it at the model's size (at least 1e6 elements)
             st.persistent_buffers = b * int(min(_DEEPSPEED_BUCKET, max(param_count(self.cfg.model), 1e6)))
         if stage == 3:  # parameters under the persistence threshold are also whole on every rank
-            st.parameters += b * self.small_params()  # (next to their partition; bench/README.md, ZeRO section)
+            threshold = self.deepspeed_setting("stage3_param_persistence_threshold", _DS_PERSISTENCE)
+            st.parameters += b * sum(s.numel for s in param_shapes(self.cfg.model) if s.numel < threshold)
         if offload != "none":  # ZeRO-Offload: fp32 master, optimizer and step on the CPU
             st.host = {"optimizer": master + optimizer + st.step_temp}
             st.optimizer, st.step_temp = 0, 0
@@ -813,11 +717,6 @@ class _Planner:
     def deepspeed_setting(self, key: str, default: int) -> int:
         """A `zero_optimization` setting of `parallel.deepspeed_extra`, else DeepSpeed's default."""
         return int((self.cfg.parallel.deepspeed_extra.get("zero_optimization") or {}).get(key, default))
-
-    def small_params(self) -> int:
-        """Elements DeepSpeed stage 3 keeps whole (`stage3_param_persistence_threshold`)."""
-        threshold = self.deepspeed_setting("stage3_param_persistence_threshold", _DS_PERSISTENCE)
-        return sum(s.numel for s in param_shapes(self.cfg.model) if s.numel < threshold)
 
     def assumptions(self) -> list[str]:
         """What the plan takes for granted, one line each, as `raytrain plan` lists them."""
@@ -859,8 +758,7 @@ class _Planner:
     def candidates(self, usable: int, raw: dict[str, Any] | None,
                    gpus_per_node: int = GPUS_PER_NODE) -> list[dict[str, Any]]:
         """Each rung of the ladder alone, in its order; if none fits, rungs added up greedily in that order (a
-        rung joins when it lowers the peak). A rung that is not a valid run (e.g. a tp that does not divide the
-        heads) is left out."""
+        rung joins when it lowers the peak). A rung that is not a valid run is left out."""
         raw = raw if raw is not None else json.loads(self.cfg.model_dump_json())
         ladder, out = self.ladder(gpus_per_node), []
         for change in ladder:
@@ -883,10 +781,8 @@ class _Planner:
         return out
 
     def activation_changes(self) -> list[MemoryChange]:
-        """The rungs that lower the activations' peak without touching the model states (the global batch is
-        kept), each priced by `predicted_step_s` against the run as written and sorted by that price (stable:
-        at equal prices the order below). A rung that is not a valid run (e.g. a micro-batch a pipeline
-        refuses) is left out."""
+        """The rungs that lower the activations' peak, model states and global batch kept, sorted by price
+        (`predicted_step_s` against the run as written); a rung that is not a valid run is left out."""
         cfg = self.cfg
         out: list[tuple[dict[str, Any], str]] = []
         if not cfg.memory.loss_chunk:
@@ -975,12 +871,9 @@ _OPS_PER_BLOCK = 40  # kernels per block forward in eager (norms, casts, RoPE, S
 
 
 def predicted_step_s(cfg: RunConfig, world_size: int, device_type: DeviceType = "cuda") -> float:
-    """A step's time on one rank, from the planner's counts: matmul FLOPs (trainers.models.flops) at a rate
-    that falls for small micro-batches, the recomputation of checkpointing (every block: its forward again;
-    selective: its pointwise ops, as bytes), the bytes the saved activations move, the loss (whole: passes
-    over tokens x vocab fp32 logits; chunked: the same, plus per chunk its launches and a pass over the head
-    weight's fp32 gradient) and the launches of every micro-batch (fewer compiled). Used to rank plans that
-    fit (`memory.fit: auto`), not to promise seconds."""
+    """A step's time on one rank, from the planner's counts: matmul FLOPs at a rate that falls for small
+    micro-batches, checkpointing's recomputation, the bytes the saved activations and the loss move, and the
+    kernel launches. Used to rank plans that fit (`memory.fit: auto`), not to promise seconds."""
     sp, model, lay = SPEEDS[device_type], cfg.model, ParallelLayout.of(cfg, world_size)
     seq, mb = cfg.data.seq_len, lay.microbatch_size
     tokens = mb * seq  # per micro-batch
@@ -999,7 +892,7 @@ def predicted_step_s(cfg: RunConfig, world_size: int, device_type: DeviceType = 
     moved = 3 * saved  # written in forward, read in backward, their gradients written
     if cfg.memory.ac_selective:
         moved += 2 * saved  # the pointwise ops recomputed: read and written once more
-    vocab = math.ceil(model.vocab_size / lay.tp)
+    vocab = _vocab_share(model, lay.tp)
     if compiled_loss(cfg, lay, device_type):  # fused: the logits read in forward, read and d(logits) written
         moved += 3 * tokens * vocab * w.compute
     else:

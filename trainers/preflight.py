@@ -1,9 +1,6 @@
-"""Checks of a run's inputs that read the disk or a model folder, made once before any worker starts (the
-CLI, the launcher, a search's driver, `Trainer.__init__`): the prepared data's manifest and shards, the
-data's vocabulary against the model, and a Hugging Face `model.init_from` folder (its tensors and its
-tokenizer against the data's), and that the engine's optional package is installed. What needs only the YAML
-is checked when the config loads (`trainers.config`). Every failure is a `ConfigError` with one line that names
-the key path and the fix.
+"""Checks of a run's inputs that read the disk or a model folder (the data's manifest, shards and vocabulary,
+a `model.init_from` folder) or need an optional package, made once before any worker starts. What needs only
+the YAML is checked when the config loads (`trainers.config`). Each failure is a one-line `ConfigError`.
 """
 
 from __future__ import annotations
@@ -18,10 +15,8 @@ __all__ = ["check_engine_installed", "check_inputs", "require_deepspeed"]
 
 
 def check_inputs(cfg: Any, shards: bool = True) -> dict[str, Any]:
-    """Checks that need the disk, done before any worker starts: the data manifest (the same reader as the
-    dataset's) and every shard it lists (`shards=False`: the caller's dataset checks them as it reads
-    them, so each byte is hashed once). Returns the manifest. `cfg` is a validated `trainers.config.RunConfig`
-    (not imported here while `trainers.config` still re-exports this function: see its `__getattr__`)."""
+    """The data manifest and every shard it lists (`shards=False`: the caller's dataset checks them as it
+    reads them, so each byte is hashed once); returns the manifest. `cfg` is a `trainers.config.RunConfig`."""
     check_engine_installed(cfg)
     manifest = read_manifest(cfg.data.path)
     for split in SPLITS if shards else ():
