@@ -147,8 +147,8 @@ def test_check_inputs_hashes_a_shard_once_per_machine(corpus, tmp_path, monkeypa
     monkeypatch.setattr(manifest_module, "_SETTLED_NS", 0)  # files this young count as settled here
     data_dir = _corpus(tmp_path / "data", seed=1)  # written here: recorded as checked
     hashed = []
-    real = manifest_module.file_sha256
-    monkeypatch.setattr(manifest_module, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+    real = manifest_module.sha256_of
+    monkeypatch.setattr(manifest_module, "sha256_of", lambda p: hashed.append(p.name) or real(p))
     cfg = parse_config(tiny_raw(data_dir, tmp_path / "run"))
     check_inputs(cfg)
     assert hashed == [], "prepare's own shards are not hashed again"

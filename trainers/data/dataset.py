@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from trainers._base import ConfigError
-from trainers.data.manifest import SPLITS, read_manifest
+from trainers.data.manifest import read_manifest
 from trainers.data.shards import SplitStream
 from trainers.storage import cache_root, location
 
@@ -28,20 +28,14 @@ __all__ = ["GlobalSampler", "TokenWindows", "eval_window_ids", "shard_for_rank"]
 class TokenWindows:
     """One split as a contiguous token stream cut into windows of `seq_len` (+1 for the shifted targets).
 
-    Window i covers stream[i*seq_len : i*seq_len + seq_len + 1]; consecutive windows share one token so
-    that every token in the stream is a target exactly once. The stream is read where it lies
-    (`trainers.data.shards`): only the windows asked for, each piece of a shard checked the first time it is
-    read; the first window is read here, so that a folder that cannot be read fails before any step.
-    `cache`, `cache_bytes`: where a bucket's pieces are kept (data.cache, data.cache_bytes).
+    Window i covers stream[i*seq_len : i*seq_len + seq_len + 1]: consecutive windows share one token, so that
+    every token is a target exactly once. The first window is read here, so that a folder that cannot be read
+    fails before any step.
     """
 
     def __init__(
         self, data_dir: str | Path, split: str, seq_len: int, cache: bool = True, cache_bytes: int | None = None
     ) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
-        if seq_len < 1:
-            raise ConfigError(f"data.seq_len={seq_len} must be >= 1; fix: e.g. data.seq_len=128")
         self.data_dir = location(data_dir)  # a local folder or a URI
         self.cache = cache
         self.split = split
@@ -86,17 +80,14 @@ class TokenWindows:
 class GlobalSampler:
     """Window ids of global samples: sample g is position g % N of epoch g // N's permutation.
 
-    Pure in (num_windows, seed, shuffle): `window_ids(a, n)` is the same whether asked in one call or
-    many, so resuming at any sample count continues the same order; epochs wrap across batches. An epoch's
-    permutation of more than `IN_MEMORY` windows is computed once per machine into a file (`EpochOrder`) and
-    read a batch's slice at a time, so that a worker's memory does not grow with the corpus.
+    Pure in (num_windows, seed, shuffle), so resuming at any sample count continues the same order. A
+    permutation of more than `IN_MEMORY` windows is read from a file (`EpochOrder`), so that a worker's
+    memory does not grow with the corpus.
     """
 
     IN_MEMORY = 1 << 17  # windows (1 MiB of order): smaller permutations stay in memory
 
     def __init__(self, num_windows: int, seed: int, shuffle: bool) -> None:
-        if num_windows < 1:
-            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
         self.num_windows = num_windows
         # numpy seeds must be non-negative; a negative config seed maps to its 64-bit two's complement.
         self.seed = seed % (1 << 64)
@@ -116,13 +107,11 @@ class GlobalSampler:
         return out
 
     def _permutation(self, epoch: int) -> np.ndarray | EpochOrder:
-        perm = self._perms.get(epoch)
-        if perm is None:
+        if epoch not in self._perms:
             if len(self._perms) >= 2:  # a batch spans at most the current and the next epoch
                 self._perms.pop(min(self._perms))
-            perm = self._make(epoch)
-            self._perms[epoch] = perm
-        return perm
+            self._perms[epoch] = self._make(epoch)
+        return self._perms[epoch]
 
     def _make(self, epoch: int) -> np.ndarray | EpochOrder:
         if self.num_windows > self.IN_MEMORY:
@@ -140,8 +129,7 @@ class EpochOrder:
     that needs it (whole, then renamed into place) with an xxh3-128 of it at the end, checked when a process
     opens it; indexed by a contiguous run of positions (what a batch asks for), it reads just that run."""
 
-    def __init__(self, path: Path, num_windows: int) -> None:
-        self.path, self.num_windows = path, num_windows
+    def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDONLY)
 
     @classmethod
@@ -159,7 +147,7 @@ class EpochOrder:
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
-        return cls(path, num_windows)
+        return cls(path)
 
     @staticmethod
     def _intact(path: Path, num_windows: int) -> bool:
@@ -173,9 +161,6 @@ class EpochOrder:
             return digest.digest() == f.read(16)
 
     def __getitem__(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        if not len(positions):
-            return positions
         first, last = int(positions.min()), int(positions.max())
         run = np.frombuffer(os.pread(self.fd, 8 * (last - first + 1), 8 * first), "<i8")
         return run[positions - first]
@@ -186,13 +171,7 @@ class EpochOrder:
 
 
 def shard_for_rank(ids: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """Rank `rank` of `world` data-parallel ranks takes the rank-th contiguous slice of a global batch.
-
-    The rank then splits its slice into micro-batches in order, so the global batch of step t
-    (samples [t*B, (t+1)*B)) is the same at any data-parallel size.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in [0, {world})")
+    """Rank `rank` of `world` data-parallel ranks takes the rank-th contiguous slice of a global batch."""
     if len(ids) % world:
         raise ConfigError(
             f"a global batch of {len(ids)} samples does not split over {world} data-parallel ranks; "

@@ -1,12 +1,10 @@
 """The manifest of a prepared-data folder: the one reader that `check_inputs`, the dataset and the
 tokenizer share, so that every bad manifest or shard gets the same one-line error naming the file and the fix.
-
 No numpy or pyarrow here: `check_inputs` runs in the driver before any worker starts.
 
-`data.path` may be a URI (s3://, gs://: `trainers.storage`): the driver checks that each shard is there at
-its recorded size; a worker reads and checks what it uses (`trainers.data.shards`). A local shard is hashed by
-`check_shard` once per machine: this machine's record of it (its size, times and inode when its sha256 was
-last found right, `cache_root()/checked`) spares the hash at later starts while the file is unchanged.
+A local shard is hashed once per machine: a record of its stat when its sha256 was last found right
+(`cache_root()/checked`) spares the hash at later starts while the file is unchanged. A shard in a bucket is
+checked for size here, its bytes where a worker reads them (`trainers.data.shards`).
 """
 
 from __future__ import annotations
@@ -28,20 +26,11 @@ from trainers.storage import (
     one_line_errors,
     sha256_of,
     size_of,
+    write_json_atomic,
 )
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MANIFEST_FILE",
-    "SPLITS",
-    "check_shard",
-    "fetch_shard",
-    "file_sha256",
-    "read_manifest",
-    "remember_checked",
-    "shard_problem",
-]
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST_FILE", "SPLITS", "check_shard", "fetch_shard",
+           "read_manifest", "remember_checked", "shard_problem"]
 
 FORMAT = "raytrain-tokens"
 FORMAT_VERSION = 1
@@ -56,6 +45,7 @@ _SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}
 # What in-place readers use (`trainers.data.shards`), where a folder has it.
 _OPTIONAL_SHARD_KEYS = {"bytes": int, "values_offset": int, "pieces_offset": int, "pieces_sha256": str}
 _JSON_NAMES = {str: "string", int: "integer", list: "list", dict: "object"}
+_CHANGED = f"does not match its sha256 in {MANIFEST_FILE} (corrupted or changed)"
 
 
 def _fix(data_dir: str | Path) -> str:
@@ -67,38 +57,30 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     unreadable (empty, truncated), not ours, of another version or incomplete."""
     path = location(data_dir) / MANIFEST_FILE
     where, fix = f"data.path={data_dir}: {MANIFEST_FILE}", _fix(data_dir)
-    if not _is_file(path, f"data.path={data_dir}"):
+    with one_line_errors(path, f"data.path={data_dir}"):  # a store's errors (no bucket, denied) as one line
+        present = path.is_file()
+    if not present:
         raise ConfigError(f"data.path={data_dir}: no {MANIFEST_FILE} there; {fix}")
     manifest = _parse(path, where, fix)
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"{where} is not a {FORMAT} manifest (format={manifest.get('format')!r}); {fix}")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(
-            f"{where}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION} (written by "
-            f"another version); {fix}"
-        )
+        raise ConfigError(f"{where}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION} "
+                          f"(written by another version); {fix}")
     for key, kind in _KEYS.items():
         _expect(_lookup(manifest, key), kind, f"{where}: {key}", fix)
     for split in SPLITS:
         for i, shard in enumerate(manifest["splits"][split]["shards"]):
             entry = f"{where}: splits.{split}.shards[{i}]"
             _expect(shard, dict, entry, fix)
-            for key, kind in _SHARD_KEYS.items():
-                _expect(shard.get(key), kind, f"{entry}.{key}", fix)
-            for key, kind in _OPTIONAL_SHARD_KEYS.items():
-                if key in shard:
-                    _expect(shard[key], kind, f"{entry}.{key}", fix)
+            for key, kind in (_SHARD_KEYS | _OPTIONAL_SHARD_KEYS).items():
+                if key in _SHARD_KEYS or key in shard:
+                    _expect(shard.get(key), kind, f"{entry}.{key}", fix)
         if "pieces_file" in manifest["splits"][split]:
             _expect(manifest["splits"][split]["pieces_file"], str, f"{where}: splits.{split}.pieces_file", fix)
     if "piece_bytes" in manifest:
         _expect(manifest["piece_bytes"], int, f"{where}: piece_bytes", fix)
     return manifest
-
-
-def _is_file(path: Any, where: str) -> bool:
-    """`path.is_file()`, with a store's errors (no bucket, no credentials, denied) as one line."""
-    with one_line_errors(path, where):
-        return path.is_file()
 
 
 def _parse(path: Path, where: str, fix: str) -> dict[str, Any]:
@@ -129,9 +111,9 @@ def _expect(value: Any, kind: type, what: str, fix: str) -> None:
         raise ConfigError(f"{what} should be a JSON {_JSON_NAMES[kind]}, found {found}; {fix}")
 
 
-def shard_problem(data_dir: str | Path, shard: dict[str, Any], what: str) -> str:
-    """The one line for a shard that is not as the manifest says: `what` is wrong with it."""
-    return f"data.path={data_dir}: shard {shard['file']} {what}; {_fix(data_dir)}"
+def shard_problem(data_dir: str | Path, shard: dict[str, Any], what: str) -> ConfigError:
+    """The one-line error for a shard that is not as the manifest says: `what` is wrong with it."""
+    return ConfigError(f"data.path={data_dir}: shard {shard['file']} {what}; {_fix(data_dir)}")
 
 
 def check_shard(data_dir: str | Path, shard: dict[str, Any]) -> Path:
@@ -141,16 +123,15 @@ def check_shard(data_dir: str | Path, shard: dict[str, Any]) -> Path:
     path = location(data_dir) / shard["file"]
     size = size_of(path)
     if size is None:
-        raise ConfigError(shard_problem(data_dir, shard, "is missing"))
+        raise shard_problem(data_dir, shard, "is missing")
     if "bytes" in shard and size != shard["bytes"]:  # older manifests have no size
-        raise ConfigError(
-            shard_problem(data_dir, shard, f"is {size} bytes, {MANIFEST_FILE} says {shard['bytes']} (truncated?)")
-        )
+        what = f"is {size} bytes, {MANIFEST_FILE} says {shard['bytes']} (truncated?)"
+        raise shard_problem(data_dir, shard, what)
     if local_path(path) is None or _checked_before(path, shard["sha256"]):
         return path
     started = time.time_ns()
-    if file_sha256(path) != shard["sha256"]:
-        raise ConfigError(shard_problem(data_dir, shard, f"does not match its sha256 in {MANIFEST_FILE} (corrupted or changed)"))
+    if sha256_of(path) != shard["sha256"]:
+        raise shard_problem(data_dir, shard, _CHANGED)
     remember_checked(path.parent, {path.name: shard["sha256"]}, started)
     return path
 
@@ -161,20 +142,14 @@ def fetch_shard(data_dir: str | Path, shard: dict[str, Any], cache: bool = True)
     path = check_shard(data_dir, shard)
     if local_path(path) is not None:  # checked in place
         return path
-    bad = shard_problem(data_dir, shard, f"does not match its sha256 in {MANIFEST_FILE} (corrupted or changed)")
     if cache:
-        local = cached_copy(path, shard["sha256"], shard.get("bytes"))
-        if local is None:
-            raise ConfigError(bad)
-        return local
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
-        raise ConfigError(bad)
-    return data
-
-
-def file_sha256(path: Path) -> str:
-    return sha256_of(path)
+        found: Path | bytes | None = cached_copy(path, shard["sha256"], shard.get("bytes"))
+    else:
+        found = path.read_bytes()
+        found = found if hashlib.sha256(found).hexdigest() == shard["sha256"] else None
+    if found is None:
+        raise shard_problem(data_dir, shard, _CHANGED)
+    return found
 
 
 # ---------------------------------------------------------------- shards this machine has checked
@@ -227,12 +202,9 @@ def remember_checked(folder: Path, files: dict[str, str], checked_ns: int) -> No
         for name, sha256 in files.items():
             records[name] = {"sha256": sha256, "stat": _stat_key(folder / name), "checked_ns": checked_ns}
         path = _record_file(folder)
-        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             _forget_gone_folders(path.parent)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"folder": str(folder.resolve()), "files": records}))
-        os.replace(tmp, path)
+        write_json_atomic(path, {"folder": str(folder.resolve()), "files": records}, indent=None)
 
 
 def _forget_gone_folders(records: Path, keep: int = 64) -> None:

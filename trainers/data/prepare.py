@@ -8,11 +8,9 @@ Layout of the output folder (written to a temp folder beside it, then renamed in
     val-00000.parquet      (the layout a reader reads in place: `trainers.data.shards`)
     train.pieces           the sha256 of each 64 KiB piece of each shard, raw, shard after shard
     val.pieces
-The inputs are read in their formats (`trainers.data.sources`); a document goes to val when a hash of (seed,
-its key) falls below val_fraction, so adding a file (or appending records) never moves another document
-between splits. Documents are tokenized in batches on a pool of processes (each tokenizer single-threaded, one
-per core) while this process reads the next ones and writes shards as they fill: memory stays bounded by the
-batches in flight and one shard per split, whatever the size of the corpus.
+A document goes to val when a hash of (seed, its key) falls below val_fraction, so adding a file never moves
+another document between splits. Batches are tokenized on a pool of processes while this one reads the next
+and writes shards as they fill: memory stays bounded whatever the size of the corpus.
 """
 
 from __future__ import annotations
@@ -97,15 +95,13 @@ class _Plan:
                   ) -> Iterator[tuple[str, str]]:
         """(key, text) of each document, stopping once `max_bytes` of text have been read."""
         for source in self.sources:
-            first = True
-            for key, text in read_documents(source, self.text_field, skipped):
+            for n, (key, text) in enumerate(read_documents(source, self.text_field, skipped)):
                 if self.max_bytes is not None and stats.bytes >= self.max_bytes:
                     return
                 size = len(text) if text.isascii() else len(text.encode("utf-8"))
                 stats.bytes += size
                 stats.documents += 1
-                stats.files_read += first  # a file counts once it gives a document
-                first = False
+                stats.files_read += n == 0  # a file counts once it gives a document
                 advance(size)
                 yield key, text
 
@@ -161,9 +157,9 @@ def prepare_corpus(
             "text_field": text_field,
             "max_bytes": max_bytes,
             "files_read": stats.files_read,
-            "files_skipped": skipped.files_skipped,
-            "files_left_out": listing.files_left_out,
-            "records_skipped": skipped.records_skipped,
+            "files_skipped": skipped.total(skipped.files),
+            "files_left_out": listing.total(listing.left_out),
+            "records_skipped": skipped.total(skipped.records),
             "bytes": stats.bytes,
             "notes": listing.notes() + skipped.notes(),
             "workers": workers,
@@ -174,36 +170,21 @@ def prepare_corpus(
 
 
 def default_corpus() -> list[Path]:
-    """The Python standard library's own source: text on every machine, the demo corpus.
-
-    Returns folders and top-level modules; packages that hold a test folder are returned as their
-    other children, so tests, third-party code and generated tables stay out.
-    """
+    """The Python standard library's own source (without tests, third-party code and generated tables): text
+    on every machine, the demo corpus."""
     return _corpus_paths(Path(sysconfig.get_paths()["stdlib"]))
 
-
-# ----------------------------------------------------------------------------------------- arguments
 
 _MORE = "pass folders or files with text, or widen --include"
 
 
 def _show(inputs: list[Path]) -> str:
-    """Inputs for a one-line message: the first few only."""
     shown = " ".join(map(str, inputs[:3]))
     return shown + (f" (and {len(inputs) - 3} more)" if len(inputs) > 3 else "")
 
 
-def _check_args(
-    inputs: list[Path],
-    output: Path,
-    tokenizer: str,
-    vocab_size: int,
-    val_fraction: float,
-    include: str,
-    max_bytes: int | None,
-    shard_tokens: int,
-    text_field: str,
-) -> list[str]:
+def _check_args(inputs: list[Path], output: Path, tokenizer: str, vocab_size: int, val_fraction: float,
+                include: str, max_bytes: int | None, shard_tokens: int, text_field: str) -> list[str]:
     """One-line errors before any work; returns the include globs."""
     if not inputs:
         raise ConfigError(f"--input is empty; fix: {_MORE}")
@@ -232,19 +213,13 @@ def _check_args(
     patterns = [g.strip() for g in include.split(",") if g.strip()]
     if not patterns:
         raise ConfigError(f"--include {include!r} holds no glob; fix: e.g. --include '*.py,*.txt'")
-    _check_output(output)
-    return patterns
-
-
-def _check_output(output: Path) -> None:
-    """Overwrite only an earlier prepared-data folder (or an empty one): never a user's other files."""
-    if not output.exists():
-        return
+    # Overwrite only an earlier prepared-data folder (or an empty one): never a user's other files.
     fix = "fix: choose a new --output folder or remove it"
-    if not output.is_dir():
+    if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; {fix}")
-    if any(output.iterdir()) and not _is_prepared(output):
+    if output.is_dir() and any(output.iterdir()) and not _is_prepared(output):
         raise ConfigError(f"--output {output} exists and is not a prepared-data folder; {fix}")
+    return patterns
 
 
 # Every file a CorpusWriter writes into an output folder (the shard names of _ShardWriter._flush).
@@ -265,26 +240,17 @@ def _is_prepared(folder: Path) -> bool:
     return all(p.is_file() and _OUTPUT_NAME.fullmatch(p.name) for p in folder.iterdir())
 
 
-# ------------------------------------------------------------------------------------------ sources
-
-
 def _corpus_paths(folder: Path) -> list[Path]:
     out: list[Path] = []
     for p in sorted(folder.iterdir()):
         if p.name in _STDLIB_SKIP or p.name.startswith((".", "config-", "_sysconfigdata")):
             continue
-        if p.is_dir():
-            out += _corpus_paths(p) if _holds_tests(p) else [p]
+        if p.is_dir():  # a package with a test folder is taken as its other children
+            holds_tests = any(d.name in _TEST_DIRS for d in p.rglob("*") if d.is_dir())
+            out += _corpus_paths(p) if holds_tests else [p]
         elif p.suffix == ".py":
             out.append(p)
     return out
-
-
-def _holds_tests(folder: Path) -> bool:
-    return any(d.name in _TEST_DIRS for d in folder.rglob("*") if d.is_dir())
-
-
-# ------------------------------------------------------------------------------------------- tokens
 
 
 def _build_tokenizer(kind: str, vocab_size: int, plan: _Plan) -> Tokenizer:
@@ -353,13 +319,11 @@ def _worker_pool(workers: int, spec: tuple) -> Iterator[Any]:
     the main module is named `__main__` while they start, which multiprocessing leaves alone."""
     main = sys.modules["__main__"]
     spec_before = getattr(main, "__spec__", None)
-    if spec_before is None:
-        main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    main.__spec__ = spec_before or importlib.machinery.ModuleSpec("__main__", None)
     try:
         pool = multiprocessing.get_context("spawn").Pool(workers, initializer=start_worker, initargs=(spec,))
     finally:
-        if spec_before is None:
-            main.__spec__ = None
+        main.__spec__ = spec_before
     try:
         yield pool
         pool.close()
@@ -388,13 +352,9 @@ def _encode_into(writer: CorpusWriter, tok: Tokenizer, plan: _Plan, stats: _Sour
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
 
 
-# ------------------------------------------------------------------------------------------- output
-
-
 class CorpusWriter:
-    """A prepared-data folder being written: documents in (`add`), shards written as they fill into a
-    temporary folder beside `output`, then `finish` writes the manifest last and renames the folder into
-    place. Leaving the `with` block without `finish` removes the temporary folder."""
+    """A prepared-data folder written beside `output` as documents come (`add`), renamed into place by
+    `finish` after the manifest; leaving the `with` block without `finish` removes it."""
 
     def __init__(self, output: Path, tok: Tokenizer, shard_tokens: int = 4_000_000,
                  piece_bytes: int = PIECE_BYTES) -> None:

@@ -1,24 +1,14 @@
 """Token shards on disk, and reading a split's tokens in place.
 
 A shard is a Parquet file, one row per document (column `tokens`, list<uint16|uint32>, each row ends in eos),
-written PLAIN, uncompressed, in one row group and one data page: its token values are then one run of
-little-endian int32 at a known offset (`values_offset`; Parquet has no 16-bit physical type), so a reader
-takes the windows it needs with positioned reads and never decodes or copies a shard, while any Parquet
-reader still reads the file. Shards without `values_offset` (compressed, from an older prepare) are decoded
-whole on first touch.
+written PLAIN, uncompressed, in one row group and one data page: its values are then one run of little-endian
+int32 at `values_offset` (Parquet has no 16-bit type), read in place by positioned reads while any Parquet
+reader still reads the file. Shards without `values_offset` (compressed, older) are decoded whole.
 
-Integrity, checked once where it is written and then where it is read: the writer records each file's sha256
-(the manifest) and the sha256 of each `piece_bytes` piece of it, 32 raw bytes a piece, in the split's digest
-file (`train.pieces`: the shards' tables end to end; the manifest holds each table's offset and sha256). A
-reader loads a shard's table when it first touches the shard and checks a piece the first time it reads from
-it, so opening a corpus reads nothing it does not use. A shard in a bucket is fetched in blocks of
-`FETCH_BYTES` (ranged GETs: a store's latency, not its bandwidth, is the cost), every piece of a block checked
-as it arrives, kept in this machine's cache (`cache_root()/blobs`, least recently used out past `cache_bytes`)
-or in memory with `data.cache: false`; `prefetch` fetches the blocks of windows the sampler asks for next on a
-few threads.
-
-Reads are positioned reads (`os.pread`), not a memory map: a map's touched pages stay in the process's
-resident set, so a worker's resident memory would grow with the part of the corpus it has read.
+Each `piece_bytes` piece's sha256 is in the split's `.pieces` file; a reader checks a piece the first time it
+reads from it. A bucket's shard is fetched in blocks of `FETCH_BYTES` (a store's latency, not its bandwidth,
+is the cost) into this machine's cache, or memory with `data.cache: false`.
+Reads use `os.pread`, not a memory map: a map's touched pages would stay in the worker's resident memory.
 """
 
 from __future__ import annotations
@@ -43,14 +33,7 @@ from trainers._base import ConfigError
 from trainers.data.manifest import MANIFEST_FILE, fetch_shard, shard_problem
 from trainers.storage import cache_root, local_path, location, read_range
 
-__all__ = [
-    "DIGEST_BYTES",
-    "FETCH_BYTES",
-    "PIECE_BYTES",
-    "SplitStream",
-    "encode_shard",
-    "piece_digests",
-]
+__all__ = ["DIGEST_BYTES", "FETCH_BYTES", "PIECE_BYTES", "SplitStream", "encode_shard", "piece_digests"]
 
 PIECE_BYTES = 1 << 16  # what a reader checks at a time: ~8 windows of 2,048 tokens, ~50 us of sha256
 DIGEST_BYTES = 32  # a piece's sha256, raw
@@ -72,9 +55,6 @@ try:  # pyarrow >= 21 also cuts pages every 20,000 rows unless told otherwise
     _PARQUET["max_rows_per_page"] = 1 << 30
 except TypeError:
     pass
-
-
-# ------------------------------------------------------------------------------------------- writing
 
 
 def encode_shard(values: np.ndarray, lengths: np.ndarray) -> tuple[pa.Buffer, int | None]:
@@ -101,9 +81,6 @@ def piece_digests(data: Any, piece_bytes: int = PIECE_BYTES) -> tuple[str, bytes
     return hashlib.sha256(view).hexdigest(), pieces or hashlib.sha256(b"").digest()
 
 
-# ------------------------------------------------------------------------------------------- reading
-
-
 class SplitStream:
     """The tokens of one split's shards as one stream: `read(start, count)` returns tokens
     [start, start + count) as uint32, reading (and checking) only the pieces of the shards they lie in."""
@@ -119,10 +96,9 @@ class SplitStream:
         self.total = int(self.bounds[-1])
         self.remote = local_path(self.data_dir) is None
         self.cache = cache
-        self.blocks: _BlockStore | None = None
-        if self.remote:
-            limit = cache_bytes or (DISK_CACHE_BYTES if cache else MEMORY_CACHE_BYTES)
-            self.blocks = _DiskBlocks(limit) if cache else _MemoryBlocks(limit)
+        limit = cache_bytes or (DISK_CACHE_BYTES if cache else MEMORY_CACHE_BYTES)
+        store = _DiskBlocks if cache else _MemoryBlocks
+        self.blocks: _BlockStore | None = store(limit) if self.remote else None
         self._open: OrderedDict[int, _Shard] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -151,10 +127,9 @@ class SplitStream:
 
     def shard(self, i: int) -> _Shard:
         with self._lock:
-            shard = self._open.get(i)
-            if shard is not None:
+            if i in self._open:
                 self._open.move_to_end(i)
-                return shard
+                return self._open[i]
             entry = self.entries[i]
             plain = self.digest_file is not None and "values_offset" in entry and "pieces_offset" in entry
             shard = _PlainShard(self, entry) if plain else _DecodedShard(self, entry)
@@ -163,16 +138,8 @@ class SplitStream:
                 self._open.popitem(last=False)[1].close()
             return shard
 
-    def close(self) -> None:
-        with self._lock:
-            for shard in self._open.values():
-                shard.close()
-            self._open.clear()
-        if self.blocks is not None:
-            self.blocks.close()
-
     def problem(self, entry: dict[str, Any], what: str) -> ConfigError:
-        return ConfigError(shard_problem(self.data_dir, entry, what))
+        return shard_problem(self.data_dir, entry, what)
 
 
 class _Shard:
@@ -212,13 +179,12 @@ class _PlainShard(_Shard):
         self.offset = int(entry["values_offset"])
         self.size = int(entry.get("bytes", self.offset + _VALUE.itemsize * entry["tokens"]))
         self.piece = stream.piece_bytes
+        self.pieces = max(1, -(-self.size // self.piece))
         self.block = max(1, FETCH_BYTES // self.piece) * self.piece
         self.checked: set[int] = set()
         self.fd: int | None = None
         self._digests: bytes | None = None
         self._lock = threading.Lock()
-
-    # ---- where bytes lie
 
     def _range(self, start: int, count: int) -> tuple[int, int]:
         begin = self.offset + _VALUE.itemsize * start
@@ -230,15 +196,18 @@ class _PlainShard(_Shard):
 
     def values(self, start: int, count: int) -> np.ndarray:
         begin, end = self._range(start, count)
-        if self.stream.remote:
-            return self._from_blocks(begin, end)
-        for k in self._units(begin, end, self.piece):
-            if k not in self.checked:
-                self._check_local_piece(k)
-        data = os.pread(self._fd(), end - begin, begin)
+        data = self._from_blocks(begin, end) if self.stream.remote else self._from_file(begin, end)
         if len(data) != end - begin:
             raise self.stream.problem(self.entry, f"ends before byte {end} (truncated?)")
         return np.frombuffer(data, _VALUE)
+
+    def _from_file(self, begin: int, end: int) -> bytes:
+        for k in self._units(begin, end, self.piece):
+            if k not in self.checked:
+                first = k * self.piece
+                self._check(k, read_range(self.path, first, min(self.piece, self.size - first)))
+                self.checked.add(k)
+        return os.pread(self._fd(), end - begin, begin)
 
     def prefetch(self, start: int, count: int) -> None:
         begin, end = self._range(start, count)
@@ -248,38 +217,24 @@ class _PlainShard(_Shard):
         elif hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd(), begin, end - begin, os.POSIX_FADV_WILLNEED)
 
-    # ---- checks
-
     def _digest(self, k: int) -> bytes:
+        """Piece k's sha256, from this shard's table in the digest file (checked against the manifest)."""
         with self._lock:
             if self._digests is None:
-                self._digests = self._load_digests()
+                offset = int(self.entry["pieces_offset"])
+                table = read_range(self.stream.digest_file, offset, DIGEST_BYTES * self.pieces)
+                if hashlib.sha256(table).hexdigest() != self.entry.get("pieces_sha256"):
+                    name = self.stream.digest_file.name
+                    raise self.stream.problem(self.entry, f"has piece checksums in {name} that do not match "
+                                                          f"{MANIFEST_FILE}")
+                self._digests = bytes(table)
         return self._digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
-
-    def _load_digests(self) -> bytes:
-        """This shard's table from the split's digest file, checked against the manifest."""
-        count = max(1, -(-self.size // self.piece))
-        table = read_range(self.stream.digest_file, int(self.entry["pieces_offset"]), DIGEST_BYTES * count)
-        if hashlib.sha256(table).hexdigest() != self.entry.get("pieces_sha256"):
-            name = self.stream.digest_file.name
-            raise self.stream.problem(self.entry, f"has piece checksums in {name} that do not match {MANIFEST_FILE}")
-        return bytes(table)
-
-    def _mismatch(self, k: int) -> ConfigError:
-        return self.stream.problem(
-            self.entry,
-            f"does not match its sha256 in {MANIFEST_FILE} (piece {k} of {max(1, -(-self.size // self.piece))}: "
-            f"corrupted or changed)",
-        )
 
     def _check(self, k: int, data: Any) -> None:
         length = min(self.piece, self.size - k * self.piece)
         if len(data) != length or hashlib.sha256(data).digest() != self._digest(k):
-            raise self._mismatch(k)
-
-    def _check_local_piece(self, k: int) -> None:
-        self._check(k, read_range(self.path, k * self.piece, min(self.piece, self.size - k * self.piece)))
-        self.checked.add(k)
+            raise self.stream.problem(self.entry, f"does not match its sha256 in {MANIFEST_FILE} (piece {k} "
+                                                  f"of {self.pieces}: corrupted or changed)")
 
     def _fd(self) -> int:
         if self.fd is None:
@@ -288,8 +243,6 @@ class _PlainShard(_Shard):
             except FileNotFoundError:
                 raise self.stream.problem(self.entry, "is missing") from None
         return self.fd
-
-    # ---- a bucket's blocks
 
     def _key(self, b: int) -> str:
         return f"{self.entry['sha256']}-{self.piece}-{b}"  # what the block holds, whatever the path
@@ -302,24 +255,18 @@ class _PlainShard(_Shard):
             self._check(k, view[k * self.piece - first : (k + 1) * self.piece - first])
         return data
 
-    def _from_blocks(self, begin: int, end: int) -> np.ndarray:
+    def _from_blocks(self, begin: int, end: int) -> bytes:
         parts = []
         for b in self._units(begin, end, self.block):
             first = b * self.block
             lo, hi = max(begin - first, 0), min(end - first, self.block)
             parts.append(self.stream.blocks.get(self._key(b), lambda b=b: self._fetch_block(b), lo, hi))
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        if len(data) != end - begin:
-            raise self.stream.problem(self.entry, f"ends before byte {end} (truncated?)")
-        return np.frombuffer(data, _VALUE)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-# -------------------------------------------------------------------------------- a bucket's blocks
 
 
 @dataclass
@@ -357,11 +304,6 @@ class _BlockStore:
     def _done(self, key: str) -> None:
         with self.lock:
             self.pending.pop(key, None)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
 
     def has(self, key: str) -> bool:
         raise NotImplementedError
@@ -401,9 +343,8 @@ class _MemoryBlocks(_BlockStore):
 
 @dataclass
 class _DiskBlocks(_BlockStore):
-    """Blocks in this machine's cache folder, shared by its processes (renamed into place whole); least
-    recently used (by modification time, touched on first use here) are deleted once the folder holds more
-    than `limit` bytes."""
+    """Blocks in this machine's cache folder, shared by its processes; least recently used (by modification
+    time, touched on first use here) are deleted once the folder holds more than `limit` bytes."""
 
     folder: Path = field(default_factory=lambda: cache_root() / "blobs")
     used: int | None = None  # this process's estimate of the folder's size; recounted when past the limit
@@ -414,13 +355,10 @@ class _DiskBlocks(_BlockStore):
 
     def load(self, key: str, lo: int, hi: int) -> bytes | None:
         try:
-            fd = os.open(self.folder / key, os.O_RDONLY)
+            with open(self.folder / key, "rb") as f:
+                data = os.pread(f.fileno(), hi - lo, lo)
         except FileNotFoundError:  # not fetched yet, or evicted by another process
             return None
-        try:
-            data = os.pread(fd, hi - lo, lo)
-        finally:
-            os.close(fd)
         if key not in self.touched:
             self.touched.add(key)
             with contextlib.suppress(OSError):
@@ -437,7 +375,9 @@ class _DiskBlocks(_BlockStore):
             tmp.unlink(missing_ok=True)
         with self.lock:
             self.touched.add(key)
-            self.used = (self.used if self.used is not None else self._count()) + len(data)
+            if self.used is None:
+                self.used = sum(size for _, size, _ in self._entries())
+            self.used += len(data)
             if self.used > self.limit:
                 self.used = self._evict()
 
@@ -450,9 +390,6 @@ class _DiskBlocks(_BlockStore):
                         st = e.stat()
                         out.append((st.st_mtime, st.st_size, e.name))
         return out
-
-    def _count(self) -> int:
-        return sum(size for _, size, _ in self._entries())
 
     def _evict(self) -> int:
         """Oldest first, down to 90% of the limit (so that the next blocks do not each scan the folder)."""

@@ -1,21 +1,12 @@
 """The inputs of `raytrain data prepare`: which files are read, in which format, and their documents.
 
-A file's format is named by its suffix, once a compression suffix (.gz, .zst, .bz2, .xz) is taken off:
-- .jsonl, .ndjson, .json: one JSON object a line (a .json that starts with `[` is one array of them);
-- .parquet; .arrow, .feather (Arrow IPC, file or stream); .csv, .tsv (a header row first);
-- any other suffix: plain text, the file one document (a file over `TEXT_PART_BYTES` is cut at line ends into
-  documents of about that size, so that memory stays bounded).
-In the record formats each record's text field (`--text-field`) is a document. A folder that `datasets`'
-`save_to_disk` wrote (state.json with its Arrow files, or dataset_dict.json over one such folder per split) is
-read from its Arrow files with pyarrow: the `datasets` package is not needed.
+A file's format is named by its suffix after any compression suffix (.gz, .zst, .bz2, .xz): JSON lines (or
+one JSON array), Parquet, Arrow IPC, CSV/TSV, a `datasets` save_to_disk folder (read with pyarrow alone), else
+plain text, one document a file (cut at line ends past `TEXT_PART_BYTES`, so that memory stays bounded).
+What is left out or cannot be read is counted with its reason (`Skipped.notes`), never silently.
 
-The include globs (`--include`) choose the files of a folder by name, looking through a compression suffix
-(`*.jsonl` takes `a.jsonl.gz`); a file named on the command line is always read. What is left out or cannot be
-read is counted with its reason, for one line each (`Skipped.notes`), never silently.
-
-A document's key decides its split: its file's path relative to the input's parent, then `#N` for the Nth
-record of a record file (or part of a cut text file), so adding files or appending records moves no document
-between splits.
+A document's key (its file's path relative to the input's parent, then `#N` for the Nth record or text part)
+decides its split, so adding files or appending records moves no document between splits.
 """
 
 from __future__ import annotations
@@ -89,17 +80,9 @@ class Skipped:
             names.append(name)
         self.counts[reason] = self.counts.get(reason, 0) + 1
 
-    @property
-    def files_left_out(self) -> int:
-        return sum(self.counts[r] for r in self.left_out)
-
-    @property
-    def files_skipped(self) -> int:
-        return sum(self.counts[r] for r in self.files)
-
-    @property
-    def records_skipped(self) -> int:
-        return sum(self.counts[r] for r in self.records)
+    def total(self, table: dict[str, list[str]]) -> int:
+        """How many files or records `table` (left_out, files or records) stands for."""
+        return sum(self.counts[r] for r in table)
 
     def notes(self) -> list[str]:
         """One line per reason: how many, which rule or why, a few names, and the fix where there is one."""
@@ -113,18 +96,11 @@ class Skipped:
         return out
 
 
-# ------------------------------------------------------------------------------------------ listing
-
-
 def split_suffix(name: str) -> tuple[str, str | None]:
     """(the name without a compression suffix, the compression or None)."""
     stem, ext = os.path.splitext(name)
     codec = _COMPRESSION.get(ext.lower())
     return (stem, codec) if codec else (name, None)
-
-
-def format_of(name: str) -> str:
-    return _FORMATS.get(os.path.splitext(split_suffix(name)[0])[1].lower(), "text")
 
 
 def is_datasets_folder(folder: Path) -> bool:
@@ -138,17 +114,14 @@ def list_sources(inputs: list[Path], patterns: list[str], skipped: Skipped) -> l
     sources: dict[Path, Source] = {}
     rule = f"--include {','.join(patterns)}"
     for root in (p.resolve() for p in inputs):
-        found = [root] if root.is_file() or is_datasets_folder(root) else []
-        if not found:
-            for p in _walk(root):
-                if p.is_dir() or _matches(p.name, patterns):
-                    found.append(p)
-                else:
-                    skipped.leave_out(rule, p.relative_to(root.parent).as_posix())
-        for p in found:
+        named = root.is_file() or is_datasets_folder(root)
+        for p in [root] if named else _walk(root):
             # Relative to the input's parent: the folder name is part of the key, the machine is not.
             key = p.relative_to(root.parent).as_posix()
-            sources.setdefault(p, _source(p, key))
+            if named or p.is_dir() or _matches(p.name, patterns):
+                sources.setdefault(p, _source(p, key))
+            else:
+                skipped.leave_out(rule, key)
     return sorted(sources.values(), key=lambda s: s.key)
 
 
@@ -157,17 +130,18 @@ def _source(path: Path, key: str) -> Source:
         size = sum(f.stat().st_size for f in path.rglob("*.arrow"))
         return Source(path, key, size, "datasets")
     stem, codec = split_suffix(path.name)
-    return Source(path, key, path.stat().st_size, format_of(stem), codec)
+    kind = _FORMATS.get(os.path.splitext(stem)[1].lower(), "text")
+    return Source(path, key, path.stat().st_size, kind, codec)
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
+    """By name, looking through a compression suffix (`*.jsonl` takes `a.jsonl.gz`)."""
     stem = split_suffix(name)[0]
     return any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(stem, g) for g in patterns)
 
 
 def _walk(folder: Path) -> Iterator[Path]:
-    """Files under `folder` (and `datasets` folders, whole), skipping hidden folders (.git, .venv) and
-    __pycache__."""
+    """Files under `folder` (and `datasets` folders, whole), skipping hidden folders and __pycache__."""
     for dirpath, dirnames, filenames in os.walk(folder):
         here = Path(dirpath)
         if here != folder and is_datasets_folder(here):
@@ -177,9 +151,6 @@ def _walk(folder: Path) -> Iterator[Path]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
         for name in sorted(filenames):
             yield here / name
-
-
-# ------------------------------------------------------------------------------------------ reading
 
 
 def read_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
@@ -201,38 +172,27 @@ def _read_errors() -> tuple[type[BaseException], ...]:
 
 
 def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text[:120]
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
 
 
-@contextlib.contextmanager
-def _open(source: Source) -> Iterator[IO[bytes]]:
-    """The file's bytes, decompressed as they are read."""
-    path, codec = str(source.path), source.compression
-    if codec is None:
-        f: IO[bytes] = open(path, "rb")  # noqa: SIM115  (closed below)
-    elif codec == "gzip":
-        f = gzip.open(path, "rb")
-    elif codec == "bz2":
-        f = bz2.open(path, "rb")
-    elif codec == "xz":
-        f = lzma.open(path, "rb")
-    else:
-        f = _zstd_reader(path)
-    try:
-        yield f
-    finally:
-        f.close()
-
-
-def _zstd_reader(path: str) -> IO[bytes]:
+def _zstd_open(path: str, mode: str) -> IO[bytes]:
     try:
         import zstandard
     except ImportError:  # pyarrow's own zstd codec
         if not pa.Codec.is_available("zstd"):
             raise OSError("no zstd codec here: pip install zstandard") from None
         return pa.CompressedInputStream(pa.OSFile(path), "zstd")
-    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
+    return zstandard.ZstdDecompressor().stream_reader(open(path, mode), closefd=True)  # noqa: SIM115
+
+
+_OPENERS: dict[str | None, Callable[[str, str], Any]] = {
+    None: open, "gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open, "zstd": _zstd_open
+}
+
+
+def _open(source: Source) -> IO[bytes]:
+    """The file's bytes, decompressed as they are read (a context manager that closes it)."""
+    return _OPENERS[source.compression](str(source.path), "rb")
 
 
 @contextlib.contextmanager
@@ -286,10 +246,8 @@ def _text_parts(key: str, data: bytes, f: IO[bytes]) -> Iterator[tuple[str, byte
 
 
 def _decode(data: bytes) -> str | None:
-    if b"\0" in data:
-        return None
     try:
-        return data.decode("utf-8")
+        return None if b"\0" in data else data.decode("utf-8")
     except UnicodeDecodeError:
         return None
 
@@ -377,19 +335,15 @@ def _column_documents(source: Source, schema: pa.Schema, batches: Callable[[], I
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         skipped.file(f"column {text_field!r} holds {kind}, not text (fix: --text-field NAME)", source.key)
         return
-
-    def values() -> Iterator[str | None]:
-        for batch in batches():
-            yield from batch.column(batch.schema.get_field_index(text_field)).to_pylist()
-
-    yield from _records_of(source, enumerate(values()), text_field, skipped, columnar=True)
+    columns = (batch.column(batch.schema.get_field_index(text_field)) for batch in batches())
+    values = itertools.chain.from_iterable(column.to_pylist() for column in columns)
+    yield from _records_of(source, enumerate(values), text_field, skipped, columnar=True)
 
 
 def _parquet_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
     with _seekable(source) as path:
         f = pq.ParquetFile(path)
-        columns = [text_field] if text_field in f.schema_arrow.names else None
-        batches = lambda: f.iter_batches(_BATCH_ROWS, columns=columns)  # noqa: E731
+        batches = lambda: f.iter_batches(_BATCH_ROWS, columns=[text_field])  # noqa: E731
         yield from _column_documents(source, f.schema_arrow, batches, text_field, skipped)
 
 
@@ -422,9 +376,8 @@ def _ipc_batches(path: Path) -> Iterator[pa.RecordBatch]:
 
 def _csv_documents(source: Source, text_field: str, skipped: Skipped) -> Iterator[tuple[str, str]]:
     tsv = source.format == "tsv"
-    parse = pcsv.ParseOptions(
-        delimiter="\t" if tsv else ",", quote_char=False if tsv else '"', newlines_in_values=not tsv
-    )
+    parse = pcsv.ParseOptions(delimiter="\t" if tsv else ",", quote_char=False if tsv else '"',
+                              newlines_in_values=not tsv)
     with _open(source) as f:
         header = next(csv.reader(io.TextIOWrapper(f, encoding="utf-8", newline=""), delimiter=parse.delimiter,
                                  quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL), [])
@@ -452,9 +405,5 @@ def _datasets_documents(source: Source, text_field: str, skipped: Skipped) -> It
     if not files:
         skipped.file("a datasets folder whose state.json lists no Arrow files", source.key)
         return
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        for path in files:
-            yield from _ipc_batches(path)
-
+    batches = lambda: itertools.chain.from_iterable(map(_ipc_batches, files))  # noqa: E731
     yield from _column_documents(source, _ipc_schema(files[0]), batches, text_field, skipped)

@@ -1,10 +1,6 @@
-"""Tokenizers: raw bytes (no training, 257 ids), a byte-level BPE trained locally with `tokenizers`, or
-the tokenizer.json of a Hugging Face model folder (`raytrain data prepare --tokenizer HF_DIR`).
-
-All share one small interface (`encode`, `encode_batch`, `decode`, `vocab_size`, `eos_id`, `save`,
-`to_hf`); `load_tokenizer(data_dir)` rebuilds the one a prepared-data folder was written with, and
-`save_hf` writes any of them as a folder that `transformers.AutoTokenizer` loads and that encodes text to
-the same ids (the byte tokenizer as a 257-entry byte-level BPE without merges).
+"""Tokenizers: raw bytes (257 ids), a byte-level BPE trained with `tokenizers`, or the tokenizer.json of a
+Hugging Face model folder; `load_tokenizer` rebuilds a prepared folder's, `save_hf` writes one AutoTokenizer
+loads (to the same ids).
 """
 
 from __future__ import annotations
@@ -22,16 +18,8 @@ from trainers._base import ConfigError
 from trainers.data.manifest import read_manifest
 from trainers.storage import location
 
-__all__ = [
-    "EOS_TOKEN",
-    "TOKENIZER_FILE",
-    "BPETokenizer",
-    "ByteTokenizer",
-    "PretrainedTokenizer",
-    "Tokenizer",
-    "load_tokenizer",
-    "save_hf",
-]
+__all__ = ["EOS_TOKEN", "TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "PretrainedTokenizer", "Tokenizer",
+           "load_tokenizer", "save_hf"]
 
 EOS_TOKEN = "<eos>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -114,10 +102,6 @@ class BPETokenizer:
         tok.train_from_iterator(texts, trainer)
         return cls(tok)
 
-    @classmethod
-    def from_file(cls, path: Path) -> BPETokenizer:
-        return cls(_from_file(path))
-
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
@@ -126,26 +110,13 @@ class BPETokenizer:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encode(list(texts))]
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A pickled `tokenizers.Tokenizer` forgets encode_special_tokens (prepare's worker processes).
-        return {**self.__dict__, "encode_special_tokens": self._tok.encode_special_tokens}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        special = state.pop("encode_special_tokens")
-        self.__dict__.update(state)
-        self._tok.encode_special_tokens = special
-
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def save(self, folder: Path) -> dict[str, Any]:
         self._tok.save(str(folder / TOKENIZER_FILE))
-        return {
-            "kind": self.kind,
-            "vocab_size": self.vocab_size,
-            "eos_id": self.eos_id,
-            "file": TOKENIZER_FILE,
-        }
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "file": TOKENIZER_FILE}
 
     def to_hf(self) -> HFTokenizer:
         return self._tok
@@ -190,11 +161,8 @@ class PretrainedTokenizer(BPETokenizer):
         return cls(tok, eos, bool(settings.get("split_special_tokens", False)))
 
     def save(self, folder: Path) -> dict[str, Any]:
-        return {
-            **super().save(folder),
-            "eos_token": self.eos_token,
-            "split_special_tokens": self._tok.encode_special_tokens,
-        }
+        return {**super().save(folder), "eos_token": self.eos_token,
+                "split_special_tokens": self._tok.encode_special_tokens}
 
 
 def save_hf(tok: Tokenizer, folder: Path, model_max_length: int) -> None:
@@ -203,12 +171,11 @@ def save_hf(tok: Tokenizer, folder: Path, model_max_length: int) -> None:
     hf = tok.to_hf()
     hf.save(str(folder / TOKENIZER_FILE))
     eos = hf.id_to_token(tok.eos_id)
-    split = hf.encode_special_tokens
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos,
         "model_max_length": model_max_length,
-        "split_special_tokens": split,
+        "split_special_tokens": hf.encode_special_tokens,
         "clean_up_tokenization_spaces": False,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
@@ -247,10 +214,9 @@ def load_tokenizer(data_dir: str | Path | Any) -> Tokenizer:
     if entry["kind"] == ByteTokenizer.kind:
         return ByteTokenizer()
     if entry["kind"] == BPETokenizer.kind:
-        return BPETokenizer.from_file(data_dir / entry["file"])
+        return BPETokenizer(_from_file(data_dir / entry["file"]))
     if entry["kind"] == PretrainedTokenizer.kind:
         tok = _from_file(data_dir / entry["file"])
         return PretrainedTokenizer(tok, entry["eos_token"], entry["split_special_tokens"])
-    raise ConfigError(
-        f"data.path={data_dir}: unknown tokenizer kind {entry['kind']!r}; fix: prepare it again"
-    )
+    raise ConfigError(f"data.path={data_dir}: unknown tokenizer kind {entry['kind']!r}; "
+                      "fix: prepare it again")
