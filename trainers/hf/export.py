@@ -1,25 +1,27 @@
 """`raytrain export`: a checkpoint of any engine and layout -> a folder that transformers'
 `AutoModelForCausalLM` loads as LlamaForCausalLM or MixtralForCausalLM, on one CPU process.
 
-Tensors go one at a time: a DCP checkpoint (fsdp, ddp, none; any pp x dp x ep) is read one parameter per
-`dcp.load` (DCP reassembles it from the shards that every rank wrote), and the safetensors files are
-written by streaming each tensor after a header planned from the shapes, so memory holds one parameter
-(a stacked expert weight is one parameter: all experts of one layer). A DeepSpeed checkpoint's fp32
-weights live in flat ZeRO partitions: DeepSpeed's own `zero_to_fp32` reassembles them (stage 3 lazily,
-per parameter; stages 1-2 concatenate the partitions, i.e. one copy of the fp32 weights in memory).
+Memory holds one parameter at a time (a stacked expert weight is one): a DCP checkpoint is read one
+parameter per `dcp.load`, and each safetensors file is streamed tensor by tensor after a header planned from
+the shapes. DeepSpeed's `zero_to_fp32` reassembles a ZeRO checkpoint (stages 1-2: all fp32 weights at once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
+import itertools
 import json
+import math
 import os
 import shutil
 import struct
+import tempfile
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import yaml
 
-from trainers._base import ConfigError
+from trainers._base import ConfigError, parse_bytes
 from trainers.checkpoint import Checkpointer, is_complete
 from trainers.checkpoint_files import (
     DCP_METADATA,
@@ -41,7 +43,16 @@ from trainers.hf.pretrained import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, 
 from trainers.preflight import require_deepspeed
 from trainers.run_dir import CONFIG, RunDir
 from trainers.sections.model import ModelConfig
-from trainers.storage import write_json_atomic
+from trainers.storage import (
+    cache_root,
+    check_location,
+    is_uri,
+    local_folder,
+    location,
+    occupied,
+    write_folder,
+    write_json_atomic,
+)
 
 __all__ = ["DTYPES", "ExportResult", "export", "parse_size", "resolve_checkpoint"]
 
@@ -70,11 +81,7 @@ def export(
     allow_inexact: bool = False,
 ) -> ExportResult:
     """Write the newest complete checkpoint of run dir `source` (or the checkpoint `source`) to `out_dir`
-    (created; atomically, via a temp folder beside it). Either may be a URI (s3://, gs://): a bucket's
-    checkpoint is copied to a local temp folder first (and checked there), a bucket's `out_dir` gets the
-    folder written locally, uploaded with config.json last."""
-    from trainers.storage import is_uri
-
+    (created atomically, via a temp folder beside it). Either may be in a bucket (s3://, gs://)."""
     if is_uri(str(out_dir)) or is_uri(str(source)):
         return _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact)
     out_dir, torch_dtype = Path(out_dir), DTYPES[dtype]
@@ -96,7 +103,7 @@ def export(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        files, total = _write_weights(tmp, reader, cfg, torch_dtype, max_shard_size)
+        files, total = _write_weights(tmp, reader, torch_dtype, max_shard_size)
         tokenizer, notes = _write_tokenizer(tmp, data_path, checkpoint, cfg)
         eos = tokenizer.eos_id if tokenizer is not None else None
         write_json_atomic(tmp / CONFIG_FILE, hf_config(cfg, _HF_DTYPE[torch_dtype], eos, None), indent=2)
@@ -107,19 +114,14 @@ def export(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     arch = hf_config(cfg, "float32", None, None)["architectures"][0]
-    return ExportResult(out_dir, checkpoint, arch, files, total, _bytes(out_dir, files), differs + notes)
+    size = sum((out_dir / f).stat().st_size for f in files)
+    return ExportResult(out_dir, checkpoint, arch, files, total, size, differs + notes)
 
 
 def _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact) -> ExportResult:
-    """A bucket's checkpoint is copied into a local temp folder first (export checks every file against its
-    sha256 in COMMITTED, which reads them all anyway); a bucket's OUT_DIR gets the folder written locally,
-    then uploaded with config.json last: transformers and model.init_from read config.json first, so a
-    reader that finds it finds every other file. Both locations are checked before any byte moves."""
-    import dataclasses
-    import tempfile
-
-    from trainers.storage import check_location, local_folder, location, write_folder
-
+    """A bucket's checkpoint is copied into a local temp folder first (checking every sha256 in COMMITTED
+    reads it all anyway); a bucket's OUT_DIR gets the folder written locally, then uploaded with config.json
+    last: readers look for config.json first, so one that finds it finds every other file."""
     src, dest = location(source), location(out_dir)
     check_location(src, "RUN_DIR_OR_CHECKPOINT", write=False)
     check_location(dest, "OUT_DIR", write=True)
@@ -133,13 +135,6 @@ def _export_remote(source, out_dir, dtype, max_shard_size, allow_inexact) -> Exp
         with write_folder(dest, last=CONFIG_FILE) as out:
             result = export(local, out, dtype, max_shard_size, allow_inexact)
         return dataclasses.replace(result, out_dir=dest, checkpoint=checkpoint)
-
-
-def _bytes(folder: Path, files: list[str]) -> int:
-    return sum((folder / f).stat().st_size for f in files)
-
-
-# ------------------------------------------------------------------------------------------ sources
 
 
 def resolve_checkpoint(source: Path) -> Path:
@@ -156,9 +151,8 @@ def resolve_checkpoint(source: Path) -> Path:
 
 
 def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
-    """The model section the checkpoint was saved with (its trainer_state.json; older checkpoints: the run
-    dir's config.yaml, checked against the shape-defining keys the checkpoint recorded), and the run's
-    data path (config.yaml's, if there), where the tokenizer is."""
+    """The model section the checkpoint was saved with (its trainer_state.json, else the run dir's
+    config.yaml, checked against the keys the checkpoint recorded), and the data path (of the tokenizer)."""
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
     config = RunDir(checkpoint.parent.parent).config
     raw = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
@@ -176,8 +170,6 @@ def _run_model(checkpoint: Path) -> tuple[ModelConfig, Path | None]:
                 f"checkpoint of the run that config describes"
             )
     data = state.get("data_path") or (raw.get("data") or {}).get("path")
-    from trainers.storage import location
-
     return cfg, location(data) if data else None
 
 
@@ -190,15 +182,12 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
 class _DCPReader:
     """A torch.distributed.checkpoint folder: the model's tensors under `app.model.`, read one by one."""
 
-    PREFIX = DCP_MODEL_PREFIX
-
     def __init__(self, path: Path):
         from torch.distributed.checkpoint import FileSystemReader
 
         self.path = path
-        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        self._keys = {k.removeprefix(self.PREFIX): k for k in meta if k.startswith(self.PREFIX)}
-        self._meta = meta
+        meta = self._meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self._keys = {k.removeprefix(DCP_MODEL_PREFIX): k for k in meta if k.startswith(DCP_MODEL_PREFIX)}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {fqn: tuple(self._meta[key].size) for fqn, key in self._keys.items()}
@@ -216,8 +205,8 @@ class _DCPReader:
 
 
 class _DeepSpeedReader:
-    """The deepspeed engine's checkpoint (`<step>/deepspeed/`): fp32 weights from the ZeRO partitions
-    (DeepSpeed's zero_to_fp32), or the module's own state without ZeRO (stage 0, fp32)."""
+    """The deepspeed engine's checkpoint (`<step>/deepspeed/`): fp32 weights from the ZeRO partitions, or
+    the module's own state without ZeRO (stage 0)."""
 
     def __init__(self, path: Path):
         tag_dir = path / DEEPSPEED_TAG
@@ -251,15 +240,12 @@ def _check_tensors(found: dict[str, tuple[int, ...]], cfg: ModelConfig, checkpoi
     from trainers.models import build_model
 
     want = {n: tuple(p.shape) for n, p in build_model(cfg, device="meta").named_parameters()}
-    if found.keys() != want.keys() or any(found[n] != want[n] for n in want):
+    if found != want:
         odd = sorted(set(found) ^ set(want)) or [n for n in want if found[n] != want[n]]
         raise ConfigError(
             f"{checkpoint}: its tensors do not match the run's model section (e.g. {odd[0]}); fix: export a "
             f"checkpoint of the run whose config.yaml lies beside it"
         )
-
-
-# ------------------------------------------------------------------------------------------ weights
 
 
 @dataclass
@@ -270,17 +256,16 @@ class _Entry:
     shape: tuple[int, ...]
 
 
-def _plan(reader: Any, cfg: ModelConfig, max_shard_size: int, itemsize: int) -> list[list[_Entry]]:
+def _plan(reader: Any, max_shard_size: int, itemsize: int) -> list[list[_Entry]]:
     """HF tensors in the model's parameter order, cut into files of at most `max_shard_size` bytes (a
     tensor larger than that gets a file of its own, as transformers does)."""
     shards: list[list[_Entry]] = [[]]
     size = 0
     for fqn, shape in reader.shapes().items():
-        names = hf_names(fqn, shape[0])
-        for e, name in enumerate(names):
+        for e, name in enumerate(hf_names(fqn, shape[0])):
             expert = e if expert_index(fqn) else None
             entry = _Entry(name, fqn, expert, shape[1:] if expert is not None else shape)
-            nbytes = itemsize * _numel(entry.shape)
+            nbytes = itemsize * math.prod(entry.shape)
             if shards[-1] and size + nbytes > max_shard_size:
                 shards.append([])
                 size = 0
@@ -289,57 +274,44 @@ def _plan(reader: Any, cfg: ModelConfig, max_shard_size: int, itemsize: int) -> 
     return shards
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _write_weights(
-    folder: Path, reader: Any, cfg: ModelConfig, dtype: torch.dtype, max_shard_size: int
+    folder: Path, reader: Any, dtype: torch.dtype, max_shard_size: int
 ) -> tuple[list[str], int]:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = _plan(reader, cfg, max_shard_size, itemsize)
+    shards = _plan(reader, max_shard_size, dtype.itemsize)
     names = (
         [SINGLE_FILE]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    tensors = _OneAtATime(reader, dtype)
+    tensors = _tensors(reader, [e for s in shards for e in s], dtype)
     for name, entries in zip(names, shards):
         _write_safetensors(folder / name, entries, dtype, tensors)
     if len(shards) > 1:
-        total = itemsize * sum(_numel(e.shape) for s in shards for e in s)
+        total = dtype.itemsize * sum(math.prod(e.shape) for s in shards for e in s)
         weight_map = {e.name: n for n, s in zip(names, shards) for e in s}
         write_json_atomic(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     return names, sum(len(s) for s in shards)
 
 
-class _OneAtATime:
-    """Tensors of HF entries, reading each of our parameters once and keeping only the last one read
-    (an entry of a stacked expert weight is one expert of it)."""
-
-    def __init__(self, reader: Any, dtype: torch.dtype):
-        self.reader, self.dtype = reader, dtype
-        self.fqn: str | None = None
-        self.value: torch.Tensor | None = None
-
-    def get(self, entry: _Entry) -> torch.Tensor:
-        if entry.fqn != self.fqn:
-            self.value = None  # drop the previous parameter before reading the next
-            self.value, self.fqn = self.reader.read(entry.fqn).to(self.dtype), entry.fqn
-        return (self.value if entry.expert is None else self.value[entry.expert]).contiguous()
+def _tensors(reader: Any, entries: list[_Entry], dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The tensor of each entry in turn, reading each of our parameters once (an entry of a stacked expert
+    weight is one expert of it)."""
+    for fqn, group in itertools.groupby(entries, key=lambda e: e.fqn):
+        value = reader.read(fqn).to(dtype)
+        for e in group:
+            yield (value if e.expert is None else value[e.expert]).contiguous()
+        del value  # dropped before the next parameter is read
 
 
-def _write_safetensors(path: Path, entries: list[_Entry], dtype: torch.dtype, tensors: _OneAtATime) -> None:
+def _write_safetensors(
+    path: Path, entries: list[_Entry], dtype: torch.dtype, tensors: Iterator[torch.Tensor]
+) -> None:
     """The safetensors format written tensor by tensor: an 8-byte header length, a JSON header (padded
     to 8 bytes) of names, dtypes, shapes and byte ranges, then the bytes in that order."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
-        end = offset + itemsize * _numel(e.shape)
+        end = offset + dtype.itemsize * math.prod(e.shape)
         header[e.name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(e.shape), "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -347,15 +319,11 @@ def _write_safetensors(path: Path, entries: list[_Entry], dtype: torch.dtype, te
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for e in entries:
-            value = tensors.get(e)
+        for e, value in zip(entries, tensors):
             assert tuple(value.shape) == e.shape and value.dtype == dtype, (e.name, value.shape)
             f.write(value.view(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
-
-
-# ---------------------------------------------------------------------------------------- tokenizer
 
 
 def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg: ModelConfig):
@@ -363,16 +331,14 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
     one the checkpoint was trained on. Returns (tokenizer or None, notes)."""
     from trainers.data.manifest import read_manifest
     from trainers.data.tokenizer import load_tokenizer, save_hf
-    from trainers.storage import cache_root, local_folder
 
     if data_path is None or not (data_path / "manifest.json").is_file():
         return None, [f"no tokenizer written: the run's data.path={data_path} is not there to read it from"]
     # A bucket's manifest and tokenizer file, copied to read them as local files.
     cache = cache_root() / "data-meta" / hashlib.sha256(str(data_path).encode()).hexdigest()[:16]
-    names = ["manifest.json", read_manifest(data_path)["tokenizer"].get("file")]
-    data_path = local_folder(data_path, cache, names=filter(None, names))
-    saved = json.loads((checkpoint / TRAINER_STATE).read_text()).get("compat") or {}
     entry = read_manifest(data_path)["tokenizer"]
+    data_path = local_folder(data_path, cache, names=filter(None, ["manifest.json", entry.get("file")]))
+    saved = json.loads((checkpoint / TRAINER_STATE).read_text()).get("compat") or {}
     for key in ("kind", "vocab_size", "eos_id"):
         if f"tokenizer.{key}" in saved and saved[f"tokenizer.{key}"] != entry.get(key):
             return None, [
@@ -385,22 +351,10 @@ def _write_tokenizer(folder: Path, data_path: Path | None, checkpoint: Path, cfg
 
 
 def _check_out_dir(out_dir: Path | Any) -> None:
-    from trainers.storage import occupied
-
     if occupied(out_dir):
         raise ConfigError(f"{out_dir} exists and is not empty; fix: choose a new OUT_DIR or remove it")
 
 
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '2GiB', '1000' -> bytes (transformers' max_shard_size spelling)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    s = text.strip().upper()
-    number = s.rstrip("KMGIB")
-    unit = s[len(number) :]
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise ConfigError(f"--max-shard-size={text!r} is not a size; fix: e.g. 5GB, 500MB or 2GiB") from None
-    if value < 1:
-        raise ConfigError(f"--max-shard-size={text!r} must be positive; fix: e.g. 5GB")
-    return int(value)
+    return parse_bytes(text, "--max-shard-size")

@@ -1,26 +1,15 @@
-"""What a Hugging Face Llama/Mixtral folder holds, in our terms: config.json <-> the `model` section, and
-tensor names <-> our parameter names (the same names under `model.`, but Mixtral's experts are one tensor
-per expert where ours are stacked: `experts.w1` (E, hidden, dim) is `experts.{e}.w1.weight`).
+"""A Hugging Face Llama/Mixtral folder in our terms: config.json written from a `ModelConfig` (reading it is
+`trainers.sections.hf_config`'s), and tensor names (ours under `model.`, but Mixtral has one tensor per
+expert where ours are stacked: `experts.w1` (E, hidden, dim) is `experts.{e}.w1.weight`).
 
-Reading config.json into the `model` section is `trainers.sections.hf_config`'s (below the model config, which
-calls it); its names are importable from here too. This module writes config.json from a `ModelConfig`
-(`hf_config`, `inexact`) and maps the tensor names.
-
-RoPE needs no permutation: our `rope_cos_sin`/`_rotate_half` use HF's non-interleaved layout (frequency i
-rotates dims i and i + head_dim/2), so q_proj/k_proj are copied as they are.
+RoPE needs no permutation: `rope_cos_sin` uses HF's non-interleaved layout, so q_proj/k_proj copy as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trainers.sections.hf_config import (
-    CONFIG_FILE,
-    model_section_from_hf,
-    read_hf_config,
-    read_small,
-    unsupported,
-)
+from trainers.sections.hf_config import CONFIG_FILE, model_section_from_hf, read_small
 from trainers.sections.model import ModelConfig
 
 __all__ = [
@@ -30,15 +19,10 @@ __all__ = [
     "hf_names",
     "inexact",
     "model_section_from_hf",
-    "read_hf_config",
     "read_small",
-    "unsupported",
 ]
 
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")  # Mixtral: w1 = gate, w3 = up, w2 = down (ours too)
-
-
-# ------------------------------------------------------------------------------------------- config
 
 
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int | None, bos_id: int | None) -> dict[str, Any]:
@@ -102,9 +86,6 @@ def inexact(cfg: ModelConfig) -> tuple[list[str], list[str]]:
             "scales the expert by its router probability"
         )
     return refused, differs
-
-
-# -------------------------------------------------------------------------------------------- names
 
 
 def hf_names(fqn: str, num_experts: int | None = None) -> list[str]:

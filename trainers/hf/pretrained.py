@@ -1,16 +1,9 @@
 """Start a run from a Hugging Face folder (`model.init_from`): each rank reads only what it holds.
 
-The model is built on the meta device; an engine that shards (FSDP, pipeline, experts) shards it while it
-is still meta and then allocates only this rank's shards (`Engine.materialize`); `load_pretrained` fills
-every parameter with its part of the HF tensor, read as byte ranges of the file (rows of a dim-0 shard,
-the experts of an expert shard), so no rank ever holds a whole tensor it does not own. Engines that keep the
-whole model on every rank (none, ddp, deepspeed) get it materialised and filled before they wrap it.
-
-The folder may be local or in a bucket (s3://, gs://). A local file is read with the safetensors library
-(`safe_open`: memory-mapped slices). The library reads local files only, so in a bucket `SafetensorsFile`
-reads the format itself (an 8-byte header length, a JSON header of names, dtypes, shapes and byte offsets,
-then the tensors' bytes, row-major): the header once, then exactly the bytes of a tensor or of its rows, so
-each rank fetches only what it holds (range GETs; no file is downloaded whole).
+The model is built on the meta device, sharded while still meta, then only this rank's shards are allocated
+(`Engine.materialize`); `load_pretrained` fills each with its rows of the HF tensor (the experts of an expert
+shard). A local file is read with the safetensors library (memory-mapped); in a bucket (s3://, gs://),
+which that library cannot read, `SafetensorsFile` reads the format itself, by range GETs of those rows.
 """
 
 from __future__ import annotations
@@ -144,8 +137,7 @@ def _safetensors(path: Any, where: str) -> SafetensorsFile | _LocalSafetensors:
 
 class PretrainedWeights:
     """The safetensors files of an HF folder (one file, or shards listed by model.safetensors.index.json),
-    local or in a bucket, opened lazily; `read` returns a whole tensor or a range of its rows, as stored
-    (any dtype)."""
+    opened lazily; `read` returns a whole tensor or a range of its rows, as stored (any dtype)."""
 
     def __init__(self, hf_dir: str | Path | Any):
         self.dir = location(hf_dir)
@@ -228,9 +220,8 @@ def check_pretrained(cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def materialize(roots: list[nn.Module], device: torch.device | str) -> None:
-    """Allocate the (meta) storage of every module under `roots` on `device`, zeroed (the caller loads
-    them: uninitialised memory may hold denormals, which made the CPU's first optimizer step, DCP's
-    state-dict setup on a resume, 2.5x slower), and compute the RoPE tables of every Transformer among them."""
+    """Allocate the (meta) storage of every module under `roots` on `device`, zeroed (uninitialised memory
+    may hold denormals: 2.5x slower CPU steps), and compute the RoPE tables of each Transformer among them."""
     from trainers.models import Transformer
 
     for root in roots:
@@ -246,7 +237,7 @@ def materialize(roots: list[nn.Module], device: torch.device | str) -> None:
 @torch.no_grad()
 def load_pretrained(model: nn.Module, hf_dir: str | Path) -> int:
     """Copy into each parameter of `model` (materialised; plain tensors or DTensor shards) its part of
-    the HF tensor; returns the number of bytes read. Every parameter must be found."""
+    the HF tensor; returns the number of bytes read."""
     weights = PretrainedWeights(hf_dir)
     read = 0
     try:
@@ -276,14 +267,11 @@ def _local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     DTensors here are 1-D meshes sharded on dim 0 (FSDP2, expert parallelism) with torch.chunk's split."""
     if not isinstance(param, DTensor):
         return param.data, (0, param.shape[0])
-    local = param.to_local()
-    placements = param.placements
-    if len(placements) != 1 or not isinstance(placements[0], (Shard, Replicate)):
-        raise NotImplementedError(f"loading into a DTensor placed {placements} (a 1-D Shard(0) mesh expected)")
-    if isinstance(placements[0], Replicate):
+    local, placements = param.to_local(), param.placements
+    if len(placements) == 1 and isinstance(placements[0], Replicate):
         return local, (0, param.shape[0])
-    if placements[0].dim != 0:
-        raise NotImplementedError(f"loading into a DTensor sharded on dim {placements[0].dim}")
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise NotImplementedError(f"loading into a DTensor placed {placements} (a 1-D Shard(0) mesh expected)")
     n, k = param.shape[0], param.device_mesh.size()
     start = min(param.device_mesh.get_local_rank() * math.ceil(n / k), n)
     return local, (start, start + local.shape[0])

@@ -1,13 +1,9 @@
 """Parameter and FLOP counts as pure functions of the config (no model is built): the one place that counts
-them. The trainer's MFU (`flops_per_token`), the pipeline's stage balance (`block_forward_flops`, via
-`trainers.layout.block_costs`) and the memory planner (`trainers.plan`: the parameters of each
-block, of the embedding and of the head, whole or as one rank's tensor-/expert-parallel share) all read
-them here.
+them, for the trainer's MFU, the pipeline's stage balance (`trainers.layout.block_costs`) and the memory
+planner (`trainers.plan`: each rank's tensor-/expert-parallel share of every tensor).
 
-`param_shapes` lists every parameter tensor as `trainers/models` builds it, with the dimension tensor
-parallelism splits (`trainers/parallel/parallelize.py`: q/k/v, gate/up and the head by output rows, o_proj
-and down by input columns, the embedding by vocabulary rows, the experts' w1/w3/w2 by hidden unit; norms
-and the MoE router are replicated) and the one expert parallelism splits (the expert dimension).
+`param_shapes` lists every parameter tensor as `trainers/models` builds it, with the dimension that tensor
+parallelism (`trainers/parallel/parallelize.py`) and expert parallelism split.
 """
 
 from __future__ import annotations
@@ -83,9 +79,10 @@ def expert_params(cfg: ModelConfig, layer_id: int) -> int:
     return cfg.moe.num_experts * 3 * cfg.dim * cfg.hidden_dim if cfg.is_moe_layer(layer_id) else 0
 
 
-def block_params(cfg: ModelConfig, layer_id: int) -> int:
-    """All parameters of block `layer_id`: attention, feed-forward (all experts and the router), two norms."""
-    return attention_params(cfg) + ffn_params(cfg, layer_id) + 2 * cfg.dim
+def block_params(cfg: ModelConfig, layer_id: int, active: bool = False) -> int:
+    """All parameters of block `layer_id`: attention, feed-forward (the router and all experts, or top_k of
+    them when `active`), two norms."""
+    return attention_params(cfg) + ffn_params(cfg, layer_id, active) + 2 * cfg.dim
 
 
 def embed_params(cfg: ModelConfig) -> int:
@@ -139,44 +136,32 @@ def head_shapes(cfg: ModelConfig) -> list[ParamShape]:
 def param_shapes(cfg: ModelConfig) -> list[ParamShape]:
     """Every parameter tensor, as `build_model(cfg).named_parameters()` lists them."""
     blocks = [s for i in range(cfg.n_layers) for s in block_shapes(cfg, i)]
-    head = head_shapes(cfg)
-    return embed_shapes(cfg) + blocks + head
-
-
-def _count(cfg: ModelConfig, active: bool) -> int:
-    blocks = sum(attention_params(cfg) + ffn_params(cfg, i, active) + 2 * cfg.dim for i in range(cfg.n_layers))
-    return embed_params(cfg) + blocks + head_params(cfg)
+    return embed_shapes(cfg) + blocks + head_shapes(cfg)
 
 
 def param_count(cfg: ModelConfig) -> int:
     """All parameters; equals `sum(p.numel() for p in build_model(cfg).parameters())`."""
-    return _count(cfg, active=False)
+    return sum(s.numel for s in param_shapes(cfg))
 
 
 def active_param_count(cfg: ModelConfig) -> int:
     """Parameters a token uses: as `param_count`, but only top_k of num_experts experts per MoE layer."""
-    return _count(cfg, active=True)
+    blocks = sum(block_params(cfg, i, active=True) for i in range(cfg.n_layers))
+    return embed_params(cfg) + blocks + head_params(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token, for MFU.
-
-    PaLM appendix B: 6 * N + 12 * L * H * Q * T, with N the matmul parameters a token uses (embedding
-    lookup excluded, lm_head included even when tied: its matmul still runs; top_k experts + router for
-    MoE) and H * Q = n_heads * head_dim = dim, T = seq_len (the attention score and value matmuls).
-    """
+    """Training (forward + backward) FLOPs per token, for MFU: PaLM appendix B, 6 * N + 12 * L * H * Q * T,
+    N the matmul parameters a token uses (no embedding lookup; lm_head even when tied; top_k experts + router)
+    and H * Q = n_heads * head_dim = dim, T = seq_len (the attention score and value matmuls)."""
     layers = sum(attention_params(cfg) + ffn_params(cfg, i, active=True) for i in range(cfg.n_layers))
     matmul_params = layers + cfg.vocab_size * cfg.dim
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
 def block_forward_flops(cfg: ModelConfig, layer_id: int, seq_len: int) -> float:
-    """The pipeline's weight of block `layer_id` (its stage balance; `layout.block_costs`): forward FLOPs
-    per token of the feed-forward (2 x the SwiGLU weights, or the router + top_k experts), the attention
-    scores and values (4 x seq x dim), and the attention projections.
-
-    The projections weigh 1 x their weights here, not the 2 x of a forward matmul (`flops_per_token`
-    counts them 2 x): the weight the pipeline has always balanced by, kept so that existing stage splits
-    do not move."""
+    """The pipeline's weight of block `layer_id` (its stage balance): forward FLOPs per token of the
+    feed-forward (2 x its active weights), the attention scores and values (4 x seq x dim), and the attention
+    projections at 1 x their weights (not a matmul's 2 x), so that existing stage splits do not move."""
     ffn = 2 * ffn_params(cfg, layer_id, active=True)
     return float(attention_params(cfg) + 4 * seq_len * cfg.dim + ffn)

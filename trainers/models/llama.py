@@ -1,8 +1,7 @@
-"""The decoder in the Llama form (and the Mixtral form where `cfg.is_moe_layer(i)`).
+"""The decoder in the Llama form (and the Mixtral form where `cfg.is_moe_layer(i)`); single-device code.
 
-Single-device code: activation checkpointing, sharding, pipeline and expert parallelism are applied from
-outside. Parameter names follow Hugging Face Llama/Mixtral so export is a rename at most (only the
-stacked expert weights need unstacking).
+Parameter names follow Hugging Face Llama/Mixtral so export is a rename at most (only the stacked expert
+weights need unstacking).
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from trainers.loss import chunked_lm_loss, lm_loss, lm_loss_compiled
 from trainers.models.moe import MoE
 from trainers.sections.model import ModelConfig
 
-__all__ = ["Attention", "FeedForward", "Transformer", "TransformerBlock", "build_model", "apply_rotary_emb", "rope_cos_sin"]
+__all__ = ["Attention", "FeedForward", "Transformer", "TransformerBlock", "apply_rotary_emb", "build_model",
+           "rope_cos_sin"]
 
 # Projections that write into the residual stream: init std / sqrt(2 * n_layers) (GPT-2), so the
 # residual's variance does not grow with depth.
@@ -108,20 +108,18 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (B, S) -> logits (B, S, vocab); with targets (B, S), the mean next-token loss instead (as
-    Hugging Face models take labels). `loss_chunk` > 0 computes that loss `loss_chunk` tokens at a time
-    without ever making the whole logits (`trainers.loss.chunked_lm_loss`; the run's `memory.loss_chunk`).
+    """tokens (B, S) -> logits (B, S, vocab); with targets (B, S), the mean next-token loss instead, computed
+    `loss_chunk` tokens at a time without the whole logits when `loss_chunk` > 0 (`memory.loss_chunk`).
 
-    A pipeline stage is made by setting `embed_tokens`, `norm` or `lm_head` to None and deleting entries
-    of `layers` (keys stay "N", so FQNs stay `layers.N...`): without `embed_tokens` the input is hidden
-    states, without `lm_head` the output is. With tied embeddings the head is `embed_tokens.weight` and is
-    applied only when both `embed_tokens` and `norm` are present (tied weights across stages unsupported).
+    A pipeline stage sets `embed_tokens`, `norm` or `lm_head` to None and deletes entries of `layers` (keys
+    stay "N", so FQNs stay `layers.N...`): without `embed_tokens` the input is hidden states, without a head
+    the output is. A tied head (`embed_tokens.weight`) needs both `embed_tokens` and `norm` in the stage.
     """
 
     def __init__(self, cfg: ModelConfig, loss_chunk: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.loss_chunk = loss_chunk  # tokens per chunk of the output projection + loss; 0 = whole logits
+        self.loss_chunk = loss_chunk
         self.compile_loss = False  # the whole loss compiled on CUDA (`lm_loss_compiled`; set with train.compile)
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
@@ -137,25 +135,19 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Normal(0, init_std); residual output projections scaled by 1/sqrt(2 * n_layers); norms to 1.
         Also (re)computes the RoPE tables: call after `to_empty()` of a meta-device build."""
-        cos, sin = rope_cos_sin(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
-        )
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_rope(self.rope_cos.device)
         out_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
             else:
-                nn.init.normal_(
-                    param, 0.0, out_std if name.endswith(_OUTPUT_PROJECTIONS) else self.cfg.init_std
-                )
+                std = out_std if name.endswith(_OUTPUT_PROJECTIONS) else self.cfg.init_std
+                nn.init.normal_(param, 0.0, std)
 
     def init_rope(self, device: torch.device | str) -> None:
         """New RoPE tables on `device` (for a model whose buffers are still on the meta device)."""
-        self.rope_cos, self.rope_sin = rope_cos_sin(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device
-        )
+        cfg = self.cfg
+        self.rope_cos, self.rope_sin = rope_cos_sin(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
@@ -169,10 +161,10 @@ class Transformer(nn.Module):
             h = self.norm(h)
         weight = self._head_weight()
         if targets is None or weight is None:  # logits, or a pipeline stage without the head: its hidden states
-            return self._output(h)
+            return self._output(h, weight)
         if self.loss_chunk:
             return chunked_lm_loss(h, weight, targets, self.loss_chunk)
-        return (lm_loss_compiled if self.compile_loss else lm_loss)(self._output(h), targets)
+        return (lm_loss_compiled if self.compile_loss else lm_loss)(self._output(h, weight), targets)
 
     def _head_weight(self) -> Tensor | None:
         if self.lm_head is not None:
@@ -181,23 +173,17 @@ class Transformer(nn.Module):
             return self.embed_tokens.weight
         return None
 
-    def _output(self, h: Tensor) -> Tensor:
+    def _output(self, h: Tensor, weight: Tensor | None) -> Tensor:
         # Call lm_head as a module (not F.linear on its weight) so hooks put on it from outside (FSDP) run.
         if self.lm_head is not None:
             return self.lm_head(h)
-        if self.cfg.tie_embeddings and self.embed_tokens is not None and self.norm is not None:
-            return F.linear(h, self.embed_tokens.weight)
-        return h
+        return h if weight is None else F.linear(h, weight)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None, loss_chunk: int = 0) -> Transformer:
     """Build on `device` (default: torch's default device) and init the weights; "meta" leaves them
     for `model.to_empty(device=...)` then `model.init_weights()`. Seeds nothing: the caller seeds.
-    `loss_chunk`: tokens per chunk of the loss with targets (see `Transformer`); 0 = the whole logits.
-
-    Built on meta first, so the weights depend only on `init_weights` and the RNG state (not on what
-    the module constructors draw): an eager build and a meta build + init_weights give the same model.
-    """
+    Built on meta first, so that an eager build and a meta build + init_weights give the same model."""
     with torch.device("meta"):
         model = Transformer(cfg, loss_chunk)
     device = torch.device(device) if device is not None else torch.get_default_device()

@@ -1,14 +1,10 @@
 """The Mixtral-form mixture-of-experts feed-forward: a softmax router picks top-k SwiGLU experts per token.
 
-Token movement is two small functions, `dispatch` (sort token-assignments by expert) and `combine`
-(weighted sum back per token); expert parallelism (trainers/parallel/expert.py) moves only the expert
-computation between them to other ranks.
-The experts run as one grouped matmul per projection over the sorted rows (`torch._grouped_mm` with the
-groups' end offsets, kept on the device: torchtitan's MoE) or as one matmul per expert (`model.moe.impl`);
-every shape in dispatch and combine is static (capacity overflow moves behind the kept rows instead of
-being cut out), so a block runs without a device-to-host sync and compiles without a graph break.
-The load-balancing and z-losses reach the gradient through `_AuxLossScaler` (Megatron-LM's
-MoEAuxLossAutoScaler), so forward stays tensor-in/tensor-out for pipeline stages.
+`dispatch` sorts token-assignments by expert and `combine` sums them back per token; expert parallelism
+(trainers/parallel/expert.py) moves only the expert computation between them. Every shape there is static
+(overflow moves behind the kept rows), so with grouped matmuls (torchtitan's MoE) a block runs without a
+host sync and compiles without a graph break. The aux losses reach the gradient through `_AuxLossScaler`
+(Megatron-LM's MoEAuxLossAutoScaler), so forward stays tensor-in/tensor-out for pipeline stages.
 """
 
 from __future__ import annotations
@@ -60,11 +56,9 @@ def _count(ids: Tensor, num_experts: int) -> Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """`x[index]` whose backward gathers too: `index` picks each of x's rows `k` times in all (the k choices
-    of each token), and `back` is the row of the output each (row, choice) went to, choice-major, so the
-    gradient is `grad[back]` summed over the k choices. Indexing's own backward adds rows with atomics (or
-    sorts them first on CUDA); in bf16 inductor leaves that add to aten's index_add, 2.3 ms of an H200
-    MoE step (bench/results/gpu_profile.txt). `k` = 1: `index` is a permutation, `back` its inverse."""
+    """`x[index]` whose backward gathers too: `index` picks each of x's rows `k` times (the k choices of each
+    token), `back` is the output row each (row, choice) went to, choice-major; `k` = 1: a permutation and its
+    inverse. Indexing's own backward is an atomic index_add: 2.3 ms of an H200 bf16 MoE step."""
 
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, back: Tensor, k: int) -> Tensor:
@@ -82,12 +76,9 @@ class _Gather(torch.autograd.Function):
 def dispatch(
     x: Tensor, expert_ids: Tensor, weights: Tensor, num_experts: int, capacity: int | None
 ) -> tuple[Tensor, Routing]:
-    """Sort the (T, k) assignments of tokens `x` (T, dim) by expert; keep at most `capacity` per expert.
-
-    Assignments are ranked choice-major (all first choices, then all second choices), then by token,
-    so overflow drops second choices before first choices and later tokens before earlier (GShard/Switch).
-    The dropped ones move, in that order, behind all kept rows: T*k rows whatever the routing.
-    """
+    """Sort the (T, k) assignments of tokens `x` (T, dim) by expert, keeping at most `capacity` per expert:
+    ranked choice-major, then by token, so overflow drops second choices first and later tokens before
+    earlier (GShard/Switch). The dropped move behind all kept rows: T*k rows whatever the routing."""
     num_tokens, top_k = expert_ids.shape
     flat_experts = expert_ids.t().reshape(-1)  # choice-major
     flat_tokens = torch.arange(num_tokens, device=x.device).repeat(top_k)
@@ -104,9 +95,8 @@ def dispatch(
 
 
 def combine(expert_out: Tensor, routing: Routing, num_tokens: int) -> Tensor:
-    """Sum each token's kept expert outputs, weighted by the router; a fully dropped token gets zeros. The
-    rows go back to choice-major order by a gather (its backward one too) and each token sums its k rows:
-    no atomic adds."""
+    """Sum each token's kept expert outputs, weighted by the router (a fully dropped token gets zeros): a
+    gather back to choice-major order, then a sum over each token's k rows, with no atomic adds."""
     k = len(routing.order) // num_tokens
     rows = _Gather.apply(expert_out, routing.rows, routing.order, 1).view(k, num_tokens, -1)
     return (rows * routing.weights.to(expert_out.dtype).view(k, num_tokens, 1)).sum(0)
@@ -148,8 +138,7 @@ def _loop(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tens
 
 def _grouped(w1: Tensor, w2: Tensor, w3: Tensor, x: Tensor, tokens_per_expert: Tensor, dropless: bool) -> Tensor:
     """Each projection one `torch._grouped_mm` over all experts, groups ending at `offsets` (on the device);
-    rows past the last group get zeros, and no gradient (grouped_mm leaves them unwritten on CUDA). Dropless,
-    every row is in a group: no mask."""
+    rows past the last group (none if dropless) are masked: grouped_mm leaves them unwritten on CUDA."""
     offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
     device = x.device.type
     # autocast does not cast for grouped_mm: cast as it does for the loop's F.linear
@@ -210,20 +199,17 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        assert cfg.moe is not None, "MoE needs cfg.moe"
         self.cfg = cfg.moe
         self.gate = nn.Linear(cfg.dim, cfg.moe.num_experts, bias=False)
         self.experts = GroupedExperts(
             cfg.moe.num_experts, cfg.dim, cfg.hidden_dim, cfg.moe.impl, dropless=cfg.moe.capacity_factor is None
         )
-        # Gradient given to the aux losses; the trainer sets it per micro-step (1/accumulation * loss scale,
-        # `set_aux_grad_scale`). A 0-dim tensor changed in place: a compiled block takes it as an input (a
-        # Python float would be a constant there, compiled again for each value: fp16's moving loss scale).
-        # Not a buffer: a module cast to 16 bits (DeepSpeed's) must not round it, nor fp16 overflow it.
+        # Set per micro-step by `set_aux_grad_scale`. A 0-dim tensor changed in place: a compiled block takes
+        # it as an input (a float would recompile for each fp16 loss scale). Not a buffer: a module cast to
+        # 16 bits (DeepSpeed's) must not round it, nor fp16 overflow it.
         self.aux_grad_scale = torch.ones((), device="cpu")
         self.last_stats: dict[str, Tensor] = {}
-        # Sums over the forwards since `reset_moe_stats` (a training step): see `_record`.
-        self.totals: Tensor | None = None
+        self.totals: Tensor | None = None  # sums since `reset_moe_stats`: see `_record`
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.cfg.capacity_factor is None:
@@ -270,11 +256,10 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, requested: Tensor, kept: Tensor, balance: Tensor, z_loss: Tensor) -> None:
-        """Add this forward to `totals` = [requested (E), kept (E), aux loss, z-loss, forwards]: sums, so
-        that the totals of several micro-batches (and ranks) add up. A forward re-run by activation
-        checkpointing inside backward (a graph task is running) is the same forward again: not counted.
-        Compiled, the recomputation is part of the backward graph and never re-runs this (nor can the graph
-        task id be traced: asking for it would break the graph)."""
+        """Add this forward to `totals` = [requested (E), kept (E), aux loss, z-loss, forwards], sums that add
+        up over micro-batches and ranks. A forward re-run by activation checkpointing inside backward (a graph
+        task is running) is not counted; compiled, the recomputation never re-runs this (and asking for the
+        graph task id would break the graph)."""
         if not torch.compiler.is_compiling() and current_graph_task_id() != -1:
             return
         one = balance.new_ones(1)
@@ -288,10 +273,9 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def set_aux_grad_scale(model: nn.Module, scale: float, device: torch.device | None = None) -> None:
-    """Set the gradient the aux losses get in backward: call before each micro-step's forward with the
-    factor the task loss is multiplied by before backward (1/accumulation * loss scale). `device`: where the
-    blocks compute (default: the router weight's; an engine that offloads parameters to the CPU passes its
-    own), so that a compiled block mixes no devices."""
+    """Before each micro-step's forward: the aux losses' gradient is the task loss's factor (1/accumulation *
+    loss scale). `device`: where the blocks compute (default: the router weight's), so a compiled block mixes
+    no devices."""
     for m in moe_layers(model):
         where = device or m.gate.weight.device
         if m.aux_grad_scale.device != where:  # moved once, then changed in place
