@@ -1,17 +1,11 @@
 """The language-model loss: next-token cross-entropy with an fp32 softmax, whole or chunked.
 
-`lm_loss(logits, targets)` takes the model's (B, S, V) logits. At a GPT-2-sized vocabulary those logits
-are the largest tensor of a small model's step (tokens x 50,257, in fp32 for the softmax, and again for
-backward), so `chunked_lm_loss(hidden, weight, targets, chunk)` never makes them: it runs the output
-projection and the cross-entropy over `chunk` tokens at a time and, as Liger's fused linear
-cross-entropy does, computes the gradients of each chunk in the forward pass (softmax - one-hot, times
-the weight and the hidden states), so only the (chunk x V) logits of one chunk are ever alive and nothing
-of size V per token is saved for backward. Backward then only scales the saved gradients. Numerically it
-is the same sum as the whole loss, in another order, with the same numerics: the matmuls in the dtype the
-whole loss's head runs in (autocast's bf16/fp16, else the inputs'), the softmax and logsumexp in fp32, and
-the head weight's gradient summed over chunks in fp32 (as Liger's kernel and Apple's Cut Cross-Entropy:
-fp32 matmuls would leave a GPU's tensor cores idle for three vocabulary-sized matmuls per chunk). On CUDA
-the chunks run compiled, several a call (`_runner`).
+`chunked_lm_loss` never makes the (tokens x V) logits, the largest tensor of a small model's step: as Liger's
+fused linear cross-entropy, it runs the head and the cross-entropy `chunk` tokens at a time and computes each
+chunk's gradients in forward, so backward only scales them. The numerics are the whole loss's: matmuls in its
+head's dtype (autocast's, else the inputs'), softmax in fp32, the head weight's gradient summed in fp32 (as
+Liger and Apple's Cut Cross-Entropy: fp32 matmuls would leave a GPU's tensor cores idle). On CUDA the chunks
+run compiled, several a call (`_runner`).
 """
 
 from __future__ import annotations
@@ -34,9 +28,8 @@ CHUNK_BYTES = 64 * 2**20  # one chunk's fp32 logits, what `chunk_tokens` aims fo
 
 def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
     """A chunk size for `chunked_lm_loss`: the power of two of tokens whose fp32 logits take at most
-    CHUNK_BYTES (CUDA: 16x that), between 128 (the matmul stays efficient) and 4096 (e.g. 256 for a
-    50,257-token vocabulary on a CPU, 4096 on a GPU, where each chunk costs kernel launches and a pass over
-    the head weight's fp32 gradient: chunk 256 was 1.6x chunk 4096's time on an H100)."""
+    CHUNK_BYTES (CUDA: 16x that), in [128, 4096]. Each chunk costs a GPU kernel launches and a pass over the
+    head's fp32 gradient: chunk 256 took 1.6x chunk 4096's time on an H100."""
     budget = CHUNK_BYTES * (16 if device_type == "cuda" else 1)
     tokens = max(budget // (4 * vocab_size), 1)
     return min(max(1 << (tokens.bit_length() - 1), 128), 4096)
@@ -48,12 +41,10 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def lm_loss_compiled(logits: Tensor, targets: Tensor) -> Tensor:
-    """`lm_loss` compiled by inductor, as `train.compile` runs it on CUDA (torchtitan compiles its loss too):
-    the fp32 upcast, logsumexp and the target's logit fuse into one pass over the 16-bit logits, and backward
-    writes d(logits) in their dtype in one more, where eager writes the fp32 logits, their log_softmax and two
-    fp32 gradients (6 of a Mixtral-form MoE step's 65 ms on an H200). The same numerics: fp32 softmax.
-    Elsewhere (a CPU; the vocabulary-parallel DTensor logits of tensor parallelism) `lm_loss` itself; eager
-    too if compiling fails (`_GuardedCompile`)."""
+    """`lm_loss` compiled by inductor on CUDA (`train.compile`; torchtitan compiles its loss too): one pass
+    over the 16-bit logits and one back, where eager writes fp32 logits, their log_softmax and two fp32
+    gradients (6 of a MoE step's 65 ms on an H200). `lm_loss` itself on a CPU, for the DTensor logits of
+    tensor parallelism, and if compiling fails (`_GuardedCompile`)."""
     if isinstance(logits, DTensor) or logits.device.type != "cuda":
         return lm_loss(logits, targets)
     if "lm_loss" not in _COMPILED:
@@ -65,23 +56,14 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int)
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, `chunk` tokens at a time.
     hidden: (..., d) final hidden states; weight: (V, d) the output projection; targets: (...).
     A weight sharded on the vocabulary over a tensor-parallel mesh (a DTensor, Shard(0)) gives the
-    vocabulary-parallel form (`_vocab_parallel`)."""
+    vocabulary-parallel form (`_vocab_shard`)."""
+    start, group = 0, None
     if isinstance(weight, DTensor):
-        return _vocab_parallel(hidden, weight, targets, chunk)
+        hidden, weight, start, group = _vocab_shard(hidden, weight)
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, still one chunk of logits at a time
-        return _chunked_forward(hidden, weight, targets, chunk, False, False)[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
-
-
-def _chunked_forward(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, want_h: bool, want_w: bool
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The mean loss and, where wanted, its gradients with respect to `hidden` and `weight`. The matmuls run
-    in `compute_dtype` (autocast's, as the whole loss's head), the softmax in fp32 (`_chunk_step`)."""
-    dtype = compute_dtype(hidden, weight)
-    with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen here, once
-        return _chunks(hidden, weight, targets, chunk, dtype, want_h, want_w)
+        return _chunks(hidden, weight, targets, chunk, False, False, start, group)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk, start, group)
 
 
 def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -94,22 +76,30 @@ def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _chunks(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype, want_h: bool, want_w: bool
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, want_h: bool, want_w: bool,
+    start: int = 0, group: Any = None
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The mean loss and, where wanted, its gradients with respect to `hidden` and `weight`: matmuls in
+    `compute_dtype`, softmax in fp32 (`_chunk_step`). A process group: this rank's rows of the head, from
+    row `start` (`_vp_chunks`)."""
+    if group is not None:
+        return _vp_chunks(hidden, weight, targets, chunk, start, group, want_h, want_w)
     n, vocab = hidden.shape[0], weight.shape[0]
-    w = weight.to(dtype)  # autocast's cast of the head weight, made once
-    pad = _vocab_padding(vocab, hidden.device.type)
-    if pad:  # zero rows: every matmul's vocabulary dimension aligned (their logits are left out of the softmax)
-        w = F.pad(w, (0, 0, 0, pad))
-    grad_h = torch.empty_like(hidden) if want_h else None
-    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if want_w else None
-    scale = torch.full((), 1.0 / n, dtype=torch.float32, device=hidden.device)  # a tensor: no recompile per n
-    run, span = _runner(hidden.device, n, chunk, want_h or want_w)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, n, span):
-        stop = start + span
-        total += run(hidden[start:stop], w, targets[start:stop], scale, chunk, dtype, vocab,
-                     grad_h[start:stop] if want_h else None, grad_w)
+    dtype = compute_dtype(hidden, weight)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen above, once
+        w = weight.to(dtype)  # autocast's cast of the head weight, made once
+        pad = _vocab_padding(vocab, hidden.device.type)
+        if pad:  # zero rows, every matmul's vocabulary dimension aligned (their logits out of the softmax)
+            w = F.pad(w, (0, 0, 0, pad))
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        scale = torch.full((), 1.0 / n, dtype=torch.float32, device=hidden.device)  # no recompile per n
+        run, span = _runner(hidden.device, n, chunk, want_h or want_w)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for first in range(0, n, span):
+            stop = first + span
+            total += run(hidden[first:stop], w, targets[first:stop], scale, chunk, dtype, vocab,
+                         grad_h[first:stop] if want_h else None, grad_w)
     return total / n, grad_h, grad_w[:vocab] if grad_w is not None and pad else grad_w
 
 
@@ -125,10 +115,7 @@ def _chunk_group(
         loss_sum, grad = _chunk_step(h, w, t, scale, grad_h is not None or grad_w is not None, vocab)
         total = loss_sum if total is None else total + loss_sum
         if grad is not None:
-            if grad_h is not None:
-                grad_h[start : start + chunk] = grad @ w
-            if grad_w is not None:
-                _accumulate(grad_w, grad, h)
+            _backprop_chunk(grad_h, grad_w, grad, h, w, start)
             del grad
     return total
 
@@ -137,14 +124,11 @@ def _chunk_group_traced(
     hidden: Tensor, w: Tensor, targets: Tensor, scale: Tensor, chunk: int, dtype: torch.dtype, vocab: int,
     grad_h: Tensor | None, grad_w: Tensor | None
 ) -> Tensor:
-    """`_chunk_group` as torch.compile traces it: the same sums, written for inductor. Each chunk's step is
-    out of place (`_chunk_step_traced`: inductor fuses it to a reduction and one pointwise pass over the
-    16-bit logits, writing no fp32 logits). The chunk's gradient is taken back by one op that inductor runs
-    in place where it stands (`raytrain::backprop_chunk_`; traced as `grad_w.add_`, the sums became
-    out-of-place and inductor fused them into one kernel at the end, keeping every chunk's product alive),
-    and the op's zero feeds the next chunk's input, so that chunk's matmul cannot be moved before it (the
-    scheduler did move such matmuls ahead in an earlier form). One chunk's logits are alive at a time, and
-    the buffer inductor keeps for the next chunk (measured on the CPU, tests/unit/test_loss.py)."""
+    """`_chunk_group` for inductor: each chunk's step out of place (`_chunk_step_traced`, fused into a
+    reduction and one pointwise pass over the 16-bit logits). The gradient is taken back by an op inductor
+    runs in place (`raytrain::backprop_chunk_`: as `grad_w.add_` the sums were fused into one kernel at the
+    end, keeping every chunk's product alive), whose zero feeds the next chunk's input, so that chunk's
+    matmul cannot be scheduled before it: one chunk's logits alive at a time (tests/unit/test_loss.py)."""
     total = token = None
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
@@ -158,11 +142,9 @@ def _chunk_group_traced(
     return total
 
 
-# cuBLAS runs 16-bit matmuls whose rows are not 16-byte aligned in older kernels: on an H200, the seed shape's
-# 50,257-row head ran its chunks' matmuls in sm75 cutlass kernels, 12.5 of the step's 25 ms of kernel time
-# (bench/results/gpu_profile.txt). The chunked loss pads the head to a multiple of VOCAB_ALIGN rows there
-# (nanoGPT pads the model's vocabulary to 50,304 for the same reason; here the model and its checkpoints keep
-# theirs). That step was host-bound, so its time did not move (37.4 ms before, 39.2 ms after, two machines).
+# cuBLAS runs 16-bit matmuls whose rows are not 16-byte aligned in older kernels (on an H200 the 50,257-row
+# head's chunks took 12.5 of a step's 25 ms of kernel time, bench/results/gpu_profile.txt): on CUDA the
+# chunked loss pads the head to a multiple of VOCAB_ALIGN rows, as nanoGPT pads its vocabulary to 50,304.
 VOCAB_ALIGN = 64
 
 
@@ -171,30 +153,22 @@ def _vocab_padding(vocab: int, device_type: str) -> int:
     return -vocab % VOCAB_ALIGN if device_type == "cuda" else 0
 
 
-def _accumulate(grad_w: Tensor, grad: Tensor, h: Tensor) -> None:
-    """grad_w (fp32) += grad.T @ h: in place in fp32, else each chunk's product in the matmul's dtype and the
-    sum over chunks in fp32."""
-    if grad.dtype == grad_w.dtype:
-        grad_w.addmm_(grad.t(), h)
-    else:
-        grad_w.add_(grad.t() @ h)
-
-
 def _backprop_chunk(
     grad_h: Tensor | None, grad_w: Tensor | None, grad: Tensor, h: Tensor, w: Tensor, start: int
 ) -> Tensor:
-    """A chunk's d(logits) taken back to the hidden states (written to its rows of `grad_h`) and to the head
-    weight (added to `grad_w`, `_accumulate`), each where given; an fp32 zero back. As the op
-    `raytrain::backprop_chunk_` in a compiled graph, inductor runs it in place, in program order, and its
-    zero is the token that orders the next chunk."""
+    """A chunk's d(logits) written to its rows of `grad_h` and added to `grad_w`, each where given. As the op
+    `raytrain::backprop_chunk_` inductor runs it in place, in order; the fp32 zero it returns orders the
+    next chunk."""
     if grad_h is not None:
         rows = grad_h[start : start + grad.shape[0]]
         if rows.dtype == grad.dtype:
             torch.mm(grad, w, out=rows)
         else:  # fp32 hidden states under autocast: the 16-bit product, cast as it is written
             rows.copy_(grad @ w)
-    if grad_w is not None:
-        _accumulate(grad_w, grad, h)
+    if grad_w is not None and grad.dtype == grad_w.dtype:
+        grad_w.addmm_(grad.t(), h)
+    elif grad_w is not None:  # the chunk's product in the matmul's dtype, the sum over chunks in fp32
+        grad_w.add_(grad.t() @ h)
     return torch.zeros((), dtype=torch.float32, device=h.device)
 
 
@@ -214,10 +188,8 @@ def _chunk_step(
     h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool, vocab: int | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk: the summed loss and d(mean loss)/d(logits) = (softmax - one-hot) * scale, in the matmul's
-    dtype. The logits are made in h's dtype and upcast to fp32 for the softmax, as `lm_loss`'s `.float()`
-    does; the fp32 steps run in place, so one (c x V) fp32 tensor is alive (and its 16-bit cast at the end).
-    `vocab` < w's rows: w's last rows are padding (`_vocab_padding`), left out of the softmax, their
-    gradient columns zero."""
+    dtype; the softmax in fp32, as `lm_loss`'s `.float()`, in place: one (c x V) fp32 tensor alive. w's
+    rows past `vocab` are padding (`_vocab_padding`): out of the softmax, their gradient columns zero."""
     full = (h @ w.t()).float()  # (c, V): the only vocabulary-sized tensors, one chunk at a time
     logits = full[:, :vocab]  # a view: the padding's columns are never read
     target_logit = logits.gather(1, t[:, None]).squeeze(1)
@@ -238,10 +210,9 @@ def _chunk_step(
 def _chunk_step_traced(
     h: Tensor, w: Tensor, t: Tensor, scale: Tensor, want_grad: bool, vocab: int
 ) -> tuple[Tensor, Tensor | None]:
-    """`_chunk_step` out of place, for inductor: the padding's columns masked to -inf (their softmax is 0,
-    their gradient 0), the one-hot a comparison with the column index, so the max, the sum of exponentials
-    and the target's logit fuse into one reduction over the 16-bit logits and the gradient into one pass
-    that writes it in their dtype."""
+    """`_chunk_step` out of place, for inductor: the padding masked to -inf, the one-hot a comparison with
+    the column index, so the max, sum of exponentials and target logit fuse into one reduction over the
+    16-bit logits and the gradient into one pass that writes it in their dtype."""
     logits = (h @ w.t()).float()
     col = torch.arange(w.shape[0], device=h.device)
     if vocab < w.shape[0]:
@@ -257,12 +228,9 @@ def _chunk_step_traced(
     return loss_sum, ((exp / sumexp - hit.float()) * scale).to(h.dtype)
 
 
-# On CUDA the chunks run compiled, CHUNKS_PER_CALL of them a call (`_chunk_group_traced`): inductor fuses each
-# chunk's softmax and gradient into a reduction and a pointwise pass over its 16-bit logits, and one call
-# launches 8 chunks' kernels from its generated code. A call per chunk's pointwise steps, with the eager
-# matmuls and sums around it, cost the seed shape's step 25 ms of host time for its 64 chunks, against 22 ms
-# of the chunks' kernels (12.5 of those the unaligned head's slow matmuls, since padded): host-bound (an
-# H200, bench/results/gpu_profile.txt). RAYTRAIN_LOSS_COMPILE=0 keeps the chunks eager (`_chunk_group`);
+# On CUDA the chunks run compiled, CHUNKS_PER_CALL a call (`_chunk_group_traced`): a call per chunk left the
+# step host-bound (25 ms of host time for 64 chunks against 22 ms of their kernels on an H200,
+# bench/results/gpu_profile.txt). RAYTRAIN_LOSS_COMPILE=0 keeps the chunks eager (`_chunk_group`);
 # RAYTRAIN_LOSS_CHUNKS_PER_CALL sets how many a compiled call takes (bench/gpu.py measures 1 against 8).
 CHUNKS_PER_CALL = max(int(os.environ.get("RAYTRAIN_LOSS_CHUNKS_PER_CALL", "8")), 1)
 _COMPILED: dict[str, Any] = {}
@@ -305,51 +273,48 @@ class _GuardedCompile:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, start: int, group: Any
+    ) -> Tensor:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, grad_h, grad_w = _chunked_forward(hidden, weight, targets, chunk, want_h, want_w)
+        loss, grad_h, grad_w = _chunks(hidden, weight, targets, chunk, want_h, want_w, start, group)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         if grad_h is not None:
             grad_h = grad_h * grad_out.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
-# ------------------------------------------------------------------------ vocabulary-parallel (tensor parallel)
+# -------------------------------------------------------------------- vocabulary-parallel (tensor parallel)
 
 
-def _vocab_parallel(hidden: Tensor, weight: DTensor, targets: Tensor, chunk: int) -> Tensor:
-    """The chunked loss with the head's rows split over a tensor-parallel mesh (Megatron's vocabulary-
-    parallel cross-entropy, one chunk of tokens at a time): every rank takes the whole sequence's hidden
-    states and its own rows; per chunk, the max, the sum of exponentials and the target's logit are
-    all-reduced over the mesh, so each rank holds (chunk x V/tp) logits and nothing of size V per token is
-    saved. d(hidden) is summed over the ranks once, at the end of forward."""
+def _vocab_shard(hidden: Tensor, weight: DTensor) -> tuple[Tensor, Tensor, int, Any]:
+    """The whole sequence's hidden states, this rank's rows of the head, the first one's index and the mesh's
+    process group: Megatron's vocabulary-parallel cross-entropy (`_vp_chunks`)."""
     if tuple(weight.placements) != (Shard(0),):
         raise ValueError(f"a vocabulary-parallel head is Shard(0) on a 1-D mesh, not {weight.placements}")
     mesh = weight.device_mesh
-    if isinstance(hidden, DTensor):  # sequence parallel: gather the sequence, as ColwiseParallel's input would
+    if isinstance(hidden, DTensor):  # sequence parallel: gather the sequence, as ColwiseParallel's input
         hidden = hidden.redistribute(mesh, [Replicate()]).to_local()
     rows = -(-weight.shape[0] // mesh.size())  # torch.chunk's split, as DTensor's Shard(0)
-    start = mesh.get_local_rank() * rows
-    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    local = weight.to_local()
-    if not torch.is_grad_enabled():
-        return _vp_chunks(hidden, local, targets, chunk, start, mesh.get_group(), False, False)[0]
-    return _VocabParallelChunkedCrossEntropy.apply(hidden, local, targets, chunk, start, mesh.get_group())
+    return hidden, weight.to_local(), mesh.get_local_rank() * rows, mesh.get_group()
 
 
 def _vp_chunks(
     hidden: Tensor, w_local: Tensor, targets: Tensor, chunk: int, start: int, group, want_h: bool, want_w: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The chunked loss over this rank's rows of the head: per chunk, the max, the sum of exponentials and
+    the target's logit are all-reduced over the mesh, so nothing of size V per token is made or saved.
+    d(hidden) is summed over the ranks once, at the end."""
     n, rows = hidden.shape[0], w_local.shape[0]
-    dtype = compute_dtype(hidden, w_local)  # as the one-rank form: matmuls in autocast's dtype, softmax in fp32
+    dtype = compute_dtype(hidden, w_local)  # as the one-rank form: matmuls in autocast's dtype, fp32 softmax
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
     grad_w = torch.zeros(w_local.shape, dtype=torch.float32, device=w_local.device) if want_w else None
     with torch.autocast(hidden.device.type, enabled=False):
@@ -373,31 +338,9 @@ def _vp_chunks(
                 hit = mine.nonzero().squeeze(1)
                 grad[hit, idx[hit]] -= 1.0
                 grad = grad.div_(n).to(dtype)
-                if want_h:
-                    grad_h[s : s + chunk] = grad @ w  # this rank's part of the sum over the vocabulary
-                if want_w:
-                    _accumulate(grad_w, grad, h)
+                _backprop_chunk(grad_h, grad_w, grad, h, w, s)  # d(hidden): this rank's part of the sum
                 del grad
             del logits, probs
         if want_h:
             dist.all_reduce(grad_h, group=group)  # the whole vocabulary's sum, the same on every rank
-    return total / n, grad_h, grad_w
-
-
-class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: Tensor, w_local: Tensor, targets: Tensor, chunk: int, start: int, group) -> Tensor:
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, grad_h, grad_w = _vp_chunks(hidden, w_local, targets, chunk, start, group, want_h, want_w)
-        ctx.save_for_backward(grad_h.to(hidden.dtype) if grad_h is not None else None, grad_w)
-        ctx.weight_dtype = w_local.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h * grad_out.to(grad_h.dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None
+    return total / n, grad_h.to(hidden.dtype) if want_h else None, grad_w

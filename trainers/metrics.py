@@ -1,16 +1,11 @@
-"""Per-step metrics to `metrics.jsonl` (and TensorBoard), written by rank 0 only.
+"""Per-step metrics to `metrics.jsonl`, TensorBoard and the trackers (`trainers.tracking`), by rank 0 only.
 
-Each line is one record: a training step (`"kind": "train"`), an evaluation (`"kind": "eval"`) or an
-event such as a resume (`"kind": "event"`). On resume from step N, records of steps after N are dropped
-first, so that the file holds each step exactly once however often a run restarts.
-
-Sinks (trackers: `trainers.tracking`) get every record too; the defaults are none.
-
-A run dir on an object store (a URI: `trainers.storage`) cannot be appended to: the records go to a local
-copy (RAYTRAIN_CACHE/runs/<hash of the URI>/), which is uploaded whole (one PUT, so readers see a complete
-file) at each event (start, resume, checkpoint, ...), before each checkpoint's commit (`flush`, called by
-the Trainer) and at the end. A crash loses at most the records since the last flush, and never one of a
-step whose checkpoint was committed. TensorBoard's files are written there too and uploaded with it.
+Each line is one record: a training step (`"kind": "train"`), an evaluation (`"eval"`) or an event such as
+a resume (`"event"`). On resume from step N the records of later steps are dropped first, so the file holds
+each step exactly once however often a run restarts. A run dir on an object store (`trainers.storage`)
+cannot be appended to: the records (and TensorBoard's files) go to a local copy, uploaded whole (one PUT:
+readers see a complete file) at each event, before each checkpoint's commit (`flush`) and at the end, so a
+crash never loses the record of a step whose checkpoint was committed.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def allocator_peak_bytes(fn: Callable[[], Any]) -> int:
     """The most bytes the CPU allocator held at once for tensors made while `fn` runs, from torch.profiler's
-    allocation events: it sees the buffers of compiled code, which no dispatch mode does (slow: for tests
-    and benchmarks)."""
+    allocation events: they include compiled code's buffers, unlike a dispatch mode (slow: for tests)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -67,11 +61,9 @@ def allocator_peak_bytes(fn: Callable[[], Any]) -> int:
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storages while active: on a CPU, the counterpart of
-    torch.cuda.max_memory_allocated (slow: for tests and benchmarks). Every op's outputs are counted once
-    per storage until the storage is freed (a weakref finalizer; torch keeps one Python object per live
-    storage). Kernel-internal scratch buffers are not seen. Storages made before entering must be
-    `register`ed."""
+    """Peak bytes of live tensor storages while active: a CPU's torch.cuda.max_memory_allocated (slow: for
+    tests and benchmarks). Each storage counts until a weakref finalizer sees it freed; kernels' scratch
+    buffers are not seen. Storages made before entering must be `register`ed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,10 +91,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    data = read_bytes(location(path))
-    if data is None:
-        return []
-    return [r for r in _parse(data) if kind is None or r.get("kind") == kind]
+    return [r for r in _parse(read_bytes(location(path)) or b"") if kind is None or r.get("kind") == kind]
 
 
 def _parse(data: bytes) -> list[dict[str, Any]]:
@@ -130,7 +119,7 @@ class MetricsTail:
             return []
         complete = data[: data.rfind(b"\n") + 1]
         self.offset += len(complete)
-        return _parse(complete)  # a row cut by a kill mid-write is skipped: the restart rewrites the log
+        return _parse(complete)
 
 
 class MetricsSink(Protocol):
@@ -157,8 +146,7 @@ class MetricsLog:
         self._tb_dir = None if not (enabled and tensorboard) else working_copy(self._remote_tb, fresh=True)
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
-        self._file = None
-        self._tb = None
+        self._file = self._tb = None
         self._started = False  # the sinks: started once, rewound by a restore in a running trainer
         # Per-step fault tolerance: a replica group that is not the writer keeps its last rows, which it writes
         # if it becomes the writer and the file lacks them (a writer lost between a step's commit and its row).
@@ -167,9 +155,8 @@ class MetricsLog:
             self.local.parent.mkdir(parents=True, exist_ok=True)
 
     def _open_tensorboard(self, purge_step: int | None) -> None:
-        """TensorBoard's writer (a store's: this attempt's events only). `purge_step`: the first step that
-        will be written again: TensorBoard drops the events at and after it that earlier attempts wrote
-        (the steps of a Ctrl-C'd or killed attempt past its checkpoint), so each step shows once."""
+        """TensorBoard's writer (a store's: this attempt's events only). `purge_step`, the first step written
+        again: TensorBoard drops earlier attempts' events from it on, so each step shows once."""
         from torch.utils.tensorboard import SummaryWriter  # heavy import; only when used
 
         if self._tb is not None:
@@ -206,8 +193,7 @@ class MetricsLog:
             data = read_bytes(location(self.path)) or b""
             if data and not data.endswith(b"\n"):  # the last writer was lost inside a row: end it
                 self.append_text("\n")
-            written = [r["step"] for r in _parse(data) if r.get("kind") == "train"]
-            last = written[-1] if written else 0
+            last = next((r["step"] for r in reversed(_parse(data)) if r.get("kind") == "train"), 0)
             self.enabled = True
             for row in [r for r in self._held if r["step"] > last]:
                 self.write(row)

@@ -2,10 +2,7 @@
 
 RUN_DIR may also be a folder of run folders, read as one run in time order: a Tune trial's folder
 (`EXP_DIR/runs/<trial>/`) holds one Train run per life of the trial, each resumed from a checkpoint.
-
-Writes `RUN_DIR/report/` (or `--out`): one PNG per panel (`loss.png`: train and validation loss; `lr.png`;
-`throughput.png`: tokens/s and MFU; `memory.png`; `grad_norm.png`; `step_time.png`: data, forward+backward
-and optimizer seconds; `moe.png`: expert load, MoE runs only), `overview.png` with every panel, and
+Writes `RUN_DIR/report/` (or `--out`): one PNG per panel (`_PANELS`), `overview.png` with every panel, and
 `summary.md`. Resizes (red) and resumes (grey) are marked on every panel at their step.
 """
 
@@ -15,8 +12,9 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -66,9 +64,9 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> RunReport:
     run = _read_run(Path(run_dir))
     out = Path(out) if out is not None else Path(RunDir(run_dir).report)
     out.mkdir(parents=True, exist_ok=True)
-    panels = [(name, draw) for name, draw in _PANELS if draw(None, run)]
-    plots = [_save_panel(out / f"{name}.png", draw, run) for name, draw in panels]
-    plots.append(_save_overview(out / "overview.png", panels, run))
+    panels = [p for p in _PANELS if p.needs is None or run.series(p.needs)[0]]
+    plots = [_save(out / f"{p.name}.png", [p], run) for p in panels]
+    plots.append(_save(out / "overview.png", panels, run, overview=True))
     summary = out / "summary.md"
     summary.write_text(_summary(run, Path(run_dir), plots))
     return RunReport(summary, plots)
@@ -107,40 +105,26 @@ def _run_folders(folder: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------- panels
-# Each draws on `ax`, or with ax=None says whether it has anything to draw.
 
 
-def _loss(ax, run: _Run) -> bool:
-    if ax is None:
-        return True
+def _loss(ax, run: _Run) -> None:
     ax.plot(*run.series("loss"), lw=1, label="train")
     if run.evals:
         ax.plot(*run.series("val_loss", run.evals), marker="o", ms=3, label="validation")
     ax.set_ylabel("loss")
-    ax.set_title("loss")
-    return True
 
 
-def _lr(ax, run: _Run) -> bool:
-    if ax is not None:
-        ax.plot(*run.series("lr"), color="C2")
-        ax.set_ylabel("learning rate")
-        ax.set_title("learning rate")
-    return True
+def _lr(ax, run: _Run) -> None:
+    ax.plot(*run.series("lr"), color="C2")
+    ax.set_ylabel("learning rate")
 
 
-def _throughput(ax, run: _Run) -> bool:
+def _throughput(ax, run: _Run) -> None:
     """tokens/s; MFU is proportional to it at a fixed world size: a second scale then, else a line."""
-    if ax is None:
-        return True
     ax.plot(*run.series("tokens_per_s"), color="C0", lw=1)
     ax.set_ylabel("tokens/s")
-    ax.set_title("throughput")
-    ratios = {
-        round(r["mfu"] / r["tokens_per_s"], 15)
-        for r in run.train
-        if _finite(r.get("mfu")) and r.get("tokens_per_s")
-    }
+    ratios = {round(r["mfu"] / r["tokens_per_s"], 15) for r in run.train
+              if _finite(r.get("mfu")) and r.get("tokens_per_s")}
     if len(ratios) == 1:
         k = 100 * ratios.pop()
         if k > 0:
@@ -150,47 +134,32 @@ def _throughput(ax, run: _Run) -> bool:
         steps, values = run.series("mfu")
         mfu.plot(steps, [100 * v for v in values], color="C1", lw=1, ls="--", alpha=0.8)
         mfu.set_ylabel("MFU % (dashed)", color="C1")
-    return True
 
 
-def _memory(ax, run: _Run) -> bool:
-    if ax is None:
-        return bool(run.series("peak_mem_bytes")[0])
+def _memory(ax, run: _Run) -> None:
     steps, values = run.series("peak_mem_bytes")
     ax.plot(steps, [v / _GIB for v in values], color="C4")
     ax.set_ylabel("GiB")
-    ax.set_title("peak memory (rank 0)")
-    return True
 
 
-def _grad_norm(ax, run: _Run) -> bool:
-    if ax is None:
-        return bool(run.series("grad_norm")[0])
+def _grad_norm(ax, run: _Run) -> None:
     ax.plot(*run.series("grad_norm"), color="C3", lw=1)
     ax.set_yscale("log")
     ax.set_ylabel("global grad norm")
-    ax.set_title("gradient norm")
-    return True
 
 
 _PHASES = (("data_s", "data"), ("forward_backward_s", "forward+backward"), ("optimizer_s", "optimizer"))
 
 
-def _step_time(ax, run: _Run) -> bool:
-    if ax is None:
-        return bool(run.series("step_time_s")[0])
+def _step_time(ax, run: _Run) -> None:
     ax.plot(*run.series("step_time_s"), color="black", lw=1, label="step")
     for i, (key, label) in enumerate(_PHASES):
         if run.series(key)[0]:
             ax.plot(*run.series(key), lw=1, color=f"C{i + 5}", label=label)
     ax.set_ylabel("seconds")
-    ax.set_title("step time")
-    return True
 
 
-def _moe(ax, run: _Run) -> bool:
-    if ax is None:
-        return bool(run.series("moe_load_imbalance")[0])
+def _moe(ax, run: _Run) -> None:
     ax.plot(*run.series("moe_load_imbalance"), label="load imbalance (mean over layers)")
     ax.plot(*run.series("moe_load_imbalance_max"), label="worst layer")
     ax.set_ylabel("max / mean tokens per expert")
@@ -199,66 +168,57 @@ def _moe(ax, run: _Run) -> bool:
         ax2 = ax.twinx()
         ax2.plot(dropped[0], [100 * v for v in dropped[1]], color="C3", alpha=0.6)
         ax2.set_ylabel("tokens dropped %", color="C3")
-    ax.set_title("MoE load")
-    return True
 
 
-_PANELS: list[tuple[str, Callable[[Any, _Run], bool]]] = [
-    ("loss", _loss),
-    ("lr", _lr),
-    ("throughput", _throughput),
-    ("memory", _memory),
-    ("grad_norm", _grad_norm),
-    ("step_time", _step_time),
-    ("moe", _moe),
+class _Panel(NamedTuple):
+    name: str  # of its PNG
+    title: str
+    needs: str | None  # the train series a run must have for the panel (None: every run has it)
+    draw: Callable[[Any, _Run], None]
+
+
+_PANELS = [
+    _Panel("loss", "loss", None, _loss),
+    _Panel("lr", "learning rate", None, _lr),
+    _Panel("throughput", "throughput", None, _throughput),
+    _Panel("memory", "peak memory (rank 0)", "peak_mem_bytes", _memory),
+    _Panel("grad_norm", "gradient norm", "grad_norm", _grad_norm),
+    _Panel("step_time", "step time", "step_time_s", _step_time),
+    _Panel("moe", "MoE load", "moe_load_imbalance", _moe),
 ]
+_EVENT_STYLES = {"resize": dict(color="red", ls="--"), "resume": dict(color="grey", ls=":")}
 
 
-def _mark_events(ax, run: _Run) -> None:
-    """Resizes and resumes as vertical lines at their step (labelled once per panel)."""
+def _finish(ax, title: str, run: _Run) -> None:
+    """Resizes and resumes as vertical lines at their step (labelled once per panel); title, grid, legend."""
     seen = set()
     for e in run.events:
-        kind = e.get("event")
-        if kind not in ("resize", "resume"):
-            continue
-        style = {"resize": dict(color="red", ls="--"), "resume": dict(color="grey", ls=":")}[kind]
-        ax.axvline(e["step"], lw=1.2, label=kind if kind not in seen else None, **style)
-        seen.add(kind)
-
-
-def _finish(ax, run: _Run) -> None:
-    _mark_events(ax, run)
+        if (kind := e.get("event")) in _EVENT_STYLES:
+            ax.axvline(e["step"], lw=1.2, label=kind if kind not in seen else None, **_EVENT_STYLES[kind])
+            seen.add(kind)
+    ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
 
 
-def _save_panel(path: Path, draw, run: _Run) -> Path:
+def _save(path: Path, panels: list[_Panel], run: _Run, overview: bool = False) -> Path:
+    """One panel's PNG, or the overview's: every panel, two a row."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    draw(ax, run)
-    _finish(ax, run)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _save_overview(path: Path, panels, run: _Run) -> Path:
-    import matplotlib.pyplot as plt
-
-    rows = math.ceil(len(panels) / 2)
-    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.2 * rows), squeeze=False)
-    for ax, (_, draw) in zip(axes.flat, panels):
-        draw(ax, run)
-        _finish(ax, run)
+    rows, cols = (math.ceil(len(panels) / 2), 2) if overview else (1, 1)
+    size = (12, 3.2 * rows) if overview else (7, 3.6)
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        panel.draw(ax, run)
+        _finish(ax, panel.title, run)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(f"{run.name}: {run.train[-1]['step']} steps")
+    if overview:
+        fig.suptitle(f"{run.name}: {run.train[-1]['step']} steps")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100 if overview else 110)
     plt.close(fig)
     return path
 
@@ -267,51 +227,38 @@ def _save_overview(path: Path, panels, run: _Run) -> Path:
 
 
 def _summary(run: _Run, run_dir: Path, plots: list[Path]) -> str:
-    cfg, last = run.config, run.train[-1]
-    planned = (cfg.get("train") or {}).get("steps")
+    cfg, last, train_cfg = run.config, run.train[-1], run.config.get("train") or {}
     lines = [f"# Run report: {run.name}", "", f"`{run_dir}`", "", "| | |", "| --- | --- |"]
 
     def row(name: str, value: str) -> None:
         lines.append(f"| {name} | {value} |")
 
-    row("steps", f"{last['step']}" + (f" of {planned}" if planned else ""))
+    tail = run.train[-max(len(run.train) // 10, 1) :]  # the last tenth: the run's settled values
+    settled = partial(_median, tail)
+    row("steps", f"{last['step']}" + (f" of {train_cfg['steps']}" if train_cfg.get("steps") else ""))
     if run.attempts > 1:
         row("runs", f"{run.attempts} run folders in time order; {len(run.train)} steps recorded")
     row("model", _model_text(cfg))
     row("layout", _layout_text(cfg, run))
-    tail = run.train[-max(len(run.train) // 10, 1) :]  # the last tenth: the run's settled values
-    row(
-        "train loss",
-        f"{last['loss']:.4f} at the last step; {_median(tail, 'loss'):.4f} median of the last tenth",
-    )
+    row("train loss", f"{last['loss']:.4f} at the last step; {settled('loss'):.4f} median of the last tenth")
     if run.evals:
         best = min(run.evals, key=lambda r: r["val_loss"] if _finite(r["val_loss"]) else math.inf)
-        row(
-            "validation loss",
-            f"{run.evals[-1]['val_loss']:.4f} last; {best['val_loss']:.4f} best (step {best['step']})",
-        )
-    row("tokens/s", f"{_median(tail, 'tokens_per_s'):,.0f} median of the last tenth")
-    row(
-        "MFU",
-        f"{100 * _median(tail, 'mfu'):.2f}% (train.peak_tflops={(cfg.get('train') or {}).get('peak_tflops')})",
-    )
+        last_val = run.evals[-1]["val_loss"]
+        row("validation loss", f"{last_val:.4f} last; {best['val_loss']:.4f} best (step {best['step']})")
+    row("tokens/s", f"{settled('tokens_per_s'):,.0f} median of the last tenth")
+    row("MFU", f"{100 * settled('mfu'):.2f}% (train.peak_tflops={train_cfg.get('peak_tflops')})")
     peak = max((r.get("peak_mem_bytes", 0) for r in run.train), default=0)
     row("peak memory", f"{peak / _GIB:.2f} GiB on rank 0")
     row("step time", _step_time_text(tail))
     norms = [r for r in run.train if _finite(r.get("grad_norm"))]
     if norms:
         top = max(norms, key=lambda r: r["grad_norm"])
-        row(
-            "grad norm",
-            f"{_median(tail, 'grad_norm'):.3g} median of the last tenth; max {top['grad_norm']:.3g} (step {top['step']})",
-        )
-    skipped = sum(1 for r in run.train if r.get("skipped"))
-    row("skipped steps", str(skipped))
+        row("grad norm", f"{settled('grad_norm'):.3g} median of the last tenth; "
+            f"max {top['grad_norm']:.3g} (step {top['step']})")
+    row("skipped steps", str(sum(1 for r in run.train if r.get("skipped"))))
     if run.series("moe_load_imbalance")[0]:
-        row(
-            "MoE",
-            f"load imbalance {_median(tail, 'moe_load_imbalance'):.2f}, dropped {100 * _median(tail, 'moe_dropped_fraction'):.2f}% (last tenth)",
-        )
+        dropped = 100 * settled("moe_dropped_fraction")
+        row("MoE", f"load imbalance {settled('moe_load_imbalance'):.2f}, dropped {dropped:.2f}% (last tenth)")
     row("events", _events_text(run))
     checkpoints = [e for e in run.events if e.get("event") == "checkpoint"]
     if checkpoints:
@@ -347,9 +294,8 @@ def _step_time_text(rows: list[dict[str, Any]]) -> str:
     parts = [
         f"{label} {_median(rows, key) / total:.0%}" for key, label in _PHASES if _finite(_median(rows, key))
     ]
-    return f"{total:.3f} s median of the last tenth" + (
-        f" ({', '.join(parts)})" if parts and total > 0 else ""
-    )
+    split = f" ({', '.join(parts)})" if parts and total > 0 else ""
+    return f"{total:.3f} s median of the last tenth{split}"
 
 
 def _events_text(run: _Run) -> str:
@@ -358,9 +304,8 @@ def _events_text(run: _Run) -> str:
         if e.get("event") == "resume":
             out.append(f"resumed at step {e['step']} on {e.get('world_size')} workers")
         elif e.get("event") == "resize":
-            out.append(
-                f"resized {e.get('old_world_size')} -> {e.get('new_world_size')} workers at step {e['step']}"
-            )
+            sizes = f"{e.get('old_world_size')} -> {e.get('new_world_size')}"
+            out.append(f"resized {sizes} workers at step {e['step']}")
         elif e.get("event") == "profile":
             out.append(f"profiled at step {e['step']}: `{Path(str(e.get('trace'))).parent}`")
     return "; ".join(out) or "none (one uninterrupted attempt)"

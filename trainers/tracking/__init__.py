@@ -6,28 +6,19 @@ opens its tracker, so a run without a `tracking:` section never loads them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainers._base import flat_keys
 from trainers.run_dir import RunDir
 from trainers.sections.tracking import MlflowConfig, TrackingConfig, WandbConfig
-from trainers.tracking.sink import Tracker, TrackingSink
+from trainers.tracking.sink import Tracker, TrackingSink, _read_state
 
 if TYPE_CHECKING:
     from trainers.config import RunConfig
 
-__all__ = [
-    "MlflowConfig",
-    "Tracker",
-    "TrackingConfig",
-    "TrackingSink",
-    "WandbConfig",
-    "build_sinks",
-    "send_unsent",
-    "with_trackers",
-]
+__all__ = ["MlflowConfig", "Tracker", "TrackingConfig", "TrackingSink", "WandbConfig", "build_sinks",
+           "send_unsent", "with_trackers"]
 
 
 def with_trackers(cfg: RunConfig, mlflow: str | None = None, wandb: str | None = None) -> RunConfig:
@@ -58,10 +49,8 @@ def build_sinks(cfg: RunConfig) -> list[TrackingSink]:
         trackers.append(MlflowTracker(t.mlflow, cfg.name, run_dir, flat_keys(config), cfg.to_yaml()))
     if t.wandb is not None:
         trackers.append(WandbTracker(t.wandb, cfg.name, run_dir, config, cfg.to_yaml()))
-    return [
-        TrackingSink(tr, RunDir(run_dir).tracker_state(tr.name), t.flush_every_s, t.close_timeout_s)
-        for tr in trackers
-    ]
+    state = RunDir(run_dir).tracker_state
+    return [TrackingSink(tr, state(tr.name), t.flush_every_s, t.close_timeout_s) for tr in trackers]
 
 
 def send_unsent(run_dir: Path, timeout_s: float = 10.0) -> bool:
@@ -74,7 +63,7 @@ def send_unsent(run_dir: Path, timeout_s: float = 10.0) -> bool:
     files = RunDir(run_dir)
     rows = read_metrics(files.metrics)
     steps = [r["step"] for r in rows if r.get("kind") in ("train", "eval")]
-    if not steps or _sent_step(files.tracker_state("mlflow")) >= max(steps):
+    if not steps or int(_read_state(files.tracker_state("mlflow")).get("sent_step", -1)) >= max(steps):
         return True
     try:
         cfg = load_config(files.config)
@@ -87,10 +76,3 @@ def send_unsent(run_dir: Path, timeout_s: float = 10.0) -> bool:
     sink.start(max(steps), rows)
     sink.close("FINISHED" if max(steps) >= cfg.train.steps else "KILLED")
     return sink.sent_step >= max(steps)
-
-
-def _sent_step(state: Path) -> int:
-    try:
-        return int(json.loads(state.read_text()).get("sent_step", -1))
-    except (OSError, ValueError, AttributeError):
-        return -1

@@ -36,12 +36,12 @@ class MlflowTracker(Tracker):
     def __init__(
         self, cfg: MlflowConfig, run_name: str, run_dir: Path, params: dict[str, Any], config_yaml: str
     ):
-        self.cfg, self.run_dir, self.params, self.config_yaml = cfg, Path(run_dir), params, config_yaml
+        self.cfg, self.run_dir, self.config_yaml = cfg, Path(run_dir), config_yaml
+        self.params = {k: str(v)[:_VALUE_CHARS] for k, v in params.items()}  # as MLflow keeps them
         self.run_name = cfg.run_name or run_name
         self.local = cfg.tracking_uri is None
-        self.uri, self.artifacts = (
-            local_store(RunDir(self.run_dir).tracker("mlflow")) if self.local else (cfg.tracking_uri, None)
-        )
+        self.store = RunDir(self.run_dir).tracker("mlflow")  # with no tracking_uri: a SQLite file here
+        self.uri, self.artifacts = local_store(self.store) if self.local else (cfg.tracking_uri, None)
         self.client: Any = None
         self.run_id: str | None = None
         self.last_checkpoint: str | None = None
@@ -50,11 +50,12 @@ class MlflowTracker(Tracker):
 
     def open(self, state: dict[str, Any]) -> None:
         probe(self.uri)
-        _quiet_store_logs()
+        for name in ("alembic", "mlflow.store.db.utils"):  # a new SQLite store's ~60 migrations, each INFO
+            logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow import MlflowClient
 
         if self.local:
-            RunDir(self.run_dir).tracker("mlflow").mkdir(parents=True, exist_ok=True)
+            self.store.mkdir(parents=True, exist_ok=True)
         client = MlflowClient(tracking_uri=self.uri)
         run_id = state.get("run_id") if state.get("tracking_uri") == self.uri else None
         if run_id is not None:
@@ -98,11 +99,8 @@ class MlflowTracker(Tracker):
         parent = self.cfg.parent_run_id
         tags = {"raytrain.kind": "train"}
         if parent:  # one child per run_name: a Tune trial's later Train runs continue its child run
-            found = client.search_runs(
-                [experiment_id],
-                filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.mlflow.runName = '{self.run_name}'",
-                max_results=1,
-            )
+            query = f"tags.mlflow.parentRunId = '{parent}' and tags.mlflow.runName = '{self.run_name}'"
+            found = client.search_runs([experiment_id], filter_string=query, max_results=1)
             if found:
                 client.update_run(found[0].info.run_id, status="RUNNING")
                 return found[0].info.run_id
@@ -115,24 +113,17 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param
 
         logged = self.client.get_run(self.run_id).data.params
-        values = {k: str(v)[:_VALUE_CHARS] for k, v in self.params.items()}
-        new = [Param(k, v) for k, v in values.items() if k not in logged]
+        new = [Param(k, v) for k, v in self.params.items() if k not in logged]
         for i in range(0, len(new), _PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=new[i : i + _PARAMS_PER_CALL])
-        self._log_tags(
-            {
-                f"changed.{k}": v
-                for k, v in values.items()
-                if k in logged and logged[k] != v and k not in _PER_ATTEMPT
-            }
-        )
+        changed = {k: v for k, v in self.params.items() if k in logged and logged[k] != v}
+        self._log_tags({f"changed.{k}": v for k, v in changed.items() if k not in _PER_ATTEMPT})
 
     def _exploit_tags(self, record: dict[str, Any]) -> dict[str, str]:
         """The tags an exploit in place brings (the trial's `exploit.<step>` ones), and `changed.<key>` for
         each new value that differs from the run's params, as a new run's `_log_params` would set them."""
         values = {k: str(v)[:_VALUE_CHARS] for k, v in (record.get("values") or {}).items()}
-        params = {k: str(v)[:_VALUE_CHARS] for k, v in self.params.items()}
-        changed = {f"changed.{k}": v for k, v in values.items() if k in params and params[k] != v}
+        changed = {f"changed.{k}": v for k, v in values.items() if k in self.params and self.params[k] != v}
         return {**(record.get("tags") or {}), **changed}
 
     def _log_tags(self, tags: dict[str, str]) -> None:
@@ -174,9 +165,3 @@ def _event_tag(record: dict[str, Any]) -> dict[str, str]:
         return {"checkpoint": str(record.get("path"))}
     fields = {k: v for k, v in record.items() if k not in ("kind", "event", "step", "tags")}
     return {f"event.{record.get('step', 0):08d}.{event}": json.dumps(fields, default=str)}
-
-
-def _quiet_store_logs() -> None:
-    """A new SQLite store runs ~60 schema migrations, each an INFO line from alembic."""
-    for name in ("alembic", "mlflow.store.db.utils"):
-        logging.getLogger(name).setLevel(logging.WARNING)

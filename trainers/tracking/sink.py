@@ -1,18 +1,13 @@
 """A tracker fed by the Trainer's metrics records, off the training step's thread.
 
-`MetricsLog` hands every record it writes to its sinks. A `TrackingSink` only appends the record to a
-buffer (no I/O, no lock held for long); a daemon thread opens the tracker (connect, create or continue its
-run), sends what accumulated every `flush_every_s`, and while the server is down keeps the records and
-tries again with a growing pause, saying so once (and once more when it is back). Training never waits
-on a tracker, except at the end of a run for at most `close_timeout_s`; `metrics.jsonl` holds every
-record whatever happens to the copy.
-
-A resumed run continues the same tracked run (its id is kept in the run dir, with the last step sent),
-and the steps it recomputes after its checkpoint, sent already, are not sent again. A running trainer that
-goes back to an earlier checkpoint (`Trainer.restore`: a PBT exploit of a donor behind it) rewinds its
-sinks: the steps after it are trained anew, with other values, and sent again. A PBT trial's loop decides
-at a step whose checkpoint has committed, before training on (`search.hooks.GateLoop`), so no record of a
-branch an exploit abandons is ever written, here or in metrics.jsonl.
+`TrackingSink.write` only appends a record to a buffer; a daemon thread opens the tracker, sends what
+accumulated every `flush_every_s` and, while the server is down, keeps the records and retries with a growing
+pause, saying so once. Training waits on a tracker only at the end of a run, for at most `close_timeout_s`;
+`metrics.jsonl` has every record whatever happens to the copy. A resumed run continues its tracked run (the
+id and the last step sent are kept in the run dir) and does not send again the steps it recomputes. A
+trainer that goes back to an earlier checkpoint (`Trainer.restore`, a PBT exploit) rewinds its sinks: the
+steps after it are trained anew and sent again. PBT decides at committed steps (`search.hooks.GateLoop`),
+so no record of a branch an exploit abandons is ever written.
 """
 
 from __future__ import annotations
@@ -60,7 +55,7 @@ class TrackingSink:
         # row, which may be sent already (one counter for both dropped a run's final eval under load).
         self.sent = {"train": 0, "eval": 0}
         self._buffer: list[dict[str, Any]] = []
-        self._rewinds: list[int] = []  # the steps the trainer went back to: a batch on its way then is counted anew
+        self._rewinds: list[int] = []  # steps the trainer went back to: a batch then on its way counts anew
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing: str | None = None
@@ -97,12 +92,9 @@ class TrackingSink:
         """The training steps the tracker has."""
         return self.sent["train"]
 
-    def _sent_already(self, record: dict[str, Any]) -> bool:
-        kind = record.get("kind")
-        return kind in _METRIC_KINDS and record.get("step", 0) <= self.sent[kind]
-
     def write(self, record: dict[str, Any]) -> None:
-        if self._sent_already(record):
+        kind = record.get("kind")
+        if kind in _METRIC_KINDS and record.get("step", 0) <= self.sent[kind]:
             return  # recomputed after a resume: the tracker has this step already
         with self._lock:
             self._buffer.append(record)
@@ -120,10 +112,8 @@ class TrackingSink:
         if self._thread.is_alive():
             with self._lock:
                 left = len(self._buffer)
-            _say(
-                f"{self.tracker.name}: gave up after close_timeout_s={self.close_timeout_s:g} with {left} "
-                f"records unsent; metrics.jsonl has every record"
-            )
+            _say(f"{self.tracker.name}: gave up after close_timeout_s={self.close_timeout_s:g} with {left} "
+                 "records unsent; metrics.jsonl has every record")
         elif self._dropped:
             _say(f"{self.tracker.name}: {self._dropped} early records were dropped while it failed")
 
@@ -139,8 +129,7 @@ class TrackingSink:
         self._drain(self._closing)
 
     def _drain(self, status: str) -> None:
-        """At the end of the run: send the rest and finish, trying again (a short pause, doubling) until
-        `close_timeout_s` is spent."""
+        """Send the rest and finish, retrying (a short pause, doubling) until `close_timeout_s` is spent."""
         deadline, pause = time.monotonic() + self.close_timeout_s, 0.1
         while not self._attempt():
             if time.monotonic() + pause > deadline:
@@ -183,10 +172,8 @@ class TrackingSink:
             call()
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
             if not self._down:
-                _say(
-                    f"{self.tracker.name} failed ({type(e).__name__}: {first_line(e)}); training goes on, retrying in "
-                    f"the background; metrics.jsonl has every record"
-                )
+                _say(f"{self.tracker.name} failed ({type(e).__name__}: {first_line(e)}); training goes on, "
+                     "retrying in the background; metrics.jsonl has every record")
             self._down = True
             return False
         if self._down:

@@ -30,12 +30,9 @@ class WandbTracker(Tracker):
         import wandb
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = self.cfg
         self.run = wandb.init(
-            project=self.cfg.project,
-            entity=self.cfg.entity,
-            group=self.cfg.group,
-            mode=self.cfg.mode,
-            dir=str(self.run_dir),
+            project=cfg.project, entity=cfg.entity, group=cfg.group, mode=cfg.mode, dir=str(self.run_dir),
             id=state.get("run_id") or uuid.uuid4().hex[:8],
             resume="allow",  # a resumed run continues its W&B run
             name=self.run_name,
