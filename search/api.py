@@ -9,9 +9,7 @@
 
 Ray as for `raytrain_ext.train`: a Ray this process already joined is used and left running; else the
 cluster `address` (else RAY_ADDRESS) names is joined for the call; else a local Ray is started for it and
-shut down at its end, on an error too.
-`raytrain tune` calls this function: the same checks, once, before anything is written, and the same
-one-line ConfigError (a ValueError) for bad input.
+shut down at its end, on an error too. `raytrain tune` calls this function.
 """
 
 from __future__ import annotations
@@ -31,12 +29,8 @@ __all__ = ["ExperimentResult", "TrialResult", "experiment_config", "tune"]
 
 def tune(
     experiment: ExperimentConfig | Mapping[str, Any] | str | os.PathLike[str],
-    *,
-    overrides: Mapping[str, Any] | None = None,
-    resume: bool = False,
-    address: str | None = None,
-    progress: bool = True,
-    release_stranded: bool = True,
+    *, overrides: Mapping[str, Any] | None = None, resume: bool = False, address: str | None = None,
+    progress: bool = True, release_stranded: bool = True,
 ) -> ExperimentResult:
     """Run (with `resume`: continue) an experiment and wait for it.
 
@@ -46,10 +40,7 @@ def tune(
     cluster to join. `progress`: Tune's table and a line per exploit on stdout, as the command prints them.
     `release_stranded`: after the experiment, release what interrupted trials left on a Ray this process
     goes on using (`raytrain tune` exits next: Ray releases its job's placement groups itself).
-    Raises ConfigError (a ValueError) with one line naming the field and the fix, before anything starts.
-
-    A refused experiment writes nothing: everything is checked, then written. A local Ray is started when
-    none runs and no address is given, and only such a Ray is stopped at the end."""
+    Raises ConfigError (a ValueError), one line naming the field and the fix, before anything is written."""
     from raytrain_ext.launcher import ensure_ray, stop_ray
     from search.config import EXPERIMENT_FILE, save
     from search.console import console
@@ -75,10 +66,8 @@ def tune(
             stop_ray()
 
 
-def experiment_config(
-    experiment: ExperimentConfig | Mapping[str, Any] | str | os.PathLike[str],
-    overrides: Mapping[str, Any] | None = None,
-) -> ExperimentConfig:
+def experiment_config(experiment: ExperimentConfig | Mapping[str, Any] | str | os.PathLike[str],
+                      overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
     """The validated experiment of `tune`'s `experiment` with `overrides` applied."""
     from search.config import ExperimentConfig, load_experiment, parse_experiment
     from trainers.config import apply_overrides

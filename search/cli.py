@@ -1,9 +1,5 @@
 """`raytrain tune ...`: population-based training and its reports.
 
-raytrain tune EXP.yaml [--set key=value ...] [--resume] [--address auto]
-raytrain tune report EXP_DIR
-raytrain tune replay EXP_DIR [--trial best|TRIAL_ID]
-
 `raytrain` (raytrain_ext.cli) finds `add_commands` through the `raytrain.commands` entry point that
 pyproject.toml registers: the layer below never imports this one.
 """
@@ -39,10 +35,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    commands = {"report": (_report_parser, _cmd_report), "replay": (_replay_parser, _cmd_replay)}
-    build, run = commands.get(args.target, (_run_parser, _cmd_run))
-    argv = args.rest if args.target in commands else [args.target, *args.rest]
-    return run(build().parse_args(argv))
+    if args.target in ("report", "replay"):
+        run = _cmd_report if args.target == "report" else _cmd_replay
+        return run(_exp_dir_parser(args.target).parse_args(args.rest))
+    return _cmd_run(_run_parser().parse_args([args.target, *args.rest]))
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -50,33 +46,27 @@ def _run_parser() -> argparse.ArgumentParser:
         prog="raytrain tune", usage=USAGE, epilog=EXPLORE_RULES, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("experiment", help="experiment YAML (see examples/pbt-*.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override an experiment key, e.g. --set population=8 (repeatable)",
-    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an experiment key, e.g. --set population=8 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted experiment in its folder")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local Ray)")
+    _add_address(p)
     p.add_argument("--quiet", action="store_true", help="no Tune progress table")
     return p
 
 
-def _report_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raytrain tune report", usage=USAGE)
+def _exp_dir_parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"raytrain tune {command}", usage=USAGE)
     p.add_argument("exp_dir", help="the experiment folder (storage/name; a bucket URI too)")
-    p.add_argument("--output", default=None, help="folder for the plots and summary (default: EXP_DIR/report)")
-    return p
-
-
-def _replay_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raytrain tune replay", usage=USAGE)
-    p.add_argument("exp_dir", help="the experiment folder (storage/name; a bucket URI too)")
+    if command == "report":
+        p.add_argument("--output", help="folder for the plots and summary (default: EXP_DIR/report)")
+        return p
     p.add_argument("--trial", default="best", help="trial id whose schedule to replay (default: the best)")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local Ray)")
+    _add_address(p)
     return p
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local Ray)")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -97,16 +87,12 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
     if not result.finished:  # Tune caught the Ctrl-C, stopped the trials and saved its state
         return _interrupted(args, exp)
     if result.best_trial is not None:
-        print(
-            f"done: best trial {result.best_trial}, {exp.metric} {result.best_metric:.4f}; {len(result.events)} "
-            f"exploits; results in {result.exp_dir}\nnext: raytrain tune report {result.exp_dir}"
-        )
+        print(f"done: best trial {result.best_trial}, {exp.metric} {result.best_metric:.4f}; "
+              f"{len(result.events)} exploits; results in {result.exp_dir}\n"
+              f"next: raytrain tune report {result.exp_dir}")
     elif not result.failed:
-        print(
-            f"raytrain: error: no trial reported a finite {exp.metric} (all failed); "
-            f"fix: see why in `raytrain tune report {result.exp_dir}`",
-            file=sys.stderr,
-        )
+        print(f"raytrain: error: no trial reported a finite {exp.metric} (all failed); "
+              f"fix: see why in `raytrain tune report {result.exp_dir}`", file=sys.stderr)
         return 1
     if result.failed:  # short of the budget: the experiment did not do what was asked
         print(_failed_line(args, exp, result), file=sys.stderr)
@@ -115,9 +101,9 @@ def _run(args: argparse.Namespace, exp: Any) -> int:
 
 
 def _failed_line(args: argparse.Namespace, exp: Any, result: Any) -> str:
-    """One line naming the trials that ended failed, each with its error, and how to go on. A run's failure
-    (its error in the trial's last report) ends the trial for good; a trial that Tune ended in ERROR (its
-    actor failed, e.g. with its node) is continued by --resume."""
+    """One line naming the trials that ended failed, each with its error, and how to go on: a run's failure
+    ends its trial for good; --resume continues a trial Tune ended in ERROR (its actor failed, e.g. with
+    its node)."""
     from search.lineage import latest_reports
 
     last = latest_reports(result.reports)
@@ -150,10 +136,8 @@ def _interrupted(args: argparse.Namespace, exp: Any) -> int:
     if args.resume or (exp is not None and has_tune_state(exp.exp_dir)):
         print(f"raytrain: interrupted; resume with: {shlex.join([*again, '--resume'])}", file=sys.stderr)
     else:  # stopped before Tune saved anything: there is nothing to resume yet
-        print(
-            f"raytrain: interrupted before the experiment started; run again: {shlex.join(again)}",
-            file=sys.stderr,
-        )
+        print(f"raytrain: interrupted before the experiment started; run again: {shlex.join(again)}",
+              file=sys.stderr)
     return 130
 
 

@@ -1,19 +1,14 @@
 """The table a user watches while `raytrain tune` runs: Tune's classic CLIReporter (each trial's metric,
-step and current hyperparameters), with its status lines made true for this package's trials.
-
-Tune's own lines describe its trial actors, not the Train runs they host: "Logical resource usage" counts
-what the trial actors reserve (nothing: the Train workers reserve their own), so it read 0/2 CPUs while
-every worker trained; "Result logdir" names Tune's staging folder in the Ray session under /tmp. Here
-the first becomes what the cluster's workers hold and the second the experiment folder, where the user
-looks. (The best-trial line shows a trial's current hyperparameters because the trial reports its
-config as it trains with it: `search.trial.TrialRun.step`.)
+step and current hyperparameters), with its status lines made true for this package's trials: Tune's
+"Logical resource usage" counts what its trial actors reserve (nothing: the Train workers reserve their own)
+and "Result logdir" names its staging folder under /tmp; here they read what the cluster's workers hold and
+the experiment folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -26,6 +21,7 @@ from ray import tune
 from raytrain_ext import ray_compat
 from raytrain_ext.worker_logs import quiet_logger
 from search.trial import RUN_DIR
+from trainers._base import scoped_environ
 from trainers.metrics import MetricsTail
 from trainers.run_dir import METRICS
 from trainers.storage import list_names, location
@@ -35,9 +31,8 @@ __all__ = ["ExperimentReporter", "console", "quiet_warnings", "training_now"]
 
 @contextlib.contextmanager
 def quiet_warnings() -> Iterator[None]:
-    """While Tune runs the population: warnings a user watching the console cannot act on, left out; and
-    Tune's traceback for an upload of its experiment state that raced a save (`ray_compat.
-    is_staging_temp_race`: the save's own upload follows and copies everything)."""
+    """Warnings a user cannot act on, left out while Tune runs; and Tune's traceback for an upload of its
+    state that raced a save (`ray_compat.is_staging_temp_race`: the save's own upload copies everything)."""
     experiment_state = logging.getLogger(ray_compat.EXPERIMENT_STATE_LOGGER)
     experiment_state.addFilter(_not_a_staging_race)
     try:
@@ -57,10 +52,8 @@ def _not_a_staging_race(record: logging.LogRecord) -> bool:
 
 
 class ExperimentReporter(tune.CLIReporter):
-    def __init__(
-        self, *args: Any, exp_dir: str, slots: str | None = None, population: tuple[str, str] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, exp_dir: str, slots: str | None = None,
+                 population: tuple[str, str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.exp_dir, self.slots = exp_dir, slots  # slots: the time-sharing actor's name (search.slots)
         self.population = population  # (scheduler name, the population actor's name): search.population
@@ -89,20 +82,25 @@ class ExperimentReporter(tune.CLIReporter):
 
     def _exploits(self) -> str:
         name, actor = self.population
-        try:
-            summary = ray.get(ray.get_actor(actor).summary.remote(), timeout=5)
-        except Exception:  # noqa: BLE001 - a status line is never worth failing the experiment
+        summary = _ask(actor, "summary")
+        if summary is None:
             return f"{name.upper()}: population-based training"
         return f"{name.upper()}: {summary['exploits']} exploits decided"
 
     def _turns(self) -> str:
-        if self.slots is None:
+        stats = _ask(self.slots, "stats") if self.slots is not None else None
+        if stats is None:
             return ""
-        try:
-            stats = ray.get(ray.get_actor(self.slots).stats.remote(), timeout=5)
-        except Exception:  # noqa: BLE001 - a status line is never worth failing the experiment
-            return ""
-        return f"; Train runs: {stats['running']} of {stats['capacity']} slots, {stats['waiting']} members waiting their turn"
+        return (f"; Train runs: {stats['running']} of {stats['capacity']} slots, {stats['waiting']} members "
+                "waiting their turn")
+
+
+def _ask(actor: str, method: str) -> dict[str, Any] | None:
+    """A status from the experiment's actor by that name; None when it does not answer."""
+    try:
+        return ray.get(getattr(ray.get_actor(actor), method).remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - a status line is never worth failing the experiment
+        return None
 
 
 @dataclass
@@ -142,32 +140,21 @@ def held_by_workers() -> str:
         total, free = ray.cluster_resources(), ray.available_resources()
     except Exception:  # noqa: BLE001 - a status line is never worth failing the experiment
         return "Cluster resources: ?"
-    parts = [
-        f"{total.get(kind, 0) - free.get(kind, 0):g}/{total.get(kind, 0):g} {kind}s"
-        for kind in ("CPU", "GPU")
-        if kind == "CPU" or total.get(kind)
-    ]
     if total.get("CPU", 0) and free.get("CPU", 0) == total.get("CPU", 0):
         return "Held by Train workers: none yet (their runs are starting)"
-    return "Held by Train workers: " + ", ".join(parts)
+    kinds = [kind for kind in ("CPU", "GPU") if kind == "CPU" or total.get(kind)]
+    return "Held by Train workers: " + ", ".join(
+        f"{total.get(kind, 0) - free.get(kind, 0):g}/{total.get(kind, 0):g} {kind}s" for kind in kinds)
 
 
 @contextlib.contextmanager
 def console(quiet: bool) -> Iterator[None]:
-    """What a user watching the experiment sees, for the command's duration: Tune's classic table (it
-    takes our columns: the metric, the step, each trial's current values; the newer one shows sampled
-    parameters only, not values an exploit changed), the scheduler's one line per exploit (recipient <-
-    donor at step, old -> new values) and the driver's lines (how the population shares the cluster).
-    Tune's loggers warn that a trial's progress file is missing in storage whenever its config changes (an
-    exploit in place) before the file is written: silenced."""
+    """What a user watching the experiment sees, for the command's duration: Tune's classic table (the newer
+    one shows sampled parameters only, not values an exploit changed), a line per exploit and the driver's
+    lines (how the population shares the cluster)."""
     if quiet:
         yield
         return
-    env = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    # Tune's loggers: a trial's missing progress file (see above), and "the `X` operation took 1.1 s,
-    # which may be a performance bottleneck" whenever the machine is busy (its trials' Train runs are
-    # what keeps it busy; nothing to act on)
     ours = [logging.getLogger(name) for name in ("search.population", "search.driver")]  # exploits, turns
     levels = [(log.level, log.propagate) for log in ours]
     handler = logging.StreamHandler(sys.stdout)
@@ -177,13 +164,12 @@ def console(quiet: bool) -> Iterator[None]:
         log.addHandler(handler)
         log.propagate = False
     try:
-        with quiet_logger("ray.tune.logger.logger"), quiet_logger("ray.tune.utils.util"):
-            yield
+        with scoped_environ(RAY_AIR_NEW_OUTPUT="0"):  # the classic table
+            # Tune's loggers: a trial's progress file missing whenever an exploit changes its config before
+            # the file is written, and "the `X` operation took 1.1 s" whenever the Train runs keep it busy
+            with quiet_logger("ray.tune.logger.logger"), quiet_logger("ray.tune.utils.util"):
+                yield
     finally:
         for log, (level, propagate) in zip(ours, levels):
             log.removeHandler(handler)
             log.level, log.propagate = level, propagate
-        if env is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = env

@@ -1,11 +1,10 @@
-"""The experiment driver: a Tuner over `TrialRun` trials (see `search.trial`), sized to the cluster, and for
+"""The experiment driver: a Tuner over `TrialRun` trials (`search.trial`), sized to the cluster, and for
 PBT/PB2 the `Population` actor that the trials ask (`search.population`). Tune holds no checkpoint of a
-trial: the trials' lineage logs are the record, each trial continues from its own, and a resumed population
-is rebuilt from them.
-"""
+trial: each continues from its lineage log, from which a resumed population is rebuilt too."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -46,10 +45,9 @@ def max_concurrent_trials(exp: ExperimentConfig, cluster: dict[str, float]) -> i
         fits.append(int(cluster.get("GPU", 0) // exp.resources.workers))
     slots = min(fits)
     if slots < 1:
-        need = f"{per_cpu:g} CPUs" + (f" and {exp.resources.workers} GPUs" if exp.resources.use_gpu else "")
-        have = f"{cluster.get('CPU', 0):g} CPUs" + (
-            f" and {cluster.get('GPU', 0):g} GPUs" if exp.resources.use_gpu else ""
-        )
+        gpus = exp.resources.use_gpu
+        need = f"{per_cpu:g} CPUs" + (f" and {exp.resources.workers} GPUs" if gpus else "")
+        have = f"{cluster.get('CPU', 0):g} CPUs" + (f" and {cluster.get('GPU', 0):g} GPUs" if gpus else "")
         raise ConfigError(
             f"resources: a trial needs {need} ({exp.resources.workers} workers) but the cluster has {have}; "
             f"fix: lower resources.workers or resources.cpus_per_worker, or add nodes"
@@ -78,16 +76,6 @@ def check_target(exp: ExperimentConfig, resume: bool) -> None:
 HEAD_SHARE = 0.001  # of it per trial: up to 1,000 trial actors on the head
 
 
-def _tuner_parts(exp: ExperimentConfig, population: str | None, slots: str | None) -> tuple[Any, dict[str, Any]]:
-    # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
-    # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node. It
-    # lives on the head node, beside the driver (Ray gives the head ray_compat.HEAD_NODE_RESOURCE = 1): a
-    # worker host lost takes Train workers with it, which the trial's run restarts, never the trial itself.
-    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, population=population, slots=slots),
-                                    {"memory": 1, ray_compat.HEAD_NODE_RESOURCE: HEAD_SHARE})
-    return trainable, population_space(exp.members())
-
-
 def start_population(exp: ExperimentConfig, resume: bool) -> Any:
     """PBT/PB2's `Population` actor beside the driver (None for ASHA and random search); on `resume`,
     rebuilt from the trials' lineage logs."""
@@ -110,10 +98,8 @@ class PopulationEvents(tune.Callback):
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         if self.population is not None:
-            try:
+            with contextlib.suppress(Exception):  # gone with the driver's shutdown: nothing waits on it then
                 ray.get(ray.get_actor(self.population).leave.remote(trial.trial_id), timeout=10)
-            except Exception:  # noqa: BLE001 - gone with the driver's shutdown: nothing waits on it then
-                pass
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any) -> None:
         e = result.get("exploit")
@@ -127,33 +113,23 @@ def _short(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def time_shared(exp: ExperimentConfig, slots: int) -> bool:
-    """PBT/PB2 with a population larger than the cluster holds: members take turns at the `slots` Train
-    runs that fit (search.slots), yielding at report boundaries, so that every member reaches every
-    interval. Other schedulers run members one after another (ASHA and random search need no turns)."""
-    return exp.scheduler.exploits and slots < exp.population
-
-
 def run_experiment(
-    exp: ExperimentConfig,
-    resume: bool = False,
-    verbose: int = 1,
-    callbacks: list[tune.Callback] = (),
-    driver_goes_on: bool = True,
-    slots: int | None = None,
+    exp: ExperimentConfig, resume: bool = False, verbose: int = 1, callbacks: list[tune.Callback] = (),
+    driver_goes_on: bool = True, slots: int | None = None,
 ) -> ExperimentResult:
-    """Run (or with `resume`, continue) the experiment in `exp.exp_dir`; Ray must be initialised.
-    `callbacks`: more Tune callbacks (a resumed experiment keeps those it started with).
-    `driver_goes_on`: this Python process runs more on this Ray afterwards (a notebook, tests): release
-    what interrupted trials left (see below). A driver that exits next leaves that to Ray, which removes
-    a job's placement groups when the job ends; the sweep waits up to 30 s for Train controllers.
-    `slots`: the Train runs that fit at once (`max_concurrent_trials`, which `search.tune` asked already).
-    The experiment's folder is the caller's to check first (`check_target`: `search.tune` does)."""
+    """Run (or with `resume`, continue) the experiment in `exp.exp_dir`, which the caller checked
+    (`check_target`); Ray must be initialised. `callbacks`: more Tune callbacks (a resumed experiment keeps
+    those it started with). `driver_goes_on`: this process runs more on this Ray afterwards (a notebook,
+    tests): release what interrupted trials left; a driver that exits next leaves that to Ray, which removes
+    a job's placement groups when the job ends. `slots`: the Train runs that fit (`max_concurrent_trials`)."""
     exp_dir = exp.exp_dir
     start_experiment_run(exp)  # MLflow's parent run, when the trials' run config tracks (search/tracking.py)
     slots = max_concurrent_trials(exp, ray.cluster_resources()) if slots is None else slots
     population = start_population(exp, resume)
-    turns = slots_name(exp.name) if time_shared(exp, slots) else None
+    pop_name = population_name(exp_dir) if population else None
+    # PBT/PB2 on a cluster smaller than the population: members take turns at the slots (search.slots); ASHA
+    # and random search need no turns, they run members one after another
+    turns = slots_name(exp.name) if exp.scheduler.exploits and slots < exp.population else None
     slots_actor = start_slots(turns, slots) if turns else None
     r = exp.resources
     logger.info(
@@ -168,51 +144,41 @@ def run_experiment(
             "population %d, %d Train run%s fit%s at once: members take turns, yielding at each report",
             exp.population, slots, "s" if slots > 1 else "", "" if slots > 1 else "s",
         )
-    trainable, space = _tuner_parts(exp, population_name(exp_dir) if population else None, turns)
+    # The trial actor only waits on its Train run, whose workers reserve their own resources; Tune
+    # refuses an empty request, and even 0.01 CPU per trial would take a worker's slot on a full node. It
+    # lives on the head node, beside the driver (Ray gives the head ray_compat.HEAD_NODE_RESOURCE = 1): a
+    # worker host lost takes Train workers with it, which the trial's run restarts, never the trial itself.
+    trainable = tune.with_resources(tune.with_parameters(TrialRun, exp=exp, population=pop_name, slots=turns),
+                                    {"memory": 1, ray_compat.HEAD_NODE_RESOURCE: HEAD_SHARE})
     # A bucket: Tune gets the same fsspec file system the trials write with (credentials from the environment).
     fs, fs_path = ray_storage(exp_dir)
     if resume:
-        tuner = tune.Tuner.restore(
-            fs_path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs
-        )
+        tuner = tune.Tuner.restore(fs_path, trainable, resume_unfinished=True, resume_errored=True,
+                                   storage_filesystem=fs)
     else:
-        scheduler = build_scheduler(exp.scheduler, exp.steps)
+        # The table a PBT user watches: each trial's metric, step and current hyperparameters (an exploit
+        # changes them in place; the `member` column is the starting point's index).
+        reporter = ExperimentReporter(
+            metric_columns=[exp.metric, TIME_ATTR], parameter_columns=sorted(exp.search_space),
+            max_report_frequency=30, exp_dir=str(exp_dir), slots=turns,
+            population=(exp.scheduler.name, pop_name) if population else None,
+        )
         tuner = tune.Tuner(
             trainable,
-            param_space=space,
+            param_space=population_space(exp.members()),
             tune_config=tune.TuneConfig(
-                scheduler=scheduler,
-                metric=exp.metric,
-                mode=exp.mode,
+                scheduler=build_scheduler(exp.scheduler, exp.steps), metric=exp.metric, mode=exp.mode,
                 # time-sharing: every member's trial runs, its Train run waits for a slot (search.slots)
                 max_concurrent_trials=exp.population if turns else slots,
-                reuse_actors=False,
-                time_budget_s=exp.budget.time_s,
+                reuse_actors=False, time_budget_s=exp.budget.time_s,
             ),
             run_config=tune.RunConfig(
-                name=exp.name,
-                storage_path=fs_path.rsplit("/", 1)[0],
-                storage_filesystem=fs,
-                stop={TIME_ATTR: exp.steps},
-                verbose=verbose,
-                # The table a PBT user watches: each trial's metric, step and current hyperparameters (an
-                # exploit changes them in place; the `member` column is the starting point's index).
-                progress_reporter=ExperimentReporter(
-                    metric_columns=[exp.metric, TIME_ATTR],
-                    parameter_columns=sorted(exp.search_space),
-                    max_report_frequency=30,
-                    exp_dir=str(exp_dir),
-                    slots=turns,
-                    population=(exp.scheduler.name, population_name(exp_dir)) if population else None,
-                ),
+                name=exp.name, storage_path=fs_path.rsplit("/", 1)[0], storage_filesystem=fs,
+                stop={TIME_ATTR: exp.steps}, verbose=verbose, progress_reporter=reporter,
                 # No checkpoint of ours in Tune: the trials' pins and lineage logs are the record.
                 checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=0, checkpoint_at_end=False),
                 failure_config=tune.FailureConfig(max_failures=0),
-                callbacks=[
-                    PopulationEvents(population_name(exp_dir) if population else None),
-                    *([SlotRelease(turns)] if turns else []),
-                    *callbacks,
-                ],
+                callbacks=[PopulationEvents(pop_name), *([SlotRelease(turns)] if turns else []), *callbacks],
             ),
         )
     before = placement_groups_of_this_job()
@@ -227,9 +193,8 @@ def run_experiment(
                 ray.kill(actor)
         released = release_stranded_placement_groups(before) if driver_goes_on else []
         if released:
-            logger.warning(
-                "released %d placement group(s) of Train runs killed while starting", len(released)
-            )
+            logger.warning("released %d placement group(s) of Train runs killed while starting",
+                           len(released))
     reports, events = collect(exp_dir)
     try:
         trial, _ = best_trial(reports, exp.mode)
@@ -246,7 +211,6 @@ def run_experiment(
 
 
 def _finished(exp: ExperimentConfig, statuses: dict[str, str]) -> bool:
-    """Tune catches the first Ctrl-C itself: it saves its state, stops the trials and returns as from a
-    finished run (the trials it stopped even read TERMINATED in the ResultGrid). Its last save tells
-    them apart, as `--resume` will read it: finished when every member's trial had ended there."""
+    """Tune catches the first Ctrl-C itself and returns as from a finished run (the trials it stopped read
+    TERMINATED in the ResultGrid); its last save tells them apart: finished when every trial ended there."""
     return len(statuses) == exp.population and all(s in ("TERMINATED", "ERROR") for s in statuses.values())

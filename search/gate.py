@@ -18,18 +18,12 @@ def waits_at(wait_from: int | None, step: int) -> bool:
 
 
 class RunGate:
-    """Between a trial and its live Train run (one per run; the trial hears the population,
-    `search.population`): rank 0 posts reports, the trial takes them and answers each step ("go", "stop" or
-    an exploit to load), every worker asks for that answer after its checkpoint.
-
-    Answers are kept per branch: an exploit starts a new one (the run goes on from the donor's step, which
-    may be behind its own: a rollback), so that a rolled-back run reaching a step again waits for the
-    trial's new answer instead of taking the old branch's (which loaded the same exploit a second time).
-
-    A worker group that Ray restarts asks `current()`: the branch it is on, the values it trains with, and,
-    until the branch has committed a checkpoint of its own, the exploit's checkpoint to restore (the run's
-    newest own commit is of the branch the exploit left). Nothing of an exploit is written into the run. One
-    that starts at a report the others wait at (`was_posted`) waits for its answer with them."""
+    """Between a trial and its live Train run (one per run): rank 0 posts reports, the trial takes them and
+    answers each step ("go", "stop" or an exploit to load), every worker asks for that answer after its
+    checkpoint. Answers are kept per branch: an exploit starts a new one (the run goes on from the donor's
+    step, maybe behind its own), so that a rolled-back run reaching a step again waits for the trial's new
+    answer instead of loading the same exploit a second time. A worker group that Ray restarts asks
+    `current()`; one that starts at a report the others wait at (`was_posted`) waits with them."""
 
     def __init__(self) -> None:
         self.reports: asyncio.Queue = asyncio.Queue()
@@ -92,9 +86,8 @@ class RunGate:
         return "stop" if self.stopped else self.answers[key]
 
     async def abandon(self, step: int, branch: int) -> None:
-        """A report that will not come (replica groups: the group writing its checkpoint was lost before the
-        commit): the workers waiting for its answer train on ("skip"), and a late post of it is dropped. Nothing
-        when it was posted (the trial answers it)."""
+        """A report that will not come (replica groups: its writer was lost before the commit): the workers
+        waiting for its answer train on ("skip"), a late post of it is dropped; nothing when it was posted."""
         key = (branch, step)
         if key in self.posted:
             return

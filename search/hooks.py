@@ -1,5 +1,4 @@
-"""TrainerCallbacks and the trial loop that the search driver passes into Ray Train workers (as
-`module:Name(...)` specs).
+"""The TrainerCallbacks and the trial loop that a Tune trial passes into its Ray Train workers.
 
 Kept in a light module: every worker imports it.
 """
@@ -38,17 +37,12 @@ class StopAtStep(TrainerCallback):
 
 
 class GateLoop(LatestMetrics):
-    """The live run's side of a Tune trial (see `search.trial`): a loop that drives each worker's Trainer
-    (`raytrain_ext.worker.train_fn` runs it; as a callback it hears each commit).
-
-    After each committed checkpoint (reported to Ray just before), rank 0 posts the report to the trial's
-    gate actor at once (not through Ray Train's controller, which polls its workers every 2 s). From step
-    `wait_from` on (PBT decides there) the loop trains to the next report (`fit(until=...)`: it returns with
-    that step's checkpoint committed and nothing trained after it), and every rank asks the gate for the
-    trial's answer: go on, stop, or restore a donor's checkpoint with new hyperparameters (a PBT exploit,
-    `Trainer.restore`). The decision comes before the run trains on, so a branch an exploit abandons is
-    never trained or logged. Before `wait_from`, or with `wait_from=None` (ASHA, random search: nothing to
-    restore), the run trains on and each commit only looks whether the trial said stop."""
+    """The live run's side of a Tune trial (`search.trial`): the loop that drives each worker's Trainer, and
+    as a callback it hears each commit, which rank 0 posts to the trial's gate at once (not through Ray
+    Train's controller, which polls its workers every 2 s). From `wait_from` on (PBT decides there) the loop
+    trains to the next report (`fit(until=...)`) and every rank asks the gate for the answer: go on, stop, or
+    restore a donor's checkpoint with new values, so a branch an exploit abandons is never trained. Before
+    `wait_from`, or with None (ASHA, random search), a commit only looks whether the trial said stop."""
 
     def __init__(self, gate: str, wait_from: int | None = 0) -> None:
         super().__init__()
@@ -59,21 +53,15 @@ class GateLoop(LatestMetrics):
         self._healed: Any = None  # the engine's last heal seen (replica groups: `_follow_heal`)
 
     def start_point(self) -> dict[str, Any]:
-        """Before the worker builds its Trainer (`raytrain_ext.worker.train_fn`): where a (re)started group
-        starts. After an exploit, the exploit's values over the run config, and until the branch has
-        committed a checkpoint of its own, the exploit's checkpoint to resume from (the run's newest commit
-        is of the branch the exploit left): {"values": {...} or None, "checkpoint": path or None}."""
-        try:
-            self.gate = ray.get_actor(self.gate_name)
-            current = ray.get(self.gate.current.remote())
-        except _GONE:  # the trial is gone: the first commit stops the run
-            current = {"branch": 0, "values": None, "restore": None}
+        """Before the worker builds its Trainer: where a (re)started group starts. After an exploit, its
+        values over the run config and, until the branch has committed a checkpoint of its own, its
+        checkpoint to resume from: {"values": {...} or None, "checkpoint": path or None}."""
+        self.gate = None  # a (re)started group looks the gate up again
+        # the trial gone: the first commit stops the run
+        current = self._call("current", gone={"branch": 0, "values": None, "restore": None})
         self.branch, restore = current["branch"], current["restore"]
         self.start = {"values": current["values"], "checkpoint": restore["checkpoint"] if restore else None}
         return self.start
-
-    def _waits(self, step: int) -> bool:
-        return waits_at(self.wait_from, step)
 
     def _next_decision(self, trainer: Trainer) -> int | None:
         """The next report step the trial decides at, before the end; None: none is left."""
@@ -91,17 +79,16 @@ class GateLoop(LatestMetrics):
         # (Re)started at a report the others wait at (a replica group Ray starts while the run waits for the
         # trial, a worker group restarted before the answer): it takes the answer with them.
         step = trainer.step
-        if step < trainer.cfg.train.steps and self._waits(step) and self._posted(step):
-            stopped = self._follow(trainer, step)
+        at_report = (step < trainer.cfg.train.steps and waits_at(self.wait_from, step)
+                     and self._call("was_posted", step, self.branch, gone=False))
+        while True:
+            stopped = self._follow(trainer, step) if at_report else None
             if stopped is not None:
                 return stopped
-        while True:
             result = trainer.fit(until=self._next_decision(trainer))
             if result.stopped is not None or result.step >= trainer.cfg.train.steps:
                 return result
-            stopped = self._follow(trainer, result.step)
-            if stopped is not None:
-                return stopped
+            step, at_report = result.step, True
 
     def _follow(self, trainer: Trainer, step: int) -> FitResult | None:
         """The trial's answer for the report of `step`, followed: an exploit loaded (None), go on (None: "go",
@@ -118,13 +105,13 @@ class GateLoop(LatestMetrics):
         return None
 
     def _wait(self, trainer: Trainer, step: int) -> Any:
-        """The trial's answer for `step`, waited for. Replica groups: while it does not come and the lighthouse
-        stopped hearing from a group of the last quorum (the one writing the report's checkpoint, maybe), the
-        report is posted from its commit if there is one, else abandoned (`RunGate.abandon`): a lost host at a
-        report costs the member that report, never a wait for a group Ray may not place again soon."""
+        """The trial's answer for `step`, waited for. Replica groups: while it does not come and a group of
+        the last quorum fell silent (maybe the one writing the report's checkpoint), the report is posted from
+        its commit, else abandoned: a lost host costs the member that report, never a wait for Ray to place
+        it again."""
         silent = getattr(trainer.engine, "peers_silent", None)
         if silent is None:
-            return self._ask(step, wait=True)
+            return self._call("wait", step, self.branch)
         try:
             gate = self._gate()
             while (answer := ray.get(gate.wait.remote(step, self.branch, SILENCE_WAIT_S))) is None:
@@ -132,8 +119,7 @@ class GateLoop(LatestMetrics):
                     continue
                 newest = trainer.checkpointer.latest()
                 if newest is not None and checkpoint_step(newest) == step:
-                    gate.post.remote({"metrics": self.report(trainer, step), "path": str(newest),
-                                      "branch": self.branch, "step": step})
+                    self._post(step, newest, self.report(trainer, step))
                 else:
                     gate.abandon.remote(step, self.branch)
             return answer
@@ -146,44 +132,39 @@ class GateLoop(LatestMetrics):
         healed = getattr(trainer.engine, "healed_from", None)
         if healed is not self._healed:
             self._healed = healed
-            try:
-                self.branch = ray.get(self._gate().current.remote())["branch"]
-            except _GONE:
-                pass
+            self.branch = self._call("current", gone={"branch": self.branch})["branch"]
 
     def after_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
         super().after_step(trainer, record)
         self._follow_heal(trainer)
 
-    def _posted(self, step: int) -> bool:
-        try:
-            return ray.get(self._gate().was_posted.remote(step, self.branch))
-        except _GONE:
-            return False
-
     def after_checkpoint(self, trainer: Trainer, path: Any) -> None:
         step = checkpoint_step(path)
         metrics = self.report(trainer, step)
         try:
-            if trainer.engine.is_main:  # no wait: calls from one caller arrive in order
-                self._gate().post.remote({"metrics": metrics, "path": str(path), "branch": self.branch, "step": step})
+            if trainer.engine.is_main:
+                self._post(step, path, metrics)
         except _GONE:
             trainer.request_stop("the trial is gone")
             return
-        if step < trainer.cfg.train.steps and not self._waits(step) and self._ask(step, wait=False) != "go":
+        if (step < trainer.cfg.train.steps and not waits_at(self.wait_from, step)
+                and self._call("peek", step, self.branch) != "go"):
             trainer.request_stop(f"the trial stopped the run at step {step}")
 
     def _gate(self) -> Any:
         self.gate = self.gate or ray.get_actor(self.gate_name)
         return self.gate
 
-    def _ask(self, step: int, wait: bool) -> Any:
-        """The trial's answer for `step` (`wait`: for it to be given), "stop" when the trial is gone."""
+    def _post(self, step: int, path: Any, metrics: dict[str, Any]) -> None:
+        """The report of `step` to the gate, not waited for: calls from one caller arrive in order."""
+        self._gate().post.remote({"metrics": metrics, "path": str(path), "branch": self.branch, "step": step})
+
+    def _call(self, method: str, *args: Any, gone: Any = "stop") -> Any:
+        """The gate's `method` called and waited for; `gone` when the trial is gone."""
         try:
-            gate = self._gate()
-            return ray.get((gate.wait if wait else gate.peek).remote(step, self.branch))
+            return ray.get(getattr(self._gate(), method).remote(*args))
         except _GONE:
-            return "stop"
+            return gone
 
 
 class ApplySchedule(TrainerCallback):

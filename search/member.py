@@ -15,7 +15,7 @@ from search.lineage import LineageLog
 from search.pins import Pins
 from trainers.storage import location
 
-__all__ = ["Member", "log_exploit", "take_exploit"]
+__all__ = ["Member", "take_exploit"]
 
 
 class Member:
@@ -33,9 +33,8 @@ class Member:
 
     def decision(self, step: int, meanwhile: Callable[[], None]) -> Any:
         """The population's decision on this trial's report of `step` ("go" or an exploit). A synchronous PBT
-        decides once the population is there (or its `sync_timeout_s` has passed); `meanwhile` runs at each
-        wait (the trial gives its slot up there when another member queued for one: that member may be the
-        one the round waits for)."""
+        decides once the population is there (or after `sync_timeout_s`); `meanwhile` runs at each wait (the
+        trial gives its slot to a member queued for one: that member may be the one the round waits for)."""
         if self.population is None:
             return "go"
         if self.answered is not None and self.answered[0] == step:  # the report's own answer
@@ -56,10 +55,9 @@ class Member:
 
 def take_exploit(decision: Any, pins: Pins, log: LineageLog, space: dict[str, Any], in_use: tuple[Path | None, ...]
                  ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
-    """A decision taken: the donor's pin made the trial's own (hard links: the donor may prune its pins from
-    now on) and the exploit's row logged (the one record: a restart after it continues from that pin); the pin,
-    its metadata (the donor's step) and the values to train with. None for "go", or when the donor pruned the
-    pin already (it reported `keep` times since): no exploit after all."""
+    """A decision taken: the donor's pin made the trial's own (the donor may prune its pins from now on) and
+    the exploit's row logged (the one record: a restart after it continues from that pin); the pin, its
+    metadata (the donor's step) and the values to train with. None for "go", or when the donor pruned it."""
     if decision == "go":
         return None
     try:
@@ -67,25 +65,10 @@ def take_exploit(decision: Any, pins: Pins, log: LineageLog, space: dict[str, An
     except FileNotFoundError:
         return None
     values = {k: decision["values"][k] for k in space}
-    log_exploit(log, decision, values, pin)
+    last = log.last_report() or {}
+    log.exploit(step=decision["step"], donor=decision["donor"], donor_time=decision["donor_time"],
+                old_hparams=last.get("hparams"), new_hparams=values, donor_hparams=decision["donor_hparams"],
+                score=last.get("metric"), donor_score=decision["donor_metric"],
+                exploit_id=decision["exploit_id"], pin=str(pin), from_step=last.get("step"),
+                perturbed=decision.get("perturbed"))
     return pin, meta, values
-
-
-def log_exploit(log: LineageLog, decision: dict[str, Any], values: dict[str, Any], pin: Path) -> None:
-    """The exploit's row, before the trial loads it (the one record: a restart after it continues from
-    `pin`)."""
-    last = log.last_report()
-    log.exploit(
-        step=decision["step"],
-        donor=decision["donor"],
-        donor_time=decision["donor_time"],
-        old_hparams=last["hparams"] if last else None,
-        new_hparams=values,
-        donor_hparams=decision["donor_hparams"],
-        score=last["metric"] if last else None,
-        donor_score=decision["donor_metric"],
-        exploit_id=decision["exploit_id"],
-        pin=str(pin),
-        from_step=last["step"] if last else None,
-        perturbed=decision.get("perturbed"),
-    )

@@ -1,8 +1,7 @@
-"""A trial's pins: the step folders its reports name (and the donors' it adopts in an exploit), hard-linked
-into the trial's folder (`runs/<trial>/pins/`, copies by the store in a bucket), each with its metadata
-beside it, so that the Trainer's own retention never deletes what a report names. Named in the order they
-are made (the time first: a trial's steps go back when it exploits a donor behind it); the newest `keep` stay,
-and any the trial still trains from (its `Place`)."""
+"""A trial's pins: the step folders its reports name (and the donors' it adopts), hard-linked into
+`runs/<trial>/pins/` (copies by the store in a bucket) with their metadata, so that the Trainer's retention
+never deletes what a report names. Named by time (a trial's steps go back when it exploits a donor behind
+it); the newest `keep` stay, and any the trial still trains from (its `Place`)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from search.lineage import Schedule, best_trial, collect, schedule_of
+from search.report import format_hparams
 from search.state import load_experiment_dir
 from trainers.metrics import read_metrics
 from trainers.run_dir import RunDir
@@ -27,11 +28,7 @@ class ReplayResult:
 
     def describe(self) -> str:
         got = f"{self.replayed:.4f}" if self.replayed is not None else "n/a"
-        changes = "; ".join(
-            f"step {s}: "
-            + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(h.items()))
-            for s, h in self.schedule.changes
-        )
+        changes = "; ".join(f"step {s}: {format_hparams(h)}" for s, h in self.schedule.changes)
         return (
             f"replayed {self.trial}'s schedule ({changes}) in {self.run_dir}:\n"
             f"{self.metric} {got} at step {self.schedule.final_step} (the experiment reported {self.reported:.4f})"
@@ -51,9 +48,8 @@ def replay(exp_dir: Path, trial: str = "best") -> ReplayResult:
     reported = [r for r in reports if r["trial"] == trial and r["step"] == schedule.final_step][-1]["metric"]
     run_dir = exp.exp_dir / "replay" / f"{trial}-{uuid.uuid4().hex[:6]}"
     first, later = schedule.changes[0][1], [[s, h] for s, h in schedule.changes[1:]]
-    cfg = exp.run_config(
-        first, name=run_dir.name, run_dir=str(run_dir), **{"train.steps": schedule.final_step}
-    )
+    steps = {"train.steps": schedule.final_step}
+    cfg = exp.run_config(first, name=run_dir.name, run_dir=str(run_dir), **steps)
     # the experiment's own callbacks too: one may add the metric (`metric: eval/accuracy`)
     callbacks = [*([ApplySchedule(changes=later)] if later else []), *exp.callbacks]
     result = train(cfg, progress=False, callbacks=callbacks)

@@ -15,9 +15,10 @@ from typing import Any
 from search.lineage import Schedule, best_trial, collect, schedule_of
 from search.state import load_experiment_dir
 from search.times import TIME_PARTS
+from trainers._base import ConfigError
 from trainers.storage import absolute, location, write_folder
 
-__all__ = ["ReportOutput", "outside_steps_fraction", "write_report"]
+__all__ = ["ReportOutput", "format_hparams", "outside_steps_fraction", "write_report"]
 
 
 @dataclass
@@ -33,39 +34,29 @@ def _finite(x: Any) -> bool:
 def outside_steps_fraction(reports: list[dict[str, Any]]) -> float | None:
     """Share of the trials' time spent outside training steps (starting runs, restoring, evaluating,
     checkpointing, reporting), over the reports that trained."""
-    rows = _trained(reports)
-    wall = sum(r["wall_s"] for r in rows)
+    rows, wall = _trained(reports)
     return 1.0 - sum(r["steps_s"] for r in rows) / wall if wall else None
 
 
-def _trained(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
-
-
-_PART_NAMES = {
-    "start_s": "starting Train runs",
-    "slot_s": "waiting for a slot (time-sharing)",
-    "decision_s": "waiting for the scheduler's decisions",
-    "exploit_s": "loading exploits",
-    "eval_s": "evaluation",
-    "checkpoint_s": "checkpoints holding training",
-}
+def _trained(reports: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+    """The reports that trained, and their wall time."""
+    rows = [r for r in reports if not r["failed"] and _finite(r["wall_s"]) and r["wall_s"] > 0]
+    return rows, sum(r["wall_s"] for r in rows)
 
 
 def time_outside_steps(reports: list[dict[str, Any]]) -> str:
-    """The share of the trials' time outside training steps, and where it went (search.times), as one
-    line: the parts that the trials measured, the rest being reporting (Tune's and Ray Train's
-    bookkeeping)."""
+    """The share of the trials' time outside training steps, and where it went (search.times): the parts
+    the trials measured, the rest being reporting (Tune's and Ray Train's bookkeeping)."""
     frac = outside_steps_fraction(reports)
     if frac is None:
         return "time outside training steps: n/a"
-    rows = _trained(reports)
-    wall = sum(r["wall_s"] for r in rows)
+    rows, wall = _trained(reports)
     parts = {k: sum(r.get(k) or 0.0 for r in rows) / wall for k in TIME_PARTS}
     if not any(parts.values()):  # an experiment logged before the parts existed
         return f"time outside training steps: {frac:.1%} of trial time"
     rest = max(frac - sum(parts.values()), 0.0)
-    named = [f"{_PART_NAMES[k]} {v:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.0005]
+    largest_first = sorted(parts.items(), key=lambda kv: -kv[1])
+    named = [f"{TIME_PARTS[k]} {v:.1%}" for k, v in largest_first if v >= 0.0005]
     return f"time outside training steps: {frac:.1%} of trial time: " + ", ".join([*named, f"reporting {rest:.1%}"])
 
 
@@ -98,8 +89,6 @@ def write_report(exp_dir: Path, output: Path | None = None) -> ReportOutput:
     exp = load_experiment_dir(exp_dir)
     reports, events = collect(exp_dir)
     if not reports:
-        from trainers._base import ConfigError
-
         raise ConfigError(f"{exp_dir}: no trial has reported yet; fix: run `raytrain tune` first")
     target = location(output) if output is not None else exp_dir / "report"
     with write_folder(target, last="summary.txt") as out:  # a bucket's: drawn here, uploaded there
@@ -156,20 +145,11 @@ def _plot_population(path, reports, events, trials, metric, winner) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, trial in enumerate(trials):
         for k, life in enumerate(_lives(trial, reports, events)):
-            xs = ([life.start] if life.start_metric is not None else []) + [r["step"] for r in life.rows]
-            ys = ([life.start_metric] if life.start_metric is not None else []) + [
-                r["metric"] for r in life.rows
-            ]
-            keep = [(x, y) for x, y in zip(xs, ys) if _finite(y)]
+            start = [(life.start, life.start_metric)] if life.start_metric is not None else []
+            keep = [(x, y) for x, y in start + [(r["step"], r["metric"]) for r in life.rows] if _finite(y)]
             label = (trial + (" (best)" if trial == winner else "")) if k == 0 else None
-            ax.plot(
-                [x for x, _ in keep],
-                [y for _, y in keep],
-                marker=".",
-                color=f"C{i % 10}",
-                lw=2.5 if trial == winner else 1.2,
-                label=label,
-            )
+            ax.plot([x for x, _ in keep], [y for _, y in keep], marker=".", color=f"C{i % 10}",
+                    lw=2.5 if trial == winner else 1.2, label=label)
             if life.start_metric is not None:  # the exploit: the trial continues from the donor's point
                 ax.plot([life.start], [life.start_metric], marker="o", mfc="none", color=f"C{i % 10}", ms=9)
     ax.set_xlabel("step")
@@ -194,32 +174,23 @@ def _plot_hparams(path, reports, events, trials, keys, schedule: Schedule) -> Pa
         for i, trial in enumerate(trials):
             for k, life in enumerate(_lives(trial, reports, events)):
                 end = max([r["step"] for r in life.rows], default=life.start)
-                ax.plot(
-                    [life.start, end],
-                    [life.hparams.get(key)] * 2,
-                    color=f"C{i % 10}",
-                    lw=1.5,
-                    label=trial if k == 0 else None,
-                )
+                ax.plot([life.start, end], [life.hparams.get(key)] * 2, color=f"C{i % 10}", lw=1.5,
+                        label=trial if k == 0 else None)
                 if life.start_metric is not None:
                     ax.plot([life.start], [life.hparams.get(key)], marker="o", mfc="none", color=f"C{i % 10}")
         ax.set_ylabel(key)
-        if key.endswith("lr") and all(isinstance(v, (int, float)) and v > 0 for v in _values(reports, key)):
+        values = [r["hparams"].get(key) for r in reports]
+        if key.endswith("lr") and all(isinstance(v, (int, float)) and v > 0 for v in values):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0, 0].set_title(
-        "hyperparameters per trial (o = explored at an exploit); grey: the best trial's schedule"
-    )
+    axes[0, 0].set_title("hyperparameters per trial (o = explored at an exploit); grey: the best trial's "
+                         "schedule")
     axes[0, 0].legend(fontsize=7)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def _values(reports, key) -> list[Any]:
-    return [r["hparams"].get(key) for r in reports]
 
 
 def _plot_lineage(path, reports, events, trials, winner) -> Path:
@@ -233,16 +204,11 @@ def _plot_lineage(path, reports, events, trials, winner) -> Path:
         for s in starts:  # each life of the trial: from its start (or an exploit) to its next report run
             after = [r["step"] for r in rows if r["step"] > s]
             if after:
-                ax.plot(
-                    [s, max(after)], [y[trial]] * 2, color="C0" if trial != winner else "C3", lw=3, alpha=0.5
-                )
+                color = "C0" if trial != winner else "C3"
+                ax.plot([s, max(after)], [y[trial]] * 2, color=color, lw=3, alpha=0.5)
+    arrow = {"arrowstyle": "->", "color": "black", "lw": 1, "connectionstyle": "arc3,rad=0.2"}
     for e in events:
-        ax.annotate(
-            "",
-            xy=(e["step"], y[e["trial"]]),
-            xytext=(e["step"], y[e["donor"]]),
-            arrowprops={"arrowstyle": "->", "color": "black", "lw": 1, "connectionstyle": "arc3,rad=0.2"},
-        )
+        ax.annotate("", xy=(e["step"], y[e["trial"]]), xytext=(e["step"], y[e["donor"]]), arrowprops=arrow)
     ax.set_yticks(range(len(trials)), trials, fontsize=7)
     ax.set_xlabel("step")
     ax.set_title("family tree: arrows go from donor to the trial that copied its weights")
@@ -256,10 +222,10 @@ def _plot_lineage(path, reports, events, trials, winner) -> Path:
 # --------------------------------------------------------------------------------------- summary
 
 
-def _fmt(hparams: dict[str, Any]) -> str:
-    return ", ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(hparams.items())
-    )
+def format_hparams(hparams: dict[str, Any]) -> str:
+    """`lr=0.001, wd=0.1`: sorted by key, floats to four significant digits."""
+    pairs = sorted(hparams.items())
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in pairs)
 
 
 def _summary(exp, reports, events, trials, winner, row, schedule: Schedule) -> str:
@@ -271,13 +237,12 @@ def _summary(exp, reports, events, trials, winner, row, schedule: Schedule) -> s
         time_outside_steps(reports),
         *filter(None, [turns(exp, reports), replica_groups(reports)]),
         "winning schedule (replay with `raytrain tune replay`):",
-        *(f"  from step {s}: {_fmt(h)}" for s, h in schedule.changes),
+        *(f"  from step {s}: {format_hparams(h)}" for s, h in schedule.changes),
         "  lineage: " + " -> ".join(f"{t}[{a}..{b}]" for t, a, b in schedule.path),
         "final per trial:",
     ]
     for trial in trials:
         last = _by_trial(reports, trial)[-1]
-        lines.append(
-            f"  {trial}: step {last['step']}, {exp.metric} {last['metric']:.4f}, {_fmt(last['hparams'])}"
-        )
+        hparams = format_hparams(last["hparams"])
+        lines.append(f"  {trial}: step {last['step']}, {exp.metric} {last['metric']:.4f}, {hparams}")
     return "\n".join(lines)

@@ -86,10 +86,8 @@ class ExperimentResult:
         return self.lineage
 
 
-def experiment_result(
-    exp: Any, finished: bool, reports: list[dict[str, Any]], events: list[dict[str, Any]], best: str | None,
-    failed: list[str],
-) -> ExperimentResult:
+def experiment_result(exp: Any, finished: bool, reports: list[dict[str, Any]], events: list[dict[str, Any]],
+                      best: str | None, failed: list[str]) -> ExperimentResult:
     """Each trial's end (its latest report) with its checkpoint, the best one `best`."""
     from search.lineage import latest_reports
 
@@ -106,15 +104,9 @@ def _trial(exp_dir: Path, row: dict[str, Any]) -> TrialResult:
     last = LineageLog(exp_dir, row["trial"]).last_report() or {}
     pin = location(last["pin"]) if last.get("pin") and last.get("step") == row["step"] else None
     steps = [n for n in list_names(pin, "step_*") if STEP_DIR.match(n)] if pin is not None else []
-    return TrialResult(
-        trial=row["trial"],
-        step=row["step"],
-        metric=row["metric"],
-        hparams=row["hparams"],
-        checkpoint=pin / steps[-1] if steps else None,
-        path=location(exp_dir) / "runs" / row["trial"],
-        failed=bool(row.get("failed")),
-    )
+    return TrialResult(row["trial"], row["step"], row["metric"], row["hparams"],
+                       checkpoint=pin / steps[-1] if steps else None,
+                       path=location(exp_dir) / "runs" / row["trial"], failed=bool(row.get("failed")))
 
 
 def _frame(reports: list[dict[str, Any]]) -> Any:

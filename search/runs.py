@@ -4,6 +4,7 @@ workers waiting at a gate actor where the scheduler decides (`LiveRun`), or a bo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -21,7 +22,7 @@ from search.gate import RunGate, waits_at
 from search.slots import SlotHold
 from search.tracking import trial_tracking
 from trainers._base import ConfigError
-from trainers.checkpoint_files import STEP_DIR
+from trainers.checkpoint_files import checkpoint_step
 from trainers.metrics import read_metrics
 from trainers.run_dir import CHECKPOINTS, RunDir
 from trainers.storage import location, remove_tree
@@ -30,11 +31,9 @@ __all__ = ["Interval", "LiveRun", "TrialRuns", "metric_of", "reported", "run_seg
 
 
 def wait_from(exp: ExperimentConfig) -> int | None:
-    """The first report at which a live run's workers wait for the trial's answer: PBT's first decision (its
-    burn-in's end); None where no scheduler decision can change the run (ASHA, random search: a stop is
-    looked up without waiting). Every report for replica groups (`scaling.fault_tolerance: per_step`): only
-    the group that writes the checkpoints hears its commit, so every group takes the trial's answer at the
-    same step by waiting for it (a stop, an exploit), and a group Ray starts while they wait waits with them."""
+    """The first report at which a live run's workers wait for the trial's answer: PBT's first decision;
+    None where no decision can change the run (ASHA, random search). Every report for replica groups
+    (`per_step`): only the group that writes the checkpoints hears its commit, so all wait for the answer."""
     if exp.per_step:
         return 0
     return exp.scheduler.burn_in_steps(exp.steps) if exp.scheduler.exploits else None
@@ -51,17 +50,13 @@ class Interval:
     events: list[str] = field(default_factory=list)  # replica groups lost and healed (`replica_events`)
 
 
-
-# An actor per live run (RunGate stays a plain class: unit-tested alone). Its module imports nothing heavy: the
-# gate's process starts beside each Train run's controller, and this module's imports (Tune, torch through
-# trainers) took ~6 CPU-s there, on the cores that controller and its workers start on.
+# An actor per live run (RunGate stays a plain class: unit-tested alone), from a module that imports nothing
+# heavy: this module's imports took ~6 CPU-s on the cores the run's controller and workers start on.
 _GATE = ray.remote(num_cpus=0)(RunGate)
 
 
 class LiveRun:
-    def __init__(
-        self, exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None
-    ):
+    def __init__(self, exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None):
         from raytrain_ext.launcher import train
 
         self.exp, self.run_dir = exp, run_dir
@@ -73,14 +68,9 @@ class LiveRun:
         self.told: set[tuple[str, int, float]] = set()  # replica events in a report already
 
         def fit() -> None:
-            try:
-                train(
-                    cfg,
-                    progress=False,
-                    callbacks=exp.callbacks,
-                    loop=partial(gate_loop, gate=name, wait_from=self.wait_from),
-                    label=run_dir.parent.name,  # the trial's id (run_dir = EXP_DIR/runs/<trial>/<run>)
-                )
+            try:  # label: the trial's id (run_dir = EXP_DIR/runs/<trial>/<run>)
+                train(cfg, progress=False, callbacks=exp.callbacks, label=run_dir.parent.name,
+                      loop=partial(gate_loop, gate=name, wait_from=self.wait_from))
             except BaseException as e:
                 self.error = e
 
@@ -88,15 +78,11 @@ class LiveRun:
         self.thread = threading.Thread(target=fit, name="train-run", daemon=True)
         self.thread.start()
 
-    def waits_at(self, step: int) -> bool:
-        return waits_at(self.wait_from, step)
-
     def go(self, step: int) -> None:
         ray.get(self.gate.answer.remote(step, "go"))
 
-    def load(
-        self, donor_dir: Path, values: dict[str, Any], donor: str, step: int, tags: dict[str, str] | None = None
-    ) -> None:
+    def load(self, donor_dir: Path, values: dict[str, Any], donor: str, step: int,
+             tags: dict[str, str] | None = None) -> None:
         """An exploit in place: the waiting workers load the donor's checkpoint (the trial's pin of it) with
         `values` (`tags`: for the run's trackers); a group Ray restarts before the branch commits gets it
         from the gate (`RunGate.current`)."""
@@ -109,8 +95,7 @@ class LiveRun:
             if item is not None:
                 # the checkpoint's step, from its folder: a checkpoint written in the background commits
                 # (and is reported) a few steps after the step it holds
-                match = STEP_DIR.match(location(item["path"]).name)
-                step = int(match.group(1)) if match else int(item["metrics"]["step"])
+                step = checkpoint_step(item["path"])
                 steps_s, parts = run_times(self.run_dir, start, step, self.launched)
                 self.launched = None  # start-up counts once, in the run's first interval
                 out = reported(self.exp, step, item["metrics"], location(item["path"]), steps_s, parts)
@@ -133,13 +118,10 @@ class LiveRun:
 
     def stop(self) -> None:
         """End the run cleanly (its workers stop at the gate), so that its placement group is released."""
-        try:
+        with contextlib.suppress(ray.exceptions.RayActorError):
             ray.get(self.gate.stop_all.remote())
-        except ray.exceptions.RayActorError:
-            pass
         self.thread.join()
         ray.kill(self.gate)
-
 
 
 def run_segment(exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, step_dir: Path | None,
@@ -172,13 +154,9 @@ def gate_loop(gate: str, wait_from: int | None) -> Any:
     return GateLoop(gate=gate, wait_from=wait_from)
 
 
-def run_config(
-    exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None, keep: int
-):
+def run_config(exp: ExperimentConfig, hparams: dict[str, Any], run_dir: Path, resume: Path | None, keep: int):
     return exp.run_config(
-        hparams,
-        name=run_dir.name,
-        run_dir=str(run_dir),
+        hparams, name=run_dir.name, run_dir=str(run_dir),
         # No donor: `auto` in a run dir made new for this run (its name is unique) finds nothing at the start,
         # and on a restart of the run's workers its own newest commit, one Ray's controller may not have
         # registered yet (`none` would start that restart from scratch); after an exploit the gate's
@@ -216,18 +194,15 @@ def metric_of(exp: ExperimentConfig, metrics: dict[str, Any]) -> float:
 
 def run_times(run_dir: Path, after: int, upto: int, launched: float | None = None) -> tuple[float, dict[str, float]]:
     """From the run's metrics, for the steps in (after, upto]: the time in training steps, and the parts of
-    the rest that the run itself logs (TIME_PARTS): evaluation (an eval row after its step's train row),
-    the time a checkpoint held training, loading an exploit's checkpoint; with `launched` (when the run
-    was started), its start-up: until its first step began."""
+    the rest that the run itself logs (TIME_PARTS; start-up: from `launched` until its first step began)."""
     rows = read_metrics(RunDir(run_dir).metrics)
     train = {r["step"]: r for r in rows if r["kind"] == "train"}
     within = [r for r in rows if after < r["step"] <= upto]
     parts = {
         "eval_s": sum(r["time"] - train[r["step"]]["time"] for r in within if r["kind"] == "eval" and r["step"] in train),
         "checkpoint_s": sum(r.get("blocking_s", 0.0) for r in within if r.get("event") == "checkpoint"),
-        "exploit_s": sum(
-            r.get("restore_s", 0.0) for r in rows if r.get("event") == "exploit" and after <= r["step"] < upto
-        ),
+        "exploit_s": sum(r.get("restore_s", 0.0) for r in rows
+                         if r.get("event") == "exploit" and after <= r["step"] < upto),
     }
     if launched is not None and train:
         first = train[min(train)]
@@ -267,7 +242,7 @@ class TrialRuns:
 
     def waits_at(self, step: int) -> bool:
         """Whether the live run's workers wait at the gate after the report of `step`."""
-        return self.live is not None and self.live.waits_at(step)
+        return self.live is not None and waits_at(self.live.wait_from, step)
 
     def stop(self) -> None:
         """The live run ended (its workers stop at the gate, after the checkpoint the last report names)."""

@@ -1,21 +1,17 @@
 """Time-sharing: a population larger than the cluster takes turns at the cluster's Train-run slots.
 
-Tune cannot see the placement groups that a trial's Train run asks for (the trial actor reserves
-nothing), so it cannot tell when a population outgrows the cluster. Where the cluster holds fewer Train
-runs than there are members (`search.driver.max_concurrent_trials`), every trial actor still runs, but a
-trial starts its Train run only once it holds one of the `capacity` slots of the experiment's `Slots`
-actor, and gives the slot back at a report boundary when another member waits for one (a *yield*: its run
-ends at its committed checkpoint, which is where it resumes; Ray's PBT pauses members the same way). A
-slot goes to the waiting member with the fewest steps, so that every member reaches every interval and
-PBT (asynchronous or synchronous) and PB2 decide as on a cluster that holds the whole population. Where
-the cluster holds the whole population no member ever waits, and runs stay live for the trial's life.
-A member whose run waits at synchronous PBT's barrier gives its slot up as soon as another member queues
-for one (that member may be the one the barrier waits for).
+Tune cannot see the placement groups that a trial's Train run asks for, so where the cluster holds fewer
+Train runs than there are members (`search.driver.max_concurrent_trials`) every trial actor runs, but starts
+its Train run only once it holds a slot of the experiment's `Slots` actor, and gives it back at a report when
+another member waits (its run ends at its committed checkpoint, where it resumes; Ray's PBT pauses members
+alike). The waiting member with the fewest steps goes first, so that every member reaches every interval and
+PBT and PB2 decide as on a cluster that holds the whole population.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from typing import Any
@@ -59,12 +55,8 @@ class Slots:
         return len(self.queue)
 
     async def stats(self) -> dict[str, int]:
-        return {
-            "capacity": self.capacity,
-            "running": len(self.holders),
-            "waiting": len(self.queue),
-            "most_at_once": self.most,
-        }
+        return {"capacity": self.capacity, "running": len(self.holders), "waiting": len(self.queue),
+                "most_at_once": self.most}
 
     def _grant(self) -> None:
         while self.queue and len(self.holders) < self.capacity:
@@ -112,10 +104,8 @@ class SlotHold:
     def give_back(self) -> None:
         if self.slots is not None and self.held:
             self.held = False
-            try:
+            with contextlib.suppress(ray.exceptions.RayActorError):  # the driver is gone
                 ray.get(self.slots.release.remote(self.trial))
-            except ray.exceptions.RayActorError:  # the driver is gone
-                pass
 
 
 class SlotRelease(tune.Callback):
@@ -125,14 +115,8 @@ class SlotRelease(tune.Callback):
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def _release(self, trial: Any) -> None:
-        try:
-            ray.get_actor(self.name).release.remote(trial.trial_id)
-        except ValueError:  # the experiment's driver (and its actor) is gone
-            pass
-
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self._release(trial)
+        with contextlib.suppress(ValueError):  # the experiment's driver (and its actor) is gone
+            ray.get_actor(self.name).release.remote(trial.trial_id)
 
-    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self._release(trial)
+    on_trial_error = on_trial_complete

@@ -16,13 +16,8 @@ from search.config import EXPERIMENT_FILE, ExperimentConfig, load_saved
 from trainers._base import ConfigError, flat_keys
 from trainers.storage import absolute, list_sizes, location, read_bytes
 
-__all__ = [
-    "check_same_experiment",
-    "check_tune_state",
-    "has_tune_state",
-    "load_experiment_dir",
-    "saved_trial_statuses",
-]
+__all__ = ["check_same_experiment", "check_tune_state", "has_tune_state", "load_experiment_dir",
+           "saved_trial_statuses"]
 
 _REWRITE = "fix: delete it and run `raytrain tune EXP.yaml --resume` with the experiment's YAML, which writes it again"
 
@@ -67,35 +62,33 @@ def has_tune_state(exp_dir: Path) -> bool:
     starts and its first state at its first step: a folder with `tuner.pkl` alone was stopped at once and
     may be started again."""
     files = list_sizes(exp_dir)
-    return "tuner.pkl" in files and bool(_names(files, "experiment_state-", ".json"))
+    return "tuner.pkl" in files and _newest(files, "experiment_state-", ".json") is not None
 
 
-def _names(files: dict[str, int], prefix: str, suffix: str) -> list[str]:
-    """The names of Tune's state files of one kind, oldest first (their names carry the session's start)."""
-    return sorted(n for n in files if n.startswith(prefix) and n.endswith(suffix))
+def _newest(files: dict[str, int], prefix: str, suffix: str) -> str | None:
+    """The newest of Tune's state files of one kind (their names carry the session's start)."""
+    return max((n for n in files if n.startswith(prefix) and n.endswith(suffix)), default=None)
 
 
 def saved_trial_statuses(exp_dir: Path) -> dict[str, str]:
-    """Each trial's status in Tune's newest saved state (PENDING, RUNNING, PAUSED, TERMINATED, ERROR), by
-    trial id."""
-    states = _names(list_sizes(exp_dir), "experiment_state-", ".json")
-    if not states:
+    """Each trial's status in Tune's newest saved state (PENDING, RUNNING, PAUSED, TERMINATED, ERROR)."""
+    newest = _newest(list_sizes(exp_dir), "experiment_state-", ".json")
+    if newest is None:
         return {}
-    trials = [json.loads(state) for state, _ in json.loads(read_bytes(location(exp_dir) / states[-1]))["trial_data"]]
-    return {t["trial_id"]: t["status"] for t in trials}
+    data = json.loads(read_bytes(location(exp_dir) / newest))["trial_data"]
+    return {t["trial_id"]: t["status"] for t in (json.loads(state) for state, _ in data)}
 
 
 def check_tune_state(exp_dir: Path) -> None:
-    """Tune's files that `Tuner.restore` and the resumed run read (the newest of each): one line for a
-    damaged one, before anything starts or is written. These are pickles of this experiment's own
-    driver, trusted like every file of a run folder."""
+    """Tune's files that `Tuner.restore` reads (the newest of each): one line for a damaged one, before
+    anything starts. Pickles of this experiment's own driver, trusted like every file of a run folder."""
     import ray.cloudpickle as pickle
 
     files = list_sizes(exp_dir)
-    states = _names(files, "experiment_state-", ".json")  # has_tune_state: at least one
-    checks = [(exp_dir / "tuner.pkl", pickle.loads), (exp_dir / states[-1], json.loads)]
-    callbacks = _names(files, "callback-states-", ".pkl")
-    checks += [(exp_dir / callbacks[-1], pickle.loads)] if callbacks else []
+    state = _newest(files, "experiment_state-", ".json")  # has_tune_state: there is one
+    checks = [(exp_dir / "tuner.pkl", pickle.loads), (exp_dir / state, json.loads)]
+    callbacks = _newest(files, "callback-states-", ".pkl")
+    checks += [(exp_dir / callbacks, pickle.loads)] if callbacks else []
     for path, load in checks:
         try:
             load(read_bytes(path))

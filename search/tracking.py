@@ -1,15 +1,9 @@
-"""MLflow for a Tune experiment whose run config has `tracking.mlflow`: one parent run for the experiment,
-one child run per trial, the trial's exploits as tags of its child.
-
-The driver starts the parent run before Tune starts (`start_experiment_run`; `--resume` continues it) and
-ends it with the best trial (`finish_experiment_run`). Every Train run of a trial gets `trial_tracking`:
-the experiment's store (without a `tracking_uri`, a SQLite store in `EXP_DIR/mlflow/`), the parent's id
-and the trial's id as run name, so that the trial's later Train runs (after an exploit, each segment)
-continue its one child, and the trial's exploits so far as tags (`exploit.<step>`). The metrics
-themselves are sent by the trainers' tracker in each Train run's rank 0 (`trainers.tracking`).
-
-The tracking server is never in the way: a parent run that cannot be made is said in one line, and the
-trials then log runs of their own once the server answers.
+"""MLflow for a Tune experiment whose run config has `tracking.mlflow`: one parent run for the experiment
+(`start_experiment_run`, continued by `--resume`; `finish_experiment_run` ends it with the best trial), one
+child run per trial, continued by each of the trial's Train runs (`trial_tracking`), the trial's exploits as
+its tags (`exploit.<step>`). Each Train run's rank 0 sends the metrics (`trainers.tracking`). Without a
+`tracking_uri` the store is SQLite in `EXP_DIR/mlflow/`. A server that fails never stops the experiment:
+it is said in one line, and the trials log runs of their own once it answers.
 """
 
 from __future__ import annotations
@@ -61,10 +55,9 @@ def start_experiment_run(exp: ExperimentConfig) -> None:
             for i in range(0, len(params), 100):
                 client.log_batch(run.info.run_id, params=params[i : i + 100])
     except Exception as e:  # noqa: BLE001 - tracking never stops an experiment
-        _say(
-            f"no parent run for the experiment ({type(e).__name__}: {first_line(e)}); trials log runs of their own"
-        )
-    _write(exp.exp_dir, state)
+        _say(f"no parent run for the experiment ({type(e).__name__}: {first_line(e)}); "
+             "trials log runs of their own")
+    write_json_atomic(exp.exp_dir / PARENT_FILE, state, indent=None)
 
 
 def finish_experiment_run(exp: ExperimentConfig, result: Any) -> None:
@@ -90,10 +83,9 @@ def finish_experiment_run(exp: ExperimentConfig, result: Any) -> None:
 
 
 def catch_up(exp_dir: Path, timeout_s: float = 10.0) -> None:
-    """Send what the trials' Train runs recorded but their tracker did not: when an experiment ends, Tune
-    ends its last Train runs without waiting for their rank 0 to finish sending (a tracker still opening a
-    new store, or a slow server, would lose the rest of the run). Stops at the first run that fails (the
-    server is down: metrics.jsonl keeps it all)."""
+    """Send what the trials' Train runs recorded but their tracker did not: Tune ends the last Train runs
+    without waiting for their rank 0 to finish sending. Stops at the first run that fails (the server is
+    down: metrics.jsonl keeps it all)."""
     from trainers.tracking import send_unsent
 
     for metrics in sorted(exp_dir.glob("runs/*/*/metrics.jsonl"), key=lambda p: p.stat().st_mtime):
@@ -111,11 +103,8 @@ def trial_tracking(exp: ExperimentConfig, trial: str) -> dict[str, Any]:
         "tracking.mlflow.tracking_uri": state["tracking_uri"],
         "tracking.mlflow.experiment": state["experiment"],
         "tracking.mlflow.run_name": trial,
-        "tracking.mlflow.tags": {
-            **(cfg.tags if cfg else {}),
-            "raytrain.trial": trial,
-            **_exploit_tags(exp, trial),
-        },
+        "tracking.mlflow.tags": {**(cfg.tags if cfg else {}), "raytrain.trial": trial,
+                                 **_exploit_tags(exp, trial)},
     }
     if state.get("parent_run_id"):
         out["tracking.mlflow.parent_run_id"] = state["parent_run_id"]
@@ -123,9 +112,8 @@ def trial_tracking(exp: ExperimentConfig, trial: str) -> dict[str, Any]:
 
 
 def in_place_tags(exp: ExperimentConfig, trial: str) -> dict[str, str]:
-    """The `exploit.<step>` tags of a trial whose exploit is loaded into its running Train run ({} when the
-    experiment does not track): no new run starts to carry `trial_tracking`'s, so the exploit event takes
-    them to the run's own tracker (`MlflowTracker.send`), which sets them with the `changed.<key>` ones."""
+    """The `exploit.<step>` tags for an exploit loaded into a running Train run ({} when the experiment does
+    not track): no new run carries `trial_tracking`'s, so the exploit event takes them to its tracker."""
     return _exploit_tags(exp, trial) if _read(exp.exp_dir) else {}
 
 
@@ -152,10 +140,6 @@ def _read(exp_dir: Path) -> dict[str, Any]:
         return json.loads(read_bytes(exp_dir / PARENT_FILE) or b"{}")
     except (OSError, ValueError):
         return {}
-
-
-def _write(exp_dir: Path, state: dict[str, Any]) -> None:
-    write_json_atomic(exp_dir / PARENT_FILE, state, indent=None)
 
 
 def _say(line: str) -> None:

@@ -1,33 +1,16 @@
 """One Tune trial = a multi-worker Ray Train run of our Trainer, reporting every `scheduler.interval` steps.
 
-Ray's `TuneReportCallback` hands Tune a checkpoint *path* inside the metrics. Here the trial is a Tune
-`Trainable`: each `step()` returns the metrics of one interval; Tune keeps no checkpoint of it. Each report
-is a row of the trial's lineage log naming its *pin*: the Trainer's committed step folder hard-linked into
-the trial's folder (`runs/<trial>/pins/`), so no tensor is copied and the Trainer's own retention cannot
-delete what a report names (the trial keeps its newest `keep_checkpoints` pins). Under PBT/PB2 the trial
-then hands the report to the experiment's `Population` (`search.population`) and follows its decision.
-
-How a trial trains between reports (`trial_runs` in the experiment YAML):
-- `live`: one Train run for the trial's life. Rank 0 posts each report to the trial's gate (an actor) as
-  soon as its checkpoint is committed. Where the scheduler decides (PBT/PB2 past burn-in) the workers wait
-  at the gate for the trial's answer: go on, or load a donor's checkpoint in place. An exploit never
-  restarts the run: the trial makes the donor's pin its own, logs the exploit (the one record), and
-  answers the gate with the pin and the values. Nothing of it is written into the run: a worker group Ray
-  restarts before the branch has committed a checkpoint of its own starts from the gate's `current()`.
-  The workers run a plain loop (`search.hooks.GateLoop`): train to the next report (`Trainer.fit(until)`),
-  ask, then `Trainer.restore(donor, values)` or go on. Where the scheduler cannot act (ASHA, random search,
-  burn-in) the workers only look whether the trial said stop and train on.
-- `segments`: a new bounded Train run per interval, restored from the previous one's checkpoint (a new
-  Ray run name each time: a reused name makes Ray hand back the run's own old checkpoint). The baseline
-  that `bench/pbt_overhead.py` compares against.
-
-A run that fails (NaN loss, a crash Ray could not recover) makes the trial report the worst metric at each
-interval without training, so that PBT replaces it through exploit (a new run from the donor); under ASHA
-or random search it ends.
-
-An experiment in a bucket keeps the same layout there: the Train runs write to it (their `run_dir` is
-under the experiment's), a pin is a copy made by the store (no hard links there), the lineage logs are
-replaced whole at each append, and every path below is a location (`trainers.storage.location`).
+Tune keeps no checkpoint of a trial: each report is a row of its lineage log naming a *pin*, the committed
+step folder hard-linked into the trial's folder (`search.pins`; a copy by the store in a bucket), so no
+tensor is copied and the Trainer's retention cannot delete it. Under PBT/PB2 the trial hands the report to
+the `Population` (`search.population`) and follows its decision. Between reports (`trial_runs`,
+`search.runs`) it runs one `live` Train run for its life, whose workers wait at the trial's gate where the
+scheduler decides and load an exploit in place (`search.hooks.GateLoop`), or a bounded run per interval
+(`segments`, `bench/pbt_overhead.py`'s baseline; a new Ray run name each time: a reused one makes Ray hand
+back its old checkpoint). The trial makes an exploit's donor pin its own and logs it (the one record; nothing
+of it is written into the run) before the run loads it. A run that fails makes the trial report the worst
+metric each interval without training, so that PBT replaces it through an exploit; under ASHA or random
+search it ends.
 """
 
 from __future__ import annotations
@@ -60,9 +43,8 @@ class TrialRun(tune.Trainable):
     """Runs in a Tune actor; its Train run's controller and workers are separate actors. Imports no torch:
     the actor only waits on its run and moves files."""
 
-    def setup(
-        self, config: dict[str, Any], exp: ExperimentConfig, population: str | None = None, slots: str | None = None
-    ) -> None:
+    def setup(self, config: dict[str, Any], exp: ExperimentConfig, population: str | None = None,
+              slots: str | None = None) -> None:
         from raytrain_ext.worker import RAY_LOG_LEVEL, set_ray_train_log_level
 
         set_ray_train_log_level(RAY_LOG_LEVEL)  # not a line per checkpoint registered; Tune's table is the view
@@ -114,21 +96,11 @@ class TrialRun(tune.Trainable):
         yields = self.slot.wanted(done)
         parts, self.parts = {**self.parts, **out.parts}, {}
         pin = str(place.pin) if place.pin is not None and not failed else None
-        self.log.report(
-            out.step,
-            out.metric,
-            self.hparams,
-            failed=failed,
-            steps_s=out.steps_s,
-            wall_s=wall,
-            error=out.error,
-            pin=pin,
-            yielded=yields,
-            running=self.slot.running if self.slot.slots is not None else None,
-            member=self.index,
-            **({"replica_events": out.events} if out.events else {}),
-            **{k: round(v, 4) for k, v in parts.items()},
-        )
+        running = self.slot.running if self.slot.slots is not None else None
+        events = {"replica_events": out.events} if out.events else {}
+        self.log.report(out.step, out.metric, self.hparams, failed=failed, steps_s=out.steps_s, wall_s=wall,
+                        error=out.error, pin=pin, yielded=yields, running=running, member=self.index,
+                        **events, **{k: round(v, 4) for k, v in parts.items()})
         self.member.report(out.step, out.metric, self.hparams, pin, failed)
         if yields:  # the report is committed: the run ends at its checkpoint, the slot goes on
             self.runs.give_way()
@@ -136,24 +108,16 @@ class TrialRun(tune.Trainable):
             self.awaiting = out.step
         # Tune reports `config` with each result (its best-trial line shows it): the values trained with
         self.config = {**self.config, **self.hparams}
-        return {
-            exp.metric: out.metric,
-            TIME_ATTR: out.step,
-            "failed": failed,
-            "steps_s": out.steps_s,
-            "wall_s": wall,
-            "pin": pin,
-            "hparams": dict(self.hparams),
-            "exploit": self.exploited,  # the exploit this interval began with (the console's line), if any
-            "done": done,
-        }
+        # `exploit`: the exploit this interval began with (the console's line), if any
+        return {exp.metric: out.metric, TIME_ATTR: out.step, "failed": failed, "steps_s": out.steps_s,
+                "wall_s": wall, "pin": pin, "hparams": dict(self.hparams), "exploit": self.exploited,
+                "done": done}
 
     def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Nothing: Tune keeps no checkpoint of a trial (`checkpoint_frequency=0`). The trial's lineage log
-        is its record, and a restarted trial continues from it (`_continue_from_log`)."""
+        """Nothing: the lineage log is the trial's record (`_continue_from_log`)."""
 
     def load_checkpoint(self, checkpoint: Any) -> None:
-        """Never called (no checkpoint is saved): the lineage log, not Tune, says where a trial is."""
+        """Never called: no checkpoint is saved."""
 
     def cleanup(self) -> None:
         self.runs.give_way()
@@ -178,8 +142,7 @@ class TrialRun(tune.Trainable):
     # ------------------------------------------------------------------------------ exploit in place
 
     def _decides_at(self, step: int) -> bool:
-        """Whether the scheduler may change this trial at its report of `step` (PBT/PB2 past burn-in), so
-        that its next interval waits for the decision."""
+        """Whether the scheduler may change this trial at its report of `step`: its next interval waits."""
         return self.exp.trial_runs == "live" and waits_at(wait_from(self.exp), step)
 
     def _follow_decision(self, step: int) -> None:
